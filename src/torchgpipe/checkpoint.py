@@ -1,0 +1,169 @@
+"""Checkpointing of one cell, and its recomputation in backward.
+
+A checkpointed cell runs its partition without recording a graph and keeps only its
+input. When the gradient reaches the cell, backward runs the partition again on that
+input, under the forward's autocast state and random numbers (see ``rng.py``), and
+backpropagates through the graph it just built; that graph is dropped as soon as the
+cell's backward returns, so recomputed activations live one cell at a time.
+
+Why not ``torch.utils.checkpoint``: a cell's input and output are any nesting of tuples,
+lists and dicts holding tensors and other values, a cell runs on a worker thread that
+must re-enter the caller's state, the random numbers need the per-cell streams of
+``rng.py`` when partitions share a device, and :func:`is_recomputing` must be visible to
+layers. One small autograd function does all of that in one place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.microbatch import Spec, flatten, unflatten
+from torchgpipe.rng import CellRandomness
+from torchgpipe.worker import ThreadState
+
+__all__ = ["checkpoint", "is_checkpointing", "is_recomputing"]
+
+_flags = threading.local()
+
+
+def is_checkpointing() -> bool:
+    """Whether the calling thread runs the forward pass of a checkpointed cell.
+
+    A layer can use it to skip work that recomputation would repeat, or to tell the
+    checkpointed forward apart from an ordinary one::
+
+        def forward(self, x):
+            if is_checkpointing():
+                ...  # no graph is recorded here; backward will run this again
+            return self.body(x)
+    """
+    return bool(getattr(_flags, "checkpointing", False))
+
+
+def is_recomputing() -> bool:
+    """Whether the calling thread recomputes a checkpointed cell during backward.
+
+    Useful for side effects that must happen once per forward pass, such as updating
+    running statistics::
+
+        def forward(self, x):
+            if not is_recomputing():
+                self.calls += 1
+            return self.body(x)
+    """
+    return bool(getattr(_flags, "recomputing", False))
+
+
+@contextmanager
+def _flag(name: str) -> Iterator[None]:
+    previous = getattr(_flags, name, False)
+    setattr(_flags, name, True)
+    try:
+        yield
+    finally:
+        setattr(_flags, name, previous)
+
+
+class _Cell:
+    """A checkpointed cell: what recomputation needs besides the saved tensors."""
+
+    def __init__(
+        self,
+        function: Callable[[Any], Any],
+        spec: Spec,
+        leaves: list[Any],
+        state: ThreadState,
+        randomness: CellRandomness,
+    ) -> None:
+        self.function = function
+        self.spec = spec
+        # The leaves of the input and output with every tensor replaced by a marker: the
+        # cell lives until backward, and must not keep tensors that autograd would free.
+        self.leaves = _without_tensors(leaves)
+        self.state = state
+        self.randomness = randomness
+        self.out_spec: Spec | None = None
+        self.out_leaves: list[Any] = []
+
+    def call(self, tensors: tuple[Tensor, ...]) -> Any:
+        return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
+
+
+class _Checkpointed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, cell: _Cell, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.cell = cell
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        with _flag("checkpointing"), cell.randomness.forward():
+            output = cell.call(tensors)
+        out_leaves, cell.out_spec = flatten(output)
+        cell.out_leaves = _without_tensors(out_leaves)
+        # detach(): an input returned as it is would otherwise become a view made by a
+        # custom function, which later in-place layers may not modify.
+        outputs = tuple(x.detach() for x in out_leaves if isinstance(x, Tensor))
+        ctx.mark_non_differentiable(*(x for x in outputs if not _differentiable(x)))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        cell: _Cell = ctx.cell
+        needs = ctx.needs_input_grad[1:]
+        inputs = tuple(
+            x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, needs, strict=True)
+        )
+        with cell.state.apply(grad_enabled=True), _flag("recomputing"), cell.randomness.replay():
+            output = cell.call(inputs)
+        outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
+        pairs = [
+            (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        return (None, *(x.grad if need else None for x, need in zip(inputs, needs, strict=True)))
+
+
+class _TensorSlot:
+    """Marks where a tensor leaf was."""
+
+
+_SLOT = _TensorSlot()
+
+
+def _without_tensors(leaves: list[Any]) -> list[Any]:
+    return [_SLOT if isinstance(x, Tensor) else x for x in leaves]
+
+
+def _with_tensors(leaves: list[Any], tensors: Iterable[Tensor]) -> list[Any]:
+    it = iter(tensors)
+    return [next(it) if x is _SLOT else x for x in leaves]
+
+
+def _differentiable(x: Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
+
+
+def checkpoint(
+    function: Callable[[Any], Any],
+    value: Any,
+    *,
+    state: ThreadState,
+    randomness: CellRandomness,
+) -> Any:
+    """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
+
+    ``state`` is the caller's thread state, entered again for the recomputation;
+    ``randomness`` makes the recomputation draw the random numbers the forward drew.
+    """
+    leaves, spec = flatten(value)
+    cell = _Cell(function, spec, leaves, state, randomness)
+    tensors = tuple(x for x in leaves if isinstance(x, Tensor))
+    outputs = _Checkpointed.apply(cell, *tensors)
+    assert cell.out_spec is not None  # set by _Checkpointed.forward
+    return unflatten(_with_tensors(cell.out_leaves, outputs), cell.out_spec)

@@ -1,0 +1,55 @@
+"""Copies of a micro-batch from one device to another that respect CUDA streams.
+
+A copy is a plain differentiable ``Tensor.to``, issued on the receiving partition's copy
+stream: autograd runs its backward (the copy of the gradient) on that same stream and
+synchronizes with the streams around it. Forward needs two things by hand: the copy
+stream waits for the producer's stream before reading, and both ends are recorded on the
+streams that use them, so neither is freed early.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.microbatch import map_tensors
+from torchgpipe.stream import AnyStream, CPUStreamType, record_stream, use_stream, wait_stream
+
+__all__ = ["move"]
+
+
+def move(
+    value: Any,
+    device: torch.device,
+    *,
+    source: AnyStream,
+    copy: AnyStream,
+    target: AnyStream,
+) -> Any:
+    """Move every tensor leaf of ``value`` to ``device``.
+
+    ``source`` is the stream that produced the tensors, ``copy`` the stream that copies
+    them and ``target`` the stream that will use the copies. Tensors already on
+    ``device`` are returned as they are.
+    """
+    if isinstance(copy, CPUStreamType):
+        # Into CPU memory: a blocking copy, issued where the tensors were produced.
+        with use_stream(source):
+            return map_tensors(lambda x: x.to(device), value)
+
+    wait_stream(copy, source)
+
+    def one(x: Tensor) -> Tensor:
+        if x.device == device:
+            return x
+        with use_stream(copy):
+            y = x.to(device, non_blocking=True)
+        record_stream(x, copy)
+        record_stream(y, target)
+        return y
+
+    moved = map_tensors(one, value)
+    wait_stream(target, copy)
+    return moved

@@ -1,0 +1,85 @@
+"""Ordering edges between cells in the autograd graph.
+
+PyTorch's autograd engine orders ready nodes by sequence numbers that are counted per
+thread, and our cells are recorded on several worker threads, so nothing in the graph
+alone says that micro-batch ``i``'s backward on a partition runs before ``i - 1``'s, as
+GPipe needs. :func:`fork` and :func:`join` add that edge through an empty "phony"
+tensor::
+
+    output of (i-1, j) ──fork──▶ to partition j+1           (backward of (i-1, j) ...
+                          │
+                        phony                                 ... waits for the phony's
+                          │                                    gradient, which only
+    input of (i, j) ────join──▶ cell (i, j)                    cell (i, j)'s backward
+                                                               produces)
+
+The fork node cannot run its backward until the phony's gradient arrives, and that
+gradient flows out of the join only after the backward of cell ``(i, j)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.microbatch import flatten, unflatten
+
+__all__ = ["fork", "join"]
+
+
+class _Fork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        # detach() rather than the input itself: an output that is a custom Function's
+        # view of its input may not be modified in place later, and layers often are.
+        return x.detach(), torch.empty(0, device=x.device, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _grad_phony: Tensor) -> Tensor:
+        return grad
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, phony: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _anchor(leaves: list[Any]) -> int | None:
+    """The index of the leaf that carries an ordering edge: the first floating-point
+    tensor (only those can carry gradients)."""
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+            return index
+    return None
+
+
+def fork(value: Any) -> tuple[Any, Tensor | None]:
+    """Return ``value`` with a phony tensor branched off its first float tensor leaf.
+
+    The phony is ``None`` when no leaf requires grad: there is no backward to order.
+    """
+    leaves, spec = flatten(value)
+    index = _anchor(leaves)
+    if index is None or not leaves[index].requires_grad:
+        return value, None
+    leaves[index], phony = _Fork.apply(leaves[index])
+    return unflatten(leaves, spec), phony
+
+
+def join(value: Any, phony: Tensor | None) -> Any:
+    """Return ``value`` with ``phony`` joined into its first float tensor leaf."""
+    if phony is None:
+        return value
+    leaves, spec = flatten(value)
+    index = _anchor(leaves)
+    if index is None:
+        return value
+    leaves[index] = _Join.apply(leaves[index], phony)
+    return unflatten(leaves, spec)

@@ -1,0 +1,331 @@
+"""The GPipe module: check the arguments, split the model, place it, and run it."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal, NoReturn, TypeAlias, get_args, overload
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.microbatch import gather, scatter
+from torchgpipe.pipeline import Pipeline
+
+__all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
+
+Device: TypeAlias = torch.device | int | str
+"""A device as users write it: ``torch.device('cuda', 1)``, ``1`` or ``'cuda:1'``."""
+
+Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
+"""When micro-batches are checkpointed: all, all but the last, or none."""
+
+_CHECKPOINT_MODES: tuple[str, ...] = get_args(Checkpoint)
+
+_AUTO_BALANCE_HINT = (
+    "or compute one with torchgpipe.balance (balance_by_time or balance_by_size)"
+)
+
+
+class BalanceError(ValueError):
+    """The balance does not fit the module: wrong sum, or a non-positive entry."""
+
+
+class GPipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it with GPipe's pipeline parallelism.
+
+    The layers are split into consecutive partitions of ``balance[j]`` layers, partition
+    ``j`` is moved to ``devices[j]``, and each mini-batch is cut into ``chunks``
+    micro-batches that flow through the partitions as a pipeline, one worker thread per
+    partition. Checkpointed micro-batches keep only their inputs at partition
+    boundaries and are recomputed in backward.
+
+    Example::
+
+        model = nn.Sequential(a, b, c, d)
+        model = GPipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=8)
+        loss_fn(model(x), y).backward()
+
+    The wrapped layers stay the ``GPipe``'s own children under their original names, so
+    ``state_dict()`` keys are those of the ``nn.Sequential`` and a checkpoint loads into
+    either. The input and output (and whatever layers pass between them) may be a
+    tensor or any nesting of tuples, lists and dicts of tensors sharing dim 0 (the
+    batch), with other leaves passed to every micro-batch unchanged.
+
+    Args:
+        module: the model; its layers run in order, each called with the previous
+            layer's output.
+        balance: the number of layers in each partition; it sums to ``len(module)``.
+        devices: a device per partition (they may repeat). Default: every CUDA device
+            in order, or ``'cpu'`` for every partition on a machine without CUDA.
+        chunks: the number of micro-batches a mini-batch is cut into (fewer when the
+            batch is smaller).
+        checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the last)
+            or ``'never'``. Nothing is checkpointed in eval mode or without grad.
+        deferred_batch_norm: not available yet.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong
+            type.
+        ValueError: ``module`` holds a layer twice or shares parameters between
+            layers, ``chunks`` is not positive, ``checkpoint`` is unknown, or a device
+            is not available.
+        BalanceError: ``balance`` is missing, does not sum to ``len(module)``, or has a
+            non-positive entry.
+        IndexError: there are fewer devices than partitions.
+        NotImplementedError: ``deferred_batch_norm=True``.
+    """
+
+    balance: list[int]
+    devices: list[torch.device]
+    chunks: int
+    checkpoint: Checkpoint
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Iterable[int] | None,
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: Checkpoint = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"GPipe wraps an nn.Sequential, got {type(module).__name__}; put the "
+                f"layers of your model in order into nn.Sequential(...)"
+            )
+        self.balance = _check_balance(balance, len(module))
+        _check_layers(module)
+        self.devices = _check_devices(devices, len(self.balance))
+        self.chunks = _check_chunks(chunks)
+        self.checkpoint = _check_checkpoint(checkpoint)
+        if deferred_batch_norm:
+            raise NotImplementedError(
+                "deferred_batch_norm=True is not available yet; pass "
+                "deferred_batch_norm=False (each micro-batch then updates the running "
+                "statistics of batch-norm layers)"
+            )
+
+        for name, layer in module.named_children():
+            self.add_module(name, layer)
+        partitions = []
+        layers = list(module)
+        for size, device in zip(self.balance, self.devices, strict=True):
+            part, layers = layers[:size], layers[size:]
+            partitions.append(nn.Sequential(*part).to(device))
+        # A plain attribute, not a child module: the layers are registered once, above.
+        self._pipeline = Pipeline(partitions, self.devices)
+
+    @property
+    def partitions(self) -> list[nn.Sequential]:
+        """The partitions, in order, each an ``nn.Sequential`` on its device."""
+        return list(self._pipeline.partitions)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    @overload
+    def __getitem__(self, index: int) -> nn.Module: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> nn.Sequential: ...
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        layers = list(self._modules.values())
+        if isinstance(index, slice):
+            return nn.Sequential(*layers[index])  # type: ignore[arg-type]
+        layer = layers[index]
+        assert layer is not None  # add_module was never given None
+        return layer
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return (layer for layer in self._modules.values() if layer is not None)
+
+    def forward(self, input: Any) -> Any:
+        """Run ``input`` through the pipeline; the output is on the last device.
+
+        Raises:
+            TypeError, ValueError: the input cannot be split into micro-batches, or the
+                outputs cannot be gathered back.
+            BaseException: whatever a layer raised, with a note naming the partition
+                and the micro-batch.
+        """
+        batches = scatter(input, self.chunks)
+        outputs = self._pipeline.run(batches, checkpoint_stop=self._checkpoint_stop(len(batches)))
+        return gather(outputs)
+
+    def _checkpoint_stop(self, m: int) -> int:
+        if not (self.training and torch.is_grad_enabled()):
+            return 0
+        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+
+    # GPipe owns placement: moving the whole model would undo the split.
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        """Change the dtype of parameters and buffers; moving between devices is refused.
+
+        Raises:
+            TypeError: a device (or a tensor, whose device would be used) was given.
+        """
+        if _names_device(args, kwargs):
+            raise TypeError(_MOVE_REFUSED)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Device | None = None) -> NoReturn:
+        """Refused: GPipe places each partition on its own device.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(_MOVE_REFUSED)
+
+    def cpu(self) -> NoReturn:
+        """Refused: GPipe places each partition on its own device.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(_MOVE_REFUSED)
+
+
+_MOVE_REFUSED = (
+    "a GPipe model cannot be moved as a whole: each partition stays on the device given "
+    "in `devices`; to place it elsewhere, build a new GPipe with other devices (dtype "
+    "changes such as .to(torch.float64) or .half() are allowed)"
+)
+
+
+def _names_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if kwargs.get("device") is not None or kwargs.get("tensor") is not None:
+        return True
+    return any(isinstance(arg, torch.device | str | int | Tensor) for arg in args)
+
+
+def _check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
+    if balance is None:
+        raise BalanceError(
+            f"balance is required: pass the number of layers of each partition, such as "
+            f"balance=[{num_layers}] for a single partition, {_AUTO_BALANCE_HINT}"
+        )
+    try:
+        entries = list(balance)
+        if any(isinstance(b, bool) for b in entries):
+            raise TypeError
+        values = [operator.index(b) for b in entries]
+    except TypeError:
+        raise TypeError(
+            f"balance must be a sequence of ints, got {balance!r}; pass the number of "
+            f"layers of each partition, such as [2, 2]"
+        ) from None
+    if not values:
+        raise BalanceError(f"balance is empty; give at least one partition, {_AUTO_BALANCE_HINT}")
+    bad = [f"balance[{j}] = {b}" for j, b in enumerate(values) if b <= 0]
+    if bad:
+        raise BalanceError(
+            f"every partition needs at least one layer, but {', '.join(bad)}; pass "
+            f"positive counts, {_AUTO_BALANCE_HINT}"
+        )
+    if sum(values) != num_layers:
+        raise BalanceError(
+            f"balance sums to {sum(values)} but the module has {num_layers} layers; pass a "
+            f"balance that sums to {num_layers}, {_AUTO_BALANCE_HINT}"
+        )
+    return values
+
+
+def _check_layers(module: nn.Sequential) -> None:
+    """Refuse a layer that appears twice, and tensors shared between layers: a shared
+    tensor would live on one device but be used, and updated, by two partitions."""
+    problems = []
+    first_index: dict[int, int] = {}
+    for index, layer in enumerate(module):
+        if id(layer) in first_index:
+            problems.append(f"layer {index} is the same module as layer {first_index[id(layer)]}")
+        else:
+            first_index[id(layer)] = index
+    owner: dict[int, str] = {}
+    for index, layer in enumerate(module):
+        if first_index[id(layer)] != index:
+            continue
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            qualified = f"{index}.{name}"
+            if id(tensor) in owner and not owner[id(tensor)].startswith(f"{index}."):
+                problems.append(f"{qualified} is the same tensor as {owner[id(tensor)]}")
+            owner.setdefault(id(tensor), qualified)
+    if problems:
+        raise ValueError(
+            f"GPipe needs every layer and every parameter to belong to one layer only, "
+            f"but {'; '.join(problems)}; use separate modules (tied weights are not "
+            f"supported across layers)"
+        )
+
+
+def _check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.device]:
+    if devices is None:
+        if torch.cuda.is_available():
+            found = [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
+        else:
+            found = [torch.device("cpu")] * n
+    else:
+        if isinstance(devices, str | int | torch.device):
+            raise TypeError(
+                f"devices must be a sequence with a device per partition, got {devices!r}; "
+                f"for example devices={[devices] * n!r}"
+            )
+        found = [_as_device(d) for d in devices]
+    if len(found) < n:
+        raise IndexError(
+            f"there are {n} partitions but only {len(found)} devices ({found}); pass at "
+            f"least {n} devices (a device may repeat, as in devices=['cpu'] * {n}), or "
+            f"fewer partitions in balance"
+        )
+    return found[:n]
+
+
+def _as_device(device: Device) -> torch.device:
+    if isinstance(device, bool) or not isinstance(device, torch.device | int | str):
+        raise TypeError(
+            f"a device must be a torch.device, an int (a CUDA index) or a string such as "
+            f"'cpu' or 'cuda:1', got {device!r}"
+        )
+    try:
+        result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{device!r} is not a device: {error}") from None
+    if result.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {result} was requested but CUDA is not available here; use "
+                f"'cpu' devices, or leave devices=None to pick what the machine has"
+            )
+        if result.index is None:
+            result = torch.device("cuda", torch.cuda.current_device())
+        if result.index is not None and result.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {result} was requested but there are only "
+                f"{torch.cuda.device_count()} CUDA devices"
+            )
+    return result
+
+
+def _check_chunks(chunks: int) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"chunks must be an int, got {chunks!r}")
+    if chunks <= 0:
+        raise ValueError(
+            f"chunks must be a positive number of micro-batches, got {chunks}; pass "
+            f"chunks=1 to run each mini-batch whole"
+        )
+    return chunks
+
+
+def _check_checkpoint(checkpoint: str) -> Checkpoint:
+    if checkpoint not in _CHECKPOINT_MODES:
+        raise ValueError(
+            f"unknown checkpoint mode {checkpoint!r}; use one of "
+            f"{', '.join(map(repr, _CHECKPOINT_MODES))}"
+        )
+    return checkpoint  # type: ignore[return-value]

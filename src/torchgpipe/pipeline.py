@@ -1,0 +1,220 @@
+"""The GPipe schedule, and its run over one worker thread per partition.
+
+The schedule is data: :func:`clock_cycles` yields, tick by tick, the cells ``(i, j)``
+(micro-batch ``i`` on partition ``j``) that may run together. With m = 3, n = 3::
+
+    tick k:    0       1       2       3       4
+    j = 0    (0,0)   (1,0)   (2,0)
+    j = 1            (0,1)   (1,1)   (2,1)
+    j = 2                    (0,2)   (1,2)   (2,2)
+
+The run follows it without a barrier per tick. The cells of partition ``j``, in the
+order the ticks give them, are the jobs of worker ``j``; worker ``j`` takes each input
+from a queue that worker ``j - 1`` fills. So cell ``(i, j)`` starts once ``(i - 1, j)``
+has finished (same worker) and ``(i, j - 1)`` has delivered (the queue), which is the
+schedule's order, and a slow cell delays only what depends on it.
+
+Failures flow down the same queues: a cell that raises passes a :class:`_Failure` on
+instead of its output, cells that receive one pass it on without running, and every
+worker still handles all m items, so no worker waits forever and every thread is joined
+before the caller sees the exception.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from functools import partial
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.checkpoint import checkpoint
+from torchgpipe.copy import move
+from torchgpipe.dependency import fork, join
+from torchgpipe.microbatch import flatten, map_tensors
+from torchgpipe.rng import CellRandomness, draw_seed
+from torchgpipe.stream import (
+    AnyStream,
+    current_stream,
+    new_stream,
+    record_stream,
+    use_device,
+    use_stream,
+    wait_stream,
+)
+from torchgpipe.worker import ThreadState, spawn
+
+__all__ = ["Pipeline", "clock_cycles"]
+
+
+def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
+    """Yield, for each clock tick ``k``, the cells ``(i, j)`` with ``i + j == k``.
+
+    ``m`` is the number of micro-batches and ``n`` the number of partitions.
+    """
+    for k in range(m + n - 1):
+        yield [(k - j, j) for j in range(max(0, k - m + 1), min(k + 1, n))]
+
+
+@dataclass
+class _Failure:
+    """Travels down the pipeline in place of an output that could not be computed."""
+
+    error: BaseException | None  # None: skipped after an earlier failure
+    i: int
+    j: int
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every cell of one forward pass shares."""
+
+    m: int
+    checkpoint_stop: int  # micro-batches i < checkpoint_stop are checkpointed
+    state: ThreadState
+    seed: int | None  # for the private random streams of partitions that share a device
+    compute: list[AnyStream]
+    copy: list[AnyStream]
+    source: AnyStream  # where the caller produced the input
+    abort: threading.Event
+
+
+class Pipeline:
+    """Runs micro-batches through partitions as GPipe does.
+
+    Args:
+        partitions: the partitions, each already on its device.
+        devices: the device of each partition.
+    """
+
+    def __init__(self, partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        self.partitions = list(partitions)
+        self.devices = list(devices)
+        # Partitions that share a device share its random number generator: see rng.py.
+        self.shares_device = [self.devices.count(d) > 1 for d in self.devices]
+
+    def run(self, batches: list[Any], *, checkpoint_stop: int) -> list[Any]:
+        """Run every micro-batch through every partition; return the outputs in order.
+
+        Raises:
+            BaseException: the first exception (by micro-batch) that any cell raised,
+                with a note naming the partition and micro-batch.
+        """
+        n, m = len(self.partitions), len(batches)
+        isolate = checkpoint_stop > 0 and any(self.shares_device)
+        run = _Run(
+            m=m,
+            checkpoint_stop=checkpoint_stop,
+            state=ThreadState.capture(),
+            seed=draw_seed() if isolate else None,
+            compute=[new_stream(d) for d in self.devices],
+            copy=[new_stream(d) for d in self.devices],
+            source=current_stream(_device_of(batches[0])),
+            abort=threading.Event(),
+        )
+        queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n + 1)]
+        for batch in batches:
+            queues[0].put(batch)
+
+        jobs = [partial(self._work, run, j, queues[j], queues[j + 1]) for j in range(n)]
+        with spawn(jobs):
+            try:
+                outputs = [queues[n].get() for _ in range(m)]
+            except BaseException:  # e.g. KeyboardInterrupt: stop early, still join
+                run.abort.set()
+                raise
+
+        failures = [x for x in outputs if isinstance(x, _Failure) and x.error is not None]
+        if failures:
+            first = min(failures, key=lambda f: (f.i, f.j))
+            assert first.error is not None
+            first.error.add_note(
+                f"torchgpipe: raised in partition {first.j} (device {self.devices[first.j]}) "
+                f"on micro-batch {first.i} of {m}"
+            )
+            raise first.error
+        return self._hand_back(run, outputs)
+
+    def _hand_back(self, run: _Run, outputs: list[Any]) -> list[Any]:
+        """Make the caller's stream wait for the last partition's outputs."""
+        device = self.devices[-1]
+        caller = current_stream(device)
+        wait_stream(caller, run.compute[-1])
+        for output in outputs:
+            map_tensors(lambda x: _recorded(x, caller), output)
+        return outputs
+
+    def _work(
+        self,
+        run: _Run,
+        j: int,
+        inbox: queue.SimpleQueue[Any],
+        outbox: queue.SimpleQueue[Any],
+    ) -> None:
+        """Worker ``j``: run cells (0, j), (1, j), ... as their inputs arrive.
+
+        Puts exactly one item in ``outbox`` per micro-batch, whatever happens.
+        """
+        done, phony = 0, None
+        try:
+            with use_device(self.devices[j]), use_stream(run.compute[j]), run.state.apply():
+                for i in range(run.m):
+                    item = inbox.get()
+                    if isinstance(item, _Failure):
+                        pass
+                    elif run.abort.is_set():
+                        item = _Failure(None, i, j)
+                    else:
+                        try:
+                            item, phony = self._cell(run, i, j, item, phony)
+                        except BaseException as error:
+                            run.abort.set()
+                            item = _Failure(error, i, j)
+                    outbox.put(item)
+                    done += 1
+        except BaseException as error:  # entering the worker's device or state failed
+            run.abort.set()
+            for i in range(done, run.m):
+                outbox.put(_Failure(error, i, j))
+
+    def _cell(
+        self, run: _Run, i: int, j: int, value: Any, phony: Tensor | None
+    ) -> tuple[Any, Tensor | None]:
+        """Cell (i, j): move the input in, compute, and branch off the ordering edge."""
+        device = self.devices[j]
+        source = run.source if j == 0 else run.compute[j - 1]
+        value = move(value, device, source=source, copy=run.copy[j], target=run.compute[j])
+        value = join(value, phony)
+
+        partition = self.partitions[j]
+        seed = None
+        if run.seed is not None and self.shares_device[j]:
+            seed = (run.seed + 1_000_003 * j + i) % 2**63
+        randomness = CellRandomness(device, seed)
+        if i < run.checkpoint_stop:
+            output = checkpoint(partition, value, state=run.state, randomness=randomness)
+        elif seed is not None:
+            with randomness.forward():
+                output = partition(value)
+        else:
+            output = partition(value)
+
+        if not run.state.grad_enabled:
+            return output, None
+        return fork(output)
+
+
+def _device_of(value: Any) -> torch.device:
+    for leaf in flatten(value)[0]:
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def _recorded(x: Tensor, stream: AnyStream) -> Tensor:
+    record_stream(x, stream)
+    return x
