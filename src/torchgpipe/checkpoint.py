@@ -97,10 +97,12 @@ class _Cell:
 
 class _Checkpointed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, cell: _Cell, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, cell: _Cell, phony: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.cell = cell
-        ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
+        # Keep a copy: a layer at the start of the partition may modify its input in
+        # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
+        ctx.save_for_backward(*(x.clone() for x in tensors))
         with _flag("checkpointing"), cell.randomness.forward():
             output = cell.call(tensors)
         out_leaves, cell.out_spec = flatten(output)
@@ -114,19 +116,38 @@ class _Checkpointed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         cell: _Cell = ctx.cell
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[2:]
         inputs = tuple(
-            x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, needs, strict=True)
+            x.detach().requires_grad_(need)
+            for x, need in zip(ctx.saved_tensors, needs, strict=True)
         )
+        # The layers get non-leaf aliases, which they may modify in place as they could
+        # in forward; the leaves collect the gradients.
         with cell.state.apply(grad_enabled=True), _flag("recomputing"), cell.randomness.replay():
-            output = cell.call(inputs)
+            aliases = tuple(_alias(x) if x.requires_grad else x for x in inputs)
+            output = cell.call(aliases)
         outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
         pairs = [
             (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
         ]
         if pairs:
             torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
-        return (None, *(x.grad if need else None for x, need in zip(inputs, needs, strict=True)))
+        grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
+        return (None, None, *grads_in)
+
+
+class _Alias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _alias(x: Tensor) -> Tensor:
+    return _Alias.apply(x)  # type: ignore[no-any-return,no-untyped-call]  # apply is unannotated
 
 
 class _TensorSlot:
@@ -164,6 +185,9 @@ def checkpoint(
     leaves, spec = flatten(value)
     cell = _Cell(function, spec, leaves, state, randomness)
     tensors = tuple(x for x in leaves if isinstance(x, Tensor))
-    outputs = _Checkpointed.apply(cell, *tensors)
+    # The parameters are not inputs of the autograd function, so an input that needs no
+    # grad would make its outputs need none either: this empty tensor says they do.
+    phony = torch.empty(0, requires_grad=True)
+    outputs = _Checkpointed.apply(cell, phony, *tensors)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     assert cell.out_spec is not None  # set by _Checkpointed.forward
     return unflatten(_with_tensors(cell.out_leaves, outputs), cell.out_spec)

@@ -52,8 +52,10 @@ class _Join(torch.autograd.Function):
 
 
 def _anchor(leaves: list[Any]) -> int | None:
-    """The index of the leaf that carries an ordering edge: the first floating-point
-    tensor (only those can carry gradients)."""
+    """The index of the first floating-point tensor leaf, which carries the edge.
+
+    Only floating-point tensors carry gradients, so only they can carry the edge.
+    """
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor) and leaf.is_floating_point():
             return index
@@ -69,7 +71,7 @@ def fork(value: Any) -> tuple[Any, Tensor | None]:
     index = _anchor(leaves)
     if index is None or not leaves[index].requires_grad:
         return value, None
-    leaves[index], phony = _Fork.apply(leaves[index])
+    leaves[index], phony = _Fork.apply(leaves[index])  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return unflatten(leaves, spec), phony
 
 
@@ -81,5 +83,5 @@ def join(value: Any, phony: Tensor | None) -> Any:
     index = _anchor(leaves)
     if index is None:
         return value
-    leaves[index] = _Join.apply(leaves[index], phony)
+    leaves[index] = _Join.apply(leaves[index], phony)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return unflatten(leaves, spec)

@@ -22,9 +22,7 @@ Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
 
 _CHECKPOINT_MODES: tuple[str, ...] = get_args(Checkpoint)
 
-_AUTO_BALANCE_HINT = (
-    "or compute one with torchgpipe.balance (balance_by_time or balance_by_size)"
-)
+_AUTO_BALANCE_HINT = "or compute one with torchgpipe.balance (balance_by_time or balance_by_size)"
 
 
 class BalanceError(ValueError):
@@ -237,8 +235,10 @@ def _check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
 
 
 def _check_layers(module: nn.Sequential) -> None:
-    """Refuse a layer that appears twice, and tensors shared between layers: a shared
-    tensor would live on one device but be used, and updated, by two partitions."""
+    """Refuse a layer that appears twice, and tensors shared between layers.
+
+    A shared tensor would live on one device but be used, and updated, by two partitions.
+    """
     problems = []
     first_index: dict[int, int] = {}
     for index, layer in enumerate(module):

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import queue
 import threading
-from functools import partial
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch

@@ -56,7 +56,7 @@ class _PrivateStream(TorchDispatchMode):
     """Runs random operators on a generator state of this cell's own."""
 
     def __init__(self, seed: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated
         self._seed = seed
         self._states: dict[torch.device, torch.Tensor] = {}
 

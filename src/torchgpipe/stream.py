@@ -78,8 +78,10 @@ def wait_stream(waiter: AnyStream, source: AnyStream) -> None:
 
 
 def record_stream(tensor: Tensor, stream: AnyStream) -> None:
-    """Tell the caching allocator that ``stream`` uses ``tensor``, so its memory is not
-    reused before the work queued on ``stream`` so far has finished."""
+    """Tell the caching allocator that ``stream`` uses ``tensor``.
+
+    Its memory is then not reused before the work queued on ``stream`` so far finishes.
+    """
     if isinstance(stream, CPUStreamType) or tensor.device.type != "cuda":
         return
     tensor.record_stream(stream)

@@ -1,0 +1,55 @@
+"""Layers and tools shared by the tests."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import is_recomputing
+
+
+class Recorder(nn.Module):
+    """Logs (event, tag, micro-batch) on each call; the micro-batch is read from the input,
+    whose first column holds the sample index (use one sample per micro-batch)."""
+
+    def __init__(self, tag: int, log: list[tuple[int, str, int, int]], clock: itertools.count[int]):
+        super().__init__()
+        self.tag, self.log, self.clock = tag, log, clock
+        self.hook: Callable[[int], None] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        i = int(x[0, 0])
+        kind = "recompute" if is_recomputing() else "forward"
+        self.log.append((next(self.clock), f"{kind}-start", self.tag, i))
+        if self.hook is not None and not is_recomputing():
+            self.hook(i)
+        self.log.append((next(self.clock), f"{kind}-end", self.tag, i))
+        return x
+
+
+def indexed_input(m: int, width: int = 3) -> Tensor:
+    """m samples whose first column is their index."""
+    x = torch.zeros(m, width)
+    x[:, 0] = torch.arange(m, dtype=torch.float32)
+    return x
+
+
+def worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("torchgpipe-worker")]
+
+
+class Fail(nn.Module):
+    """Raises `error` on micro-batch `on` (read from the first column)."""
+
+    def __init__(self, error: BaseException, on: int) -> None:
+        super().__init__()
+        self.error, self.on = error, on
+
+    def forward(self, x: Tensor) -> Tensor:
+        if int(x[0, 0]) == self.on:
+            raise self.error
+        return x

@@ -1,0 +1,293 @@
+import copy
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import BalanceError, GPipe
+
+
+def _mlp(n: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+def test_signature_matches_torchgpipe() -> None:
+    params = inspect.signature(GPipe).parameters
+    assert list(params) == [
+        "module",
+        "balance",
+        "devices",
+        "chunks",
+        "checkpoint",
+        "deferred_batch_norm",
+    ]
+    keyword_only = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert [p.name for p in keyword_only] == list(params)[2:]
+    assert params["chunks"].default == 1
+    assert params["checkpoint"].default == "except_last"
+    assert params["devices"].default is None
+    assert params["deferred_batch_norm"].default is False
+
+
+def test_attributes() -> None:
+    model = GPipe(_mlp(), [1, 3], devices=["cpu", 0 if False else "cpu"], chunks=3)
+    assert model.balance == [1, 3]
+    assert model.devices == [torch.device("cpu")] * 2
+    assert model.chunks == 3
+    assert model.checkpoint == "except_last"
+    assert [len(p) for p in model.partitions] == [1, 3]
+
+
+def test_default_devices_without_cuda_are_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert GPipe(_mlp(), [2, 1, 1]).devices == [torch.device("cpu")] * 3
+
+
+def test_devices_accept_strings_and_torch_devices_and_repeat() -> None:
+    model = GPipe(_mlp(), [1, 1, 2], devices=["cpu", torch.device("cpu"), "cpu", "cpu"])
+    assert model.devices == [torch.device("cpu")] * 3  # extra devices are ignored
+
+
+@pytest.mark.cuda
+def test_devices_accept_ints_as_cuda_indices() -> None:
+    model = GPipe(_mlp(), [2, 2], devices=[0, 0])
+    assert model.devices == [torch.device("cuda", 0)] * 2
+    assert model[0].weight.device == torch.device("cuda", 0)
+
+
+@pytest.mark.cuda
+def test_default_devices_with_cuda_are_every_gpu() -> None:
+    n = torch.cuda.device_count()
+    model = GPipe(_mlp(n), [1] * n)
+    assert model.devices == [torch.device("cuda", j) for j in range(n)]
+
+
+def test_layers_are_moved_to_their_partition_device() -> None:
+    model = GPipe(_mlp(), [2, 2], devices=["cpu", "cpu"])
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# Wrong input, each rejected before any work.
+
+
+def test_module_must_be_sequential() -> None:
+    with pytest.raises(TypeError, match=r"wraps an nn.Sequential, got Linear"):
+        GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+def test_duplicate_children_rejected() -> None:
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="layer 2 is the same module as layer 0"):
+        GPipe(nn.Sequential(layer, nn.ReLU(), layer), [1, 2])
+
+
+def test_parameters_shared_between_children_rejected_all_at_once() -> None:
+    a, b, c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    c.bias = a.bias
+    with pytest.raises(ValueError, match=r"1\.weight is the same tensor as 0\.weight.*2\.bias"):
+        GPipe(nn.Sequential(a, b, c), [1, 2])
+
+
+def test_parameters_shared_within_one_layer_are_fine() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x))
+
+    GPipe(nn.Sequential(Tied(), nn.Linear(2, 2)), [1, 1])
+
+
+@pytest.mark.parametrize(
+    ("balance", "match"),
+    [
+        ([1, 2], "balance sums to 3 but the module has 4 layers; pass a balance that sums to 4"),
+        ([3, 2], "balance sums to 5 but the module has 4 layers"),
+        ([0, 4], r"balance\[0\] = 0"),
+        ([5, -1], r"balance\[1\] = -1"),
+        ([], "balance is empty"),
+        (None, "balance is required.*torchgpipe.balance"),
+    ],
+)
+def test_bad_balance_rejected(balance: list[int] | None, match: str) -> None:
+    with pytest.raises(BalanceError, match=match):
+        GPipe(_mlp(), balance)
+    assert issubclass(BalanceError, ValueError)
+
+
+@pytest.mark.parametrize("balance", [[1.5, 2.5], ["2", "2"], 4, [True, 3]])
+def test_balance_of_wrong_type_rejected(balance: object) -> None:
+    with pytest.raises(TypeError, match="balance must be a sequence of ints"):
+        GPipe(_mlp(), balance)  # type: ignore[arg-type]
+
+
+def test_too_few_devices_rejected() -> None:
+    with pytest.raises(IndexError, match=r"3 partitions but only 2 devices"):
+        GPipe(_mlp(), [1, 1, 2], devices=["cpu", "cpu"])
+
+
+def test_bad_device_rejected() -> None:
+    with pytest.raises(ValueError, match="is not a device"):
+        GPipe(_mlp(), [4], devices=["gpu7"])
+    with pytest.raises(TypeError, match="a device must be"):
+        GPipe(_mlp(), [4], devices=[1.0])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="a sequence with a device per partition"):
+        GPipe(_mlp(), [4], devices="cpu")
+
+
+def test_cuda_device_without_cuda_rejected() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        GPipe(_mlp(), [2, 2], devices=["cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("chunks", [0, -2])
+def test_non_positive_chunks_rejected(chunks: int) -> None:
+    with pytest.raises(ValueError, match=f"chunks must be a positive number.*got {chunks}"):
+        GPipe(_mlp(), [4], chunks=chunks)
+
+
+def test_unknown_checkpoint_mode_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'sometimes'; use one of"):
+        GPipe(_mlp(), [4], checkpoint="sometimes")  # type: ignore[arg-type]
+
+
+def test_deferred_batch_norm_not_available_yet() -> None:
+    with pytest.raises(NotImplementedError, match="deferred_batch_norm"):
+        GPipe(_mlp(), [4], deferred_batch_norm=True)
+
+
+def test_errors_come_before_any_work() -> None:
+    module = _mlp()
+    weight = module[0].weight
+    with pytest.raises(ValueError, match="checkpoint"):
+        GPipe(module, [2, 2], checkpoint="no")  # type: ignore[arg-type]
+    assert module[0].weight is weight
+
+
+# Behaving like the wrapped Sequential.
+
+
+def test_len_indexing_and_iteration() -> None:
+    module = _mlp()
+    model = GPipe(module, [2, 2])
+    assert len(model) == 4
+    assert model[0] is module[0]
+    assert model[-1] is module[3]
+    assert list(model) == list(module)
+    assert list(model[1:3]) == [module[1], module[2]]
+
+
+def test_state_dict_keys_are_the_sequentials() -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
+    keys = list(module.state_dict())
+    model = GPipe(module, [2, 1])
+    assert list(model.state_dict()) == keys
+    assert [name for name, _ in model.named_parameters()] == [
+        name for name, _ in module.named_parameters()
+    ]
+    plain = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+    assert torch.equal(plain[0].weight, model[0].weight)
+
+
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda m: m.to("cpu"),
+        lambda m: m.to(torch.device("cpu")),
+        lambda m: m.to(device="cpu"),
+        lambda m: m.to("cpu", torch.float64),
+        lambda m: m.to(torch.zeros(1)),
+        lambda m: m.cpu(),
+        lambda m: m.cuda(),
+    ],
+)
+def test_moving_is_refused(move: object) -> None:
+    model = GPipe(_mlp(), [2, 2])
+    with pytest.raises(TypeError, match="cannot be moved as a whole"):
+        move(model)  # type: ignore[operator]
+
+
+def test_dtype_changes_work() -> None:
+    model = GPipe(_mlp(), [2, 2])
+    assert model.to(torch.float64) is model
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert model(torch.randn(3, 4, dtype=torch.float64)).dtype == torch.float64
+    model.half()
+    assert model.partitions[1][0].weight.dtype == torch.float16
+    model.to(dtype=torch.float32)
+    assert model[3].weight.dtype == torch.float32
+
+
+def test_deepcopy_gives_an_independent_working_model() -> None:
+    model = GPipe(_mlp(), [2, 2], chunks=2)
+    other = copy.deepcopy(model)
+    assert other.partitions[0][0] is other[0]
+    assert other[0] is not model[0]
+    x = torch.randn(4, 4)
+    assert torch.equal(other(x), model(x))
+
+
+# Caller state inside every partition.
+
+
+class StateProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+        return self.linear(x)
+
+
+def test_grad_mode_holds_in_every_partition() -> None:
+    probes = [StateProbe() for _ in range(3)]
+    model = GPipe(nn.Sequential(*probes), [1, 1, 1], chunks=2)
+    with torch.no_grad():
+        out = model(torch.randn(4, 4))
+    assert not out.requires_grad
+    assert all(seen == [(False, False)] * 2 for seen in (p.seen for p in probes))
+    with torch.enable_grad():
+        assert model(torch.randn(4, 4)).requires_grad
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_autocast_holds_in_every_partition_and_recomputation(checkpoint: str) -> None:
+    probes = [StateProbe() for _ in range(2)]
+    model = GPipe(nn.Sequential(*probes), [1, 1], chunks=2, checkpoint=checkpoint)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 4))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    # A checkpointed forward records no graph (grad off); recomputation and plain cells
+    # run with grad. Autocast is on in all of them.
+    expected = {(False, True), (True, True)} if checkpoint == "always" else {(True, True)}
+    assert all(set(p.seen) == expected for p in probes)
+    assert all(p.linear.weight.grad is not None for p in probes)
+
+
+def test_cpu_pipeline_creates_no_cuda_state() -> None:
+    script = (
+        "import torch\n"
+        "from torch import nn\n"
+        "from torchgpipe import GPipe\n"
+        "model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Dropout(), nn.Linear(2, 2)), [1, 2],"
+        " devices=['cpu', 'cpu'], chunks=2, checkpoint='always')\n"
+        "model(torch.randn(4, 2)).sum().backward()\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)

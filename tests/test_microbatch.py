@@ -1,0 +1,138 @@
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchgpipe.microbatch import flatten, gather, map_tensors, scatter, unflatten
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+def _equal(x: object, y: object) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and torch.equal(x, y)
+    if isinstance(x, list | tuple):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_equal, x, y))  # type: ignore[arg-type]
+    if isinstance(x, dict):
+        return type(x) is type(y) and list(x) == list(y) and all(_equal(x[k], y[k]) for k in x)  # type: ignore[union-attr]
+    return x == y
+
+
+def test_flatten_unflatten_keeps_containers_and_types() -> None:
+    value = {"x": (torch.ones(2), [None, 3]), "p": Pair(torch.zeros(2), "s"), "o": OrderedDict(k=1)}
+    leaves, spec = flatten(value)
+    assert len(leaves) == spec.num_leaves == 6
+    rebuilt = unflatten(leaves, spec)
+    assert _equal(rebuilt, value)
+    assert type(rebuilt["p"]) is Pair
+    assert type(rebuilt["o"]) is OrderedDict
+
+
+def test_unflatten_wrong_number_of_leaves() -> None:
+    _, spec = flatten((1, 2))
+    with pytest.raises(ValueError, match="fewer leaves"):
+        unflatten([1], spec)
+    with pytest.raises(ValueError, match="more leaves"):
+        unflatten([1, 2, 3], spec)
+
+
+def test_scatter_tensor_balanced_sizes() -> None:
+    batches = scatter(torch.arange(10), 4)
+    assert [b.tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+
+
+def test_scatter_fewer_chunks_when_batch_is_small() -> None:
+    assert len(scatter(torch.zeros(3, 2), 8)) == 3
+
+
+def test_scatter_nested_keeps_non_tensor_leaves() -> None:
+    value = {"x": torch.arange(4), "opts": [None, 7, "mode", True], "pair": (torch.ones(4, 2),)}
+    batches = scatter(value, 2)
+    assert len(batches) == 2
+    for i, batch in enumerate(batches):
+        assert batch["opts"] == [None, 7, "mode", True]
+        assert batch["x"].tolist() == [2 * i, 2 * i + 1]
+        assert batch["pair"][0].shape == (2, 2)
+
+
+def test_scatter_rejects_0_dim_leaf_by_name() -> None:
+    with pytest.raises(ValueError, match=r"0-dim tensor.*input\['scale'\]"):
+        scatter({"x": torch.zeros(4), "scale": torch.tensor(2.0)}, 2)
+
+
+def test_scatter_rejects_mismatched_batch_sizes_by_name() -> None:
+    with pytest.raises(ValueError, match=r"input\[0\] has 4 but input\[1\]\[0\] has 3"):
+        scatter((torch.zeros(4), [torch.zeros(3)]), 2)
+
+
+def test_scatter_rejects_input_without_tensors() -> None:
+    with pytest.raises(TypeError, match="holds no tensor"):
+        scatter((1, "a"), 2)
+
+
+def test_scatter_rejects_empty_batch() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        scatter(torch.zeros(0, 3), 2)
+
+
+def test_gather_concatenates_in_order() -> None:
+    out = gather([(torch.tensor([1]), "a"), (torch.tensor([2, 3]), "a")])
+    assert out[0].tolist() == [1, 2, 3]
+    assert out[1] == "a"
+
+
+def test_gather_rejects_0_dim_output() -> None:
+    with pytest.raises(ValueError, match=r"output\[1\] is a 0-dim tensor"):
+        gather([(torch.ones(1), torch.tensor(1.0)), (torch.ones(1), torch.tensor(2.0))])
+
+
+def test_gather_rejects_different_structures() -> None:
+    with pytest.raises(TypeError, match="micro-batch 1 produced an output of a different"):
+        gather([(torch.ones(1),), [torch.ones(1)]])
+
+
+def test_gather_rejects_tensor_in_some_micro_batches_only() -> None:
+    with pytest.raises(TypeError, match=r"output\[0\] is a tensor in some"):
+        gather([(torch.ones(1),), (None,)])
+
+
+def test_map_tensors_leaves_other_leaves() -> None:
+    out = map_tensors(lambda x: x + 1, [torch.zeros(1), 5])
+    assert out[0].item() == 1
+    assert out[1] == 5
+
+
+nested = st.recursive(
+    st.sampled_from(["t", "t2", None, 3, "s"]),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children, children)
+        | st.dictionaries(st.sampled_from("abc"), children, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _build(shape: object, batch: int) -> object:
+    if shape == "t":
+        return torch.randn(batch)
+    if shape == "t2":
+        return torch.randn(batch, 2)
+    if isinstance(shape, list):
+        return [_build(s, batch) for s in shape]
+    if isinstance(shape, tuple):
+        return tuple(_build(s, batch) for s in shape)
+    if isinstance(shape, dict):
+        return {k: _build(v, batch) for k, v in shape.items()}
+    return shape
+
+
+@given(shape=nested, batch=st.integers(1, 9), chunks=st.integers(1, 12))
+def test_scatter_then_gather_is_identity(shape: object, batch: int, chunks: int) -> None:
+    value = ("t", shape)  # at least one tensor leaf
+    built = _build(value, batch)
+    batches = scatter(built, chunks)
+    assert len(batches) == min(chunks, batch)
+    assert _equal(gather(batches), built)

@@ -1,0 +1,141 @@
+import itertools
+import threading
+import traceback
+
+import pytest
+import torch
+from helpers import Fail, Recorder, indexed_input, worker_threads
+from torch import nn
+
+from torchgpipe import GPipe
+from torchgpipe.pipeline import clock_cycles
+
+
+def test_clock_cycles_match_the_diagram() -> None:
+    # The table drawn in pipeline.py's docstring, m = 3, n = 3.
+    assert list(clock_cycles(3, 3)) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1), (0, 2)],
+        [(2, 1), (1, 2)],
+        [(2, 2)],
+    ]
+
+
+@pytest.mark.parametrize(("m", "n"), [(1, 1), (1, 4), (4, 1), (3, 5), (8, 3)])
+def test_clock_cycles_cover_every_cell_once(m: int, n: int) -> None:
+    cells = [cell for tick in clock_cycles(m, n) for cell in tick]
+    assert sorted(cells) == [(i, j) for i in range(m) for j in range(n)]
+    ticks = {cell: k for k, tick in enumerate(clock_cycles(m, n)) for cell in tick}
+    assert all(ticks[(i, j)] == i + j for i, j in cells)
+
+
+def _pipeline_of_recorders(n: int, log: list[tuple[int, str, int, int]]) -> GPipe:
+    clock = itertools.count()
+    layers = [Recorder(j, log, clock) for j in range(n)]
+    return GPipe(nn.Sequential(*layers), [1] * n, devices=["cpu"] * n, chunks=8)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_cells_respect_the_schedule_dependencies(n: int) -> None:
+    log: list[tuple[int, str, int, int]] = []
+    model = _pipeline_of_recorders(n, log)
+    m = 6
+    model(indexed_input(m))
+    start = {(i, j): t for t, kind, j, i in log if kind == "forward-start"}
+    end = {(i, j): t for t, kind, j, i in log if kind == "forward-end"}
+    assert sorted(start) == [(i, j) for i in range(m) for j in range(n)]
+    for i, j in start:
+        if i > 0:
+            assert start[i, j] > end[i - 1, j]
+        if j > 0:
+            assert start[i, j] > end[i, j - 1]
+
+
+def test_partitions_on_one_device_run_concurrently() -> None:
+    # Cells (1, 0) and (0, 1) share tick 1: each waits at a barrier for the other, which
+    # only passes if the two partitions run at the same time.
+    barrier = threading.Barrier(2, timeout=10)
+    log: list[tuple[int, str, int, int]] = []
+    model = _pipeline_of_recorders(2, log)
+    model[0].hook = lambda i: barrier.wait() if i == 1 else None
+    model[1].hook = lambda i: barrier.wait() if i == 0 else None
+    model(indexed_input(2))
+    assert not barrier.broken
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize(("j", "i"), [(0, 0), (1, 2), (2, 3)])
+def test_forward_exception_reaches_caller(checkpoint: str, j: int, i: int) -> None:
+    layers: list[nn.Module] = [nn.Identity() for _ in range(3)]
+    layers[j] = Fail(KeyError("boom"), on=i)
+    model = GPipe(nn.Sequential(*layers), [1, 1, 1], chunks=4, checkpoint=checkpoint)
+    x = indexed_input(4).requires_grad_()
+    with pytest.raises(KeyError, match="boom") as info:
+        model(x)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"partition {j}" in notes
+    assert f"micro-batch {i} of 4" in notes
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "forward" in frames  # the raising layer's frame is kept
+    assert worker_threads() == []
+    layers[j].on = -1  # type: ignore[assignment]
+    assert torch.equal(model(x), x)  # the next call works
+
+
+def test_first_failure_by_micro_batch_is_raised() -> None:
+    class FailAll(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError(f"micro-batch {int(x[0, 0])}")
+
+    model = GPipe(nn.Sequential(nn.Identity(), FailAll()), [1, 1], chunks=4)
+    with pytest.raises(RuntimeError, match="micro-batch 0"):
+        model(indexed_input(4))
+
+
+def test_base_exception_from_a_layer_is_not_swallowed() -> None:
+    class Exit(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise SystemExit(3)
+
+    model = GPipe(nn.Sequential(nn.Identity(), Exit()), [1, 1], chunks=2)
+    with pytest.raises(SystemExit):
+        model(indexed_input(2))
+    assert worker_threads() == []
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise ArithmeticError("in backward")
+
+
+class FailingBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingBackward.apply(x)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_backward_exception_reaches_caller(checkpoint: str) -> None:
+    model = GPipe(
+        nn.Sequential(nn.Linear(3, 3), FailingBackward(), nn.Linear(3, 1)),
+        [1, 2],
+        chunks=3,
+        checkpoint=checkpoint,
+    )
+    out = model(torch.randn(6, 3))
+    with pytest.raises(ArithmeticError, match="in backward"):
+        out.sum().backward()
+    model(torch.randn(6, 3))  # the next call works
+    assert worker_threads() == []
+
+
+def test_no_worker_thread_outlives_the_model() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+    model(torch.randn(4, 2)).sum().backward()
+    del model
+    assert worker_threads() == []

@@ -1,0 +1,210 @@
+"""GPipe computes what the unwrapped model computes: outputs, gradients, weights."""
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe, is_recomputing
+
+
+class MaskDropout(nn.Module):
+    """Dropout drawn from PyTorch's generator like nn.Dropout, that also records the mask of
+    each forward pass, so the plain model can be run with the very same masks."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.p = p
+        self.masks: list[Tensor] = []
+        self.replay: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.replay is not None:
+            mask = self.replay
+        else:
+            mask = torch.empty_like(x).bernoulli_(1 - self.p)
+            if not is_recomputing():
+                self.masks.append(mask)
+        return x * mask / (1 - self.p)
+
+
+class Split(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.linear(x), torch.sigmoid(x)
+
+
+class Merge(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        a, b = pair
+        return self.linear(a) * b
+
+
+class Twice(nn.Module):
+    """Tuple in, tuple out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        a, b = pair
+        return torch.tanh(self.linear(a)), b * 2
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def convnet() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        MaskDropout(0.3),
+        nn.Conv2d(4, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        MaskDropout(0.5),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+    )
+
+
+def tuple_net() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 6), Split(6), Twice(6), Twice(6), Merge(6))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[[int], Tensor], list[list[int]]]] = {
+    "mlp": (mlp, lambda b: torch.randn(b, 6), [[5], [1, 4], [2, 3], [1, 1, 1, 1, 1]]),
+    "convnet": (convnet, lambda b: torch.randn(b, 3, 8, 8), [[8], [3, 5], [2, 2, 2, 2]]),
+    "tuple": (tuple_net, lambda b: torch.randn(b, 6), [[5], [2, 3], [1, 1, 1, 2]]),
+}
+CASES = [(name, balance) for name, (_, _, balances) in MODELS.items() for balance in balances]
+
+
+def _replay_masks(gpipe_model: nn.Module, plain: nn.Sequential) -> None:
+    """Give the plain model's dropouts the masks the pipeline drew, micro-batches joined."""
+    for ours, theirs in zip(gpipe_model.modules(), plain.modules(), strict=True):
+        if isinstance(ours, MaskDropout):
+            assert isinstance(theirs, MaskDropout)
+            theirs.replay = torch.cat(ours.masks)
+            ours.masks.clear()
+
+
+def _assert_same_grads(a: nn.Module, b: nn.Module, *, exact: bool) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert p.grad is not None, name
+        assert q.grad is not None, name
+        if exact:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize(("name", "balance"), CASES)
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_outputs_and_gradients_match_the_plain_model(
+    name: str, balance: list[int], chunks: int, checkpoint: str
+) -> None:
+    build, make_input, _ = MODELS[name]
+    plain = build().double()
+    model = GPipe(copy.deepcopy(plain), balance, chunks=chunks, checkpoint=checkpoint)
+    x = make_input(10).double()
+
+    x1 = x.clone().requires_grad_()
+    out = model(x1)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    _replay_masks(model, plain)
+    x2 = x.clone().requires_grad_()
+    expected = plain(x2)
+    expected.backward(grad_out)
+
+    exact = chunks == 1  # one micro-batch: the very same operations
+    if exact:
+        assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    _assert_same_grads(model, plain, exact=exact)
+    assert x1.grad is not None
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_eval_mode_with_real_dropout_matches(chunks: int) -> None:
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 2], chunks=chunks).eval()
+    plain.eval()
+    x = torch.randn(9, 4, dtype=torch.float64)
+    torch.testing.assert_close(model(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+def test_dict_values_between_layers() -> None:
+    class ToDict(nn.Module):
+        def forward(self, x: Tensor) -> dict[str, object]:
+            return {"h": x * 2, "ids": x.argmax(dim=1), "note": "kept"}
+
+    class FromDict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, d: dict[str, object]) -> dict[str, Tensor]:
+            assert d["note"] == "kept"
+            h, ids = d["h"], d["ids"]
+            assert isinstance(h, Tensor)
+            assert isinstance(ids, Tensor)
+            return {"y": self.linear(h) + ids.unsqueeze(1)}
+
+    plain = nn.Sequential(nn.Linear(4, 4), ToDict(), FromDict()).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=3, checkpoint="always")
+    x = torch.randn(7, 4, dtype=torch.float64)
+    out, expected = model(x), plain(x)
+    assert list(out) == ["y"]
+    torch.testing.assert_close(out["y"], expected["y"], rtol=1e-12, atol=1e-12)
+    out["y"].sum().backward()
+    expected["y"].sum().backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_optimizer_steps_give_the_same_weights(checkpoint: str) -> None:
+    plain = convnet().double()
+    model = GPipe(copy.deepcopy(plain), [3, 5], chunks=4, checkpoint=checkpoint)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    opt_model = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(4):
+        x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,))
+        for net, opt in [(model, opt_model), (plain, opt_plain)]:
+            opt.zero_grad()
+            if net is plain:
+                _replay_masks(model, plain)
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("balance", [[1, 2], [2, 1], [1, 1, 1]])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_inplace_layer_at_a_partition_boundary(balance: list[int], checkpoint: str) -> None:
+    # ReLU(inplace=True) first in a partition modifies the partition's input: the copy kept
+    # for recomputation must not see that, and recomputation may do it again.
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4)).double()
+    model = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    out, expected = model(x), plain(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_same_grads(model, plain, exact=False)
