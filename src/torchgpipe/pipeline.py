@@ -35,10 +35,11 @@ from torch import Tensor, nn
 from torchgpipe.checkpoint import checkpoint
 from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import flatten, map_tensors
+from torchgpipe.microbatch import flatten
 from torchgpipe.rng import CellRandomness, draw_seed
 from torchgpipe.stream import (
     AnyStream,
+    CPUStreamType,
     current_stream,
     new_stream,
     record_stream,
@@ -140,12 +141,15 @@ class Pipeline:
         return self._hand_back(run, outputs)
 
     def _hand_back(self, run: _Run, outputs: list[Any]) -> list[Any]:
-        """Make the caller's stream wait for the last partition's outputs."""
-        device = self.devices[-1]
-        caller = current_stream(device)
+        """Make the caller's stream wait for the last partition's outputs (CUDA only)."""
+        caller = current_stream(self.devices[-1])
+        if isinstance(caller, CPUStreamType):
+            return outputs
         wait_stream(caller, run.compute[-1])
         for output in outputs:
-            map_tensors(lambda x: _recorded(x, caller), output)
+            for leaf in flatten(output)[0]:
+                if isinstance(leaf, Tensor):
+                    record_stream(leaf, caller)
         return outputs
 
     def _work(
@@ -214,7 +218,3 @@ def _device_of(value: Any) -> torch.device:
             return leaf.device
     return torch.device("cpu")
 
-
-def _recorded(x: Tensor, stream: AnyStream) -> Tensor:
-    record_stream(x, stream)
-    return x

@@ -1,0 +1,65 @@
+import torch
+from torch import Tensor
+
+from torchgpipe.dependency import fork, join
+
+
+class _Log(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: Tensor, log: list[str], name: str) -> Tensor:
+        ctx.log, ctx.name = log, name  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.log.append(ctx.name)  # type: ignore[attr-defined]
+        return grad, None, None
+
+
+def _logged(x: Tensor, log: list[str], name: str) -> Tensor:
+    return _Log.apply(x, log, name)  # type: ignore[no-any-return]
+
+
+def test_fork_join_orders_backward() -> None:
+    # The edge from a's fork into b's join makes a's backward wait for b's. (Across
+    # threads, where sequence numbers say nothing, test_checkpoint shows the pipeline's
+    # order; here both are recorded on one thread.)
+    log: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+    a, phony = fork(_logged(x, log, "a"))
+    b = _logged(join(torch.ones(2, requires_grad=True), phony), log, "b")
+    (a.sum() + b.sum()).backward()
+    assert log == ["b", "a"]
+    assert x.grad is not None
+    assert torch.equal(x.grad, torch.ones(2))
+
+
+def test_fork_without_grad_has_no_phony() -> None:
+    value, phony = fork((torch.ones(2), 3))
+    assert phony is None
+    assert value[1] == 3
+    assert join(value, None) is value
+
+
+def test_fork_join_pick_the_first_float_leaf() -> None:
+    ids = torch.arange(3)
+    x = torch.ones(3, requires_grad=True)
+    value, phony = fork({"ids": ids, "x": x})
+    assert phony is not None
+    assert value["ids"] is ids
+    assert value["x"] is not x
+    joined = join({"ids": ids, "h": torch.zeros(3)}, phony)
+    assert joined["h"].requires_grad
+    assert joined["ids"] is ids
+
+
+def test_join_without_float_leaf_is_a_no_op() -> None:
+    _, phony = fork(torch.ones(1, requires_grad=True))
+    value = (torch.arange(2),)
+    assert join(value, phony) is value
+
+
+def test_fork_output_may_be_modified_in_place() -> None:
+    a, _ = fork(torch.ones(2, requires_grad=True) * 2)
+    torch.relu_(a)
+    a.sum().backward()
