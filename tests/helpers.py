@@ -42,6 +42,14 @@ def worker_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("torchgpipe-worker")]
 
 
+def assert_workers_idle_and_alive(model: nn.Module, n: int) -> None:
+    """The model's n workers are still there (none died) and nothing else was started."""
+    pool = model._pipeline._pool  # type: ignore[union-attr]
+    assert pool is not None
+    assert len(pool.threads) == n
+    assert all(t.is_alive() for t in pool.threads)
+
+
 class Fail(nn.Module):
     """Raises `error` on micro-batch `on` (read from the first column)."""
 

@@ -1,10 +1,11 @@
+import gc
 import itertools
 import threading
 import traceback
 
 import pytest
 import torch
-from helpers import Fail, Recorder, indexed_input, worker_threads
+from helpers import Fail, Recorder, assert_workers_idle_and_alive, indexed_input
 from torch import nn
 
 from torchgpipe import GPipe
@@ -78,9 +79,9 @@ def test_forward_exception_reaches_caller(checkpoint: str, j: int, i: int) -> No
     assert f"micro-batch {i} of 4" in notes
     frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
     assert "forward" in frames  # the raising layer's frame is kept
-    assert worker_threads() == []
     layers[j].on = -1  # type: ignore[assignment]
     assert torch.equal(model(x), x)  # the next call works
+    assert_workers_idle_and_alive(model, 3)
 
 
 def test_first_failure_by_micro_batch_is_raised() -> None:
@@ -101,7 +102,7 @@ def test_base_exception_from_a_layer_is_not_swallowed() -> None:
     model = GPipe(nn.Sequential(nn.Identity(), Exit()), [1, 1], chunks=2)
     with pytest.raises(SystemExit):
         model(indexed_input(2))
-    assert worker_threads() == []
+    assert_workers_idle_and_alive(model, 2)
 
 
 class _FailingBackward(torch.autograd.Function):
@@ -131,11 +132,25 @@ def test_backward_exception_reaches_caller(checkpoint: str) -> None:
     with pytest.raises(ArithmeticError, match="in backward"):
         out.sum().backward()
     model(torch.randn(6, 3))  # the next call works
-    assert worker_threads() == []
+    assert_workers_idle_and_alive(model, 2)
 
 
 def test_no_worker_thread_outlives_the_model() -> None:
     model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
     model(torch.randn(4, 2)).sum().backward()
+    threads = model._pipeline._pool.threads  # type: ignore[union-attr]
+    assert len(threads) == 2
     del model
-    assert worker_threads() == []
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_workers_start_once_and_serve_every_call() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+    model(torch.randn(4, 2))
+    pool = model._pipeline._pool
+    for _ in range(3):
+        model(torch.randn(4, 2)).sum().backward()
+    assert model._pipeline._pool is pool

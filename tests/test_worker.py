@@ -1,9 +1,9 @@
+import gc
 import threading
 
-import pytest
 import torch
 
-from torchgpipe.worker import ThreadState, spawn
+from torchgpipe.worker import ThreadState, WorkerPool
 
 
 def _in_thread(state: ThreadState) -> tuple[bool, bool, torch.dtype]:
@@ -19,8 +19,10 @@ def _in_thread(state: ThreadState) -> tuple[bool, bool, torch.dtype]:
                 )
             )
 
-    with spawn([job]):
-        pass
+    pool = WorkerPool(1, name="test")
+    pool.submit(0, job)
+    pool.close()
+    pool.threads[0].join(timeout=10)
     return seen[0]
 
 
@@ -44,10 +46,31 @@ def test_apply_overrides_grad_mode() -> None:
         assert not torch.is_grad_enabled()
 
 
-def test_spawn_joins_every_thread_even_on_error() -> None:
-    done: list[int] = []
-    jobs = [lambda j=j: done.append(j) for j in range(3)]
-    with pytest.raises(ZeroDivisionError), spawn(jobs, name="test"):
+def test_pool_runs_jobs_in_order_per_worker_and_survives_a_raising_job() -> None:
+    pool = WorkerPool(2, name="test")
+    done: list[tuple[int, int]] = []
+
+    def fail() -> None:
         raise ZeroDivisionError
-    assert sorted(done) == [0, 1, 2]
-    assert not [t for t in threading.enumerate() if t.name.startswith("test-worker")]
+
+    for k in range(3):
+        for j in range(2):
+            pool.submit(j, lambda j=j, k=k: done.append((j, k)))
+        pool.submit(0, fail)
+    pool.close()
+    for thread in pool.threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    assert [k for j, k in done if j == 0] == [0, 1, 2]
+    assert [k for j, k in done if j == 1] == [0, 1, 2]
+
+
+def test_pool_threads_exit_when_the_pool_is_collected() -> None:
+    pool = WorkerPool(3, name="test")
+    threads = pool.threads
+    assert all(t.is_alive() and t.daemon for t in threads)
+    del pool
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()

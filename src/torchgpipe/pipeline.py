@@ -9,7 +9,7 @@ The schedule is data: :func:`clock_cycles` yields, tick by tick, the cells ``(i,
     j = 2                    (0,2)   (1,2)   (2,2)
 
 The run follows it without a barrier per tick. The cells of partition ``j``, in the
-order the ticks give them, are the jobs of worker ``j``; worker ``j`` takes each input
+order the ticks give them, are the job of worker ``j``; worker ``j`` takes each input
 from a queue that worker ``j - 1`` fills. So cell ``(i, j)`` starts once ``(i - 1, j)``
 has finished (same worker) and ``(i, j - 1)`` has delivered (the queue), which is the
 schedule's order, and a slow cell delays only what depends on it.
@@ -22,6 +22,7 @@ before the caller sees the exception.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -47,7 +48,7 @@ from torchgpipe.stream import (
     use_stream,
     wait_stream,
 )
-from torchgpipe.worker import ThreadState, spawn
+from torchgpipe.worker import ThreadState, WorkerPool
 
 __all__ = ["Pipeline", "clock_cycles"]
 
@@ -97,6 +98,24 @@ class Pipeline:
         self.devices = list(devices)
         # Partitions that share a device share its random number generator: see rng.py.
         self.shares_device = [self.devices.count(d) > 1 for d in self.devices]
+        self._pool: WorkerPool | None = None  # started by the first run
+        self._lock = threading.Lock()  # one run at a time on the workers
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads and locks are not copied: a copy starts workers of its own.
+        state = self.__dict__.copy()
+        del state["_pool"], state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _workers(self) -> WorkerPool:
+        if self._pool is None or self._pool.pid != os.getpid():
+            self._pool = WorkerPool(len(self.partitions))
+        return self._pool
 
     def run(self, batches: list[Any], *, checkpoint_stop: int) -> list[Any]:
         """Run every micro-batch through every partition; return the outputs in order.
@@ -121,12 +140,18 @@ class Pipeline:
         for batch in batches:
             queues[0].put(batch)
 
-        jobs = [partial(self._work, run, j, queues[j], queues[j + 1]) for j in range(n)]
-        with spawn(jobs):
+        with self._lock:
+            workers = self._workers()
+            for j in range(n):
+                workers.submit(j, partial(self._work, run, j, queues[j], queues[j + 1]))
+            outputs: list[Any] = []
             try:
-                outputs = [queues[n].get() for _ in range(m)]
-            except BaseException:  # e.g. KeyboardInterrupt: stop early, still join
+                while len(outputs) < m:
+                    outputs.append(queues[n].get())
+            except BaseException:  # e.g. KeyboardInterrupt: stop the cells, let them finish
                 run.abort.set()
+                while len(outputs) < m:
+                    outputs.append(queues[n].get())
                 raise
 
         failures = [x for x in outputs if isinstance(x, _Failure) and x.error is not None]
@@ -217,4 +242,3 @@ def _device_of(value: Any) -> torch.device:
         if isinstance(leaf, Tensor):
             return leaf.device
     return torch.device("cpu")
-

@@ -1,9 +1,11 @@
 """Worker threads, one per partition, and the caller's state they must carry.
 
-Workers live for one call of ``GPipe.forward``: they are started when it begins and
-joined before it returns or raises. Threads are cheap next to a training step (the
-benchmark reports the overhead per cell), and a pool that lives no longer than the call
-can neither leak threads nor stop a ``GPipe`` from being copied, pickled or collected.
+A pipeline keeps its workers between calls: starting threads costs from tens of
+microseconds to milliseconds each, which a pipeline of short cells cannot afford on
+every step. The workers hold no reference to the pipeline between jobs, so when the
+pipeline is collected a finalizer tells them to stop and they exit. A process forked
+after the workers started (a DataLoader worker, say) has no such threads: the pipeline
+notices the new process id and starts fresh workers there.
 
 A new thread starts with PyTorch's thread-local defaults (grad mode on, autocast off,
 the default CUDA stream), so the caller's state is captured in a :class:`ThreadState`
@@ -12,14 +14,17 @@ and entered again on each worker.
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ThreadState", "spawn"]
+__all__ = ["ThreadState", "WorkerPool"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -65,21 +70,47 @@ class ThreadState:
             yield
 
 
-@contextmanager
-def spawn(jobs: Sequence[Callable[[], None]], *, name: str = "torchgpipe") -> Iterator[None]:
-    """Run each job on a thread of its own within the block; join them all on exit.
+Job = Callable[[], None]
 
-    The jobs must return on their own: this never abandons a thread, so a job that could
-    block forever would hang the caller. Jobs report failures through their own channels.
+
+class WorkerPool:
+    """Threads that each run, in order, the jobs submitted to them.
+
+    Jobs must catch their own exceptions and report them through their own channels;
+    one that raises anyway is dropped, and the worker goes on with the next.
     """
-    threads = [
-        threading.Thread(target=job, name=f"{name}-worker-{j}", daemon=True)
-        for j, job in enumerate(jobs)
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        yield
-    finally:
-        for thread in threads:
-            thread.join()
+
+    def __init__(self, n: int, *, name: str = "torchgpipe") -> None:
+        self.pid = os.getpid()
+        self._queues: list[queue.SimpleQueue[Job | None]] = [queue.SimpleQueue() for _ in range(n)]
+        self.threads = [
+            threading.Thread(target=_serve, args=(q,), name=f"{name}-worker-{j}", daemon=True)
+            for j, q in enumerate(self._queues)
+        ]
+        for thread in self.threads:
+            thread.start()
+        # Stop the threads when the pool is collected; the threads do not refer to it.
+        self._finalizer = weakref.finalize(self, _stop, self._queues)
+
+    def submit(self, j: int, job: Job) -> None:
+        """Run ``job`` on worker ``j`` after the jobs submitted to it before."""
+        self._queues[j].put(job)
+
+    def close(self) -> None:
+        """Tell every worker to exit once its queued jobs are done."""
+        self._finalizer()
+
+
+def _stop(queues: list[queue.SimpleQueue[Job | None]]) -> None:
+    for q in queues:
+        q.put(None)
+
+
+def _serve(jobs: queue.SimpleQueue[Job | None]) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        with suppress(BaseException):  # a job reports its own failures
+            job()
+        del job  # hold nothing of the pipeline between jobs
