@@ -90,6 +90,7 @@ class _Cell:
         self.randomness = randomness
         self.out_spec: Spec | None = None
         self.out_leaves: list[Any] = []
+        self.fork = False
 
     def call(self, tensors: tuple[Tensor, ...]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
@@ -111,11 +112,15 @@ class _Checkpointed(torch.autograd.Function):
         # custom function, which later in-place layers may not modify.
         outputs = tuple(x.detach() for x in out_leaves if isinstance(x, Tensor))
         ctx.mark_non_differentiable(*(x for x in outputs if not _differentiable(x)))
+        if cell.fork:
+            outputs += (torch.empty(0, device=phony.device),)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         cell: _Cell = ctx.cell
+        if cell.fork:
+            grads = grads[:-1]  # the phony's
         needs = ctx.needs_input_grad[2:]
         inputs = tuple(
             x.detach().requires_grad_(need)
@@ -176,18 +181,31 @@ def checkpoint(
     *,
     state: ThreadState,
     randomness: CellRandomness,
-) -> Any:
+    device: torch.device,
+    after: Tensor | None = None,
+    fork: bool = False,
+) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
     ``state`` is the caller's thread state, entered again for the recomputation;
     ``randomness`` makes the recomputation draw the random numbers the forward drew.
+
+    The cell carries the ordering edges of ``dependency.py`` itself, which saves two
+    autograd nodes per cell: ``after`` is the phony of the previous micro-batch on this
+    partition (whose backward then waits for this cell's), and with ``fork`` the cell
+    returns a phony for the next micro-batch, or else None.
     """
     leaves, spec = flatten(value)
     cell = _Cell(function, spec, leaves, state, randomness)
+    cell.fork = fork
     tensors = tuple(x for x in leaves if isinstance(x, Tensor))
     # The parameters are not inputs of the autograd function, so an input that needs no
-    # grad would make its outputs need none either: this empty tensor says they do.
-    phony = torch.empty(0, requires_grad=True)
+    # grad would make its outputs need none either: a phony that requires grad says they
+    # do.
+    phony = after if after is not None else torch.empty(0, device=device, requires_grad=True)
     outputs = _Checkpointed.apply(cell, phony, *tensors)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    next_phony = outputs[-1] if fork else None
+    if fork:
+        outputs = outputs[:-1]
     assert cell.out_spec is not None  # set by _Checkpointed.forward
-    return unflatten(_with_tensors(cell.out_leaves, outputs), cell.out_spec)
+    return unflatten(_with_tensors(cell.out_leaves, outputs), cell.out_spec), next_phony

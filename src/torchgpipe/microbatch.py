@@ -49,6 +49,8 @@ _LEAF = Spec("leaf")
 
 def flatten(value: Any) -> tuple[list[Any], Spec]:
     """Return the leaves of ``value`` in order, and the spec that rebuilds it."""
+    if isinstance(value, Tensor):  # the common case, on the path of every cell
+        return [value], _LEAF
     leaves: list[Any] = []
     return leaves, _flatten_into(value, leaves)
 
@@ -69,6 +71,8 @@ def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
 
 def unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
     """Rebuild the value that :func:`flatten` took apart."""
+    if spec is _LEAF and len(leaves) == 1:
+        return leaves[0]
     it = iter(leaves)
     value = _unflatten_from(it, spec)
     if next(it, _END) is not _END:
@@ -107,6 +111,8 @@ def leaf_paths(spec: Spec, root: str) -> list[str]:
 
 def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of ``value``, keeping everything else."""
+    if isinstance(value, Tensor):
+        return fn(value)
     leaves, spec = flatten(value)
     return unflatten([fn(x) if isinstance(x, Tensor) else x for x in leaves], spec)
 

@@ -213,28 +213,35 @@ class Pipeline:
     def _cell(
         self, run: _Run, i: int, j: int, value: Any, phony: Tensor | None
     ) -> tuple[Any, Tensor | None]:
-        """Cell (i, j): move the input in, compute, and branch off the ordering edge."""
+        """Cell (i, j): move the input in, compute, and add the ordering edges."""
         device = self.devices[j]
         source = run.source if j == 0 else run.compute[j - 1]
         value = move(value, device, source=source, copy=run.copy[j], target=run.compute[j])
-        value = join(value, phony)
 
         partition = self.partitions[j]
         seed = None
         if run.seed is not None and self.shares_device[j]:
             seed = (run.seed + 1_000_003 * j + i) % 2**63
         randomness = CellRandomness(device, seed)
+        # A phony for the next micro-batch's cell on this partition (see dependency.py).
+        wants_phony = run.state.grad_enabled and i + 1 < run.m
         if i < run.checkpoint_stop:
-            output = checkpoint(partition, value, state=run.state, randomness=randomness)
-        elif seed is not None:
+            return checkpoint(
+                partition,
+                value,
+                state=run.state,
+                randomness=randomness,
+                device=device,
+                after=phony,
+                fork=wants_phony,
+            )
+        value = join(value, phony)
+        if seed is not None:
             with randomness.forward():
                 output = partition(value)
         else:
             output = partition(value)
-
-        if not run.state.grad_enabled:
-            return output, None
-        return fork(output)
+        return fork(output) if wants_phony else (output, None)
 
 
 def _device_of(value: Any) -> torch.device:
