@@ -104,8 +104,12 @@ class _Checkpointed(torch.autograd.Function):
         # Keep a copy: a layer at the start of the partition may modify its input in
         # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
         ctx.save_for_backward(*(x.clone() for x in tensors))
-        with _flag("checkpointing"), cell.randomness.forward():
-            output = cell.call(tensors)
+        previous, _flags.checkpointing = is_checkpointing(), True
+        try:
+            with cell.randomness.forward():
+                output = cell.call(tensors)
+        finally:
+            _flags.checkpointing = previous
         out_leaves, cell.out_spec = flatten(output)
         cell.out_leaves = _without_tensors(out_leaves)
         # detach(): an input returned as it is would otherwise become a view made by a

@@ -37,7 +37,7 @@ def move(
     if isinstance(copy, CPUStreamType):
         # Into CPU memory: a blocking copy, issued where the tensors were produced.
         with use_stream(source):
-            return map_tensors(lambda x: x.to(device), value)
+            return map_tensors(lambda x: x if x.device == device else x.to(device), value)
 
     wait_stream(copy, source)
 
