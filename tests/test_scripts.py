@@ -1,0 +1,85 @@
+"""Smoke tests of the demo, the example script and the benchmark: they run and report.
+
+Each runs in a subprocess, as a user would start it, so that the scripts' global
+settings (``torch.set_num_threads(1)``, seeds) do not leak into the other tests. Nothing
+here asserts a speed: figures belong to the benchmark's own output.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchgpipe import demo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_demo_quick_trains_and_compares_throughput():
+    out = run_python("-m", "torchgpipe.demo", "--quick")
+    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", out)]
+    steps = demo.parse_args(["--quick"]).steps
+    assert len(losses) == 2 * steps  # GPipe, then the plain model
+    piped, plain = losses[:steps], losses[steps:]
+    assert piped[-1] < piped[0] / 2
+    assert piped == pytest.approx(plain, abs=1e-3)
+    assert re.search(r"ratio\s+\d+\.\d+ \(GPipe / plain\)", out)
+
+
+def test_demo_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit) as raised:
+        demo.parse_args(["--chunks", "0"])
+    assert raised.value.code == 2
+    assert "--chunks must be positive, got 0" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--quick", "--partitions", "9"])
+    assert "more than the model's 5 layers" in capsys.readouterr().err
+
+
+def test_demo_options_override_the_preset():
+    config = demo.parse_args(["--quick", "--steps", "3", "--checkpoint", "always"])
+    assert (config.steps, config.checkpoint) == (3, "always")
+    assert config.width == demo.parse_args(["--quick"]).width
+
+
+@pytest.mark.parametrize(("num_layers", "n"), [(9, 2), (5, 4), (4, 4), (7, 3)])
+def test_demo_even_balance(num_layers, n):
+    balance = demo.even_balance(num_layers, n)
+    assert sum(balance) == num_layers
+    assert len(balance) == n
+    assert max(balance) - min(balance) <= 1
+
+
+def test_example_script_trains():
+    out = run_python("examples/train_mlp.py")
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] / 2
+
+
+def test_benchmark_quick_writes_json_and_tables(tmp_path):
+    out_file = tmp_path / "results.json"
+    out = run_python("benchmarks/pipeline_speed/main.py", "--quick", "--out", str(out_file))
+    assert "Sleep layers" in out
+    assert "Overhead" in out
+    results = json.loads(out_file.read_text())
+    cells = {(row["n"], row["m"]) for row in results["sleep"]}
+    assert cells == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    for row in results["sleep"]:
+        assert row["forward_s"] > 0
+        assert row["bound_s"] == pytest.approx((row["m"] + row["n"] - 1) * 1e-3)
+    modes = {(row["n"], row["m"], row["mode"]) for row in results["overhead"]}
+    assert len(modes) == 8
+    assert results["environment"]["torch"] == __import__("torch").__version__
