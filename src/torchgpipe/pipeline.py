@@ -71,6 +71,32 @@ class _Failure:
     j: int
 
 
+_Inbox = queue.SimpleQueue[Any]
+
+
+class _Outputs:
+    """Collects the last partition's outputs; wakes the caller once, when all are in.
+
+    The caller has nothing to do with an output before the last one arrives, and waking
+    it per micro-batch would take the GIL from the workers m times per forward.
+    """
+
+    def __init__(self, m: int) -> None:
+        self.items: list[Any] = []
+        self._m = m
+        self._done = threading.Event()
+
+    def put(self, item: Any) -> None:
+        """Add the next output (only the last partition's worker calls this)."""
+        self.items.append(item)
+        if len(self.items) == self._m:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until all m outputs are in."""
+        self._done.wait()
+
+
 @dataclass(frozen=True)
 class _Run:
     """What every cell of one forward pass shares."""
@@ -136,25 +162,24 @@ class Pipeline:
             source=current_stream(_device_of(batches[0])),
             abort=threading.Event(),
         )
-        queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n + 1)]
+        queues: list[_Inbox] = [queue.SimpleQueue() for _ in range(n)]
         for batch in batches:
             queues[0].put(batch)
+        outputs = _Outputs(m)
 
         with self._lock:
             workers = self._workers()
             for j in range(n):
-                workers.submit(j, partial(self._work, run, j, queues[j], queues[j + 1]))
-            outputs: list[Any] = []
+                outbox = queues[j + 1] if j + 1 < n else outputs
+                workers.submit(j, partial(self._work, run, j, queues[j], outbox))
             try:
-                while len(outputs) < m:
-                    outputs.append(queues[n].get())
+                outputs.wait()
             except BaseException:  # e.g. KeyboardInterrupt: stop the cells, let them finish
                 run.abort.set()
-                while len(outputs) < m:
-                    outputs.append(queues[n].get())
+                outputs.wait()
                 raise
 
-        failures = [x for x in outputs if isinstance(x, _Failure) and x.error is not None]
+        failures = [x for x in outputs.items if isinstance(x, _Failure) and x.error is not None]
         if failures:
             first = min(failures, key=lambda f: (f.i, f.j))
             assert first.error is not None
@@ -163,7 +188,7 @@ class Pipeline:
                 f"on micro-batch {first.i} of {m}"
             )
             raise first.error
-        return self._hand_back(run, outputs)
+        return self._hand_back(run, outputs.items)
 
     def _hand_back(self, run: _Run, outputs: list[Any]) -> list[Any]:
         """Make the caller's stream wait for the last partition's outputs (CUDA only)."""
@@ -181,8 +206,8 @@ class Pipeline:
         self,
         run: _Run,
         j: int,
-        inbox: queue.SimpleQueue[Any],
-        outbox: queue.SimpleQueue[Any],
+        inbox: _Inbox,
+        outbox: _Inbox | _Outputs,
     ) -> None:
         """Worker ``j``: run cells (0, j), (1, j), ... as their inputs arrive.
 
