@@ -1,0 +1,302 @@
+"""Pipeline speed: how close GPipe's forward comes to the ideal schedule, and its cost per cell.
+
+Two measurements, both on CPU devices with one layer per partition:
+
+1. Sleep layers. Each layer sleeps ``f`` seconds (``time.sleep`` releases the GIL, so
+   the worker threads overlap as devices would) and multiplies by a learnable scalar.
+   With ``n`` partitions and ``m`` micro-batches the schedule has ``m + n - 1`` clock
+   ticks, so no forward can take less than ``(m + n - 1) * f``; the efficiency is that
+   bound over the measured time. A training step (forward, backward, SGD step) is timed
+   too. Its bound adds ``n * (m - 1) * f``: with ``checkpoint='except_last'`` backward
+   recomputes every cell but the last micro-batch's, and on CPU the autograd engine
+   runs them one after another on the caller's thread.
+2. Overhead. The same layers without sleeping cost almost nothing, so the time of a
+   forward divided by the ``n * m`` cells is what the pipeline adds per cell (threads,
+   queues, scatter and gather, checkpointing), next to the plain ``nn.Sequential``.
+
+Run from the repository root::
+
+    python benchmarks/pipeline_speed/main.py            # a few minutes
+    python benchmarks/pipeline_speed/main.py --quick    # a smoke test, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import torchgpipe
+from torchgpipe import GPipe
+
+TARGET = 0.95
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
+
+
+class Scaled(nn.Module):
+    """Sleeps ``seconds`` (when positive), then multiplies by a learnable scalar."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Sleep, then scale ``x``."""
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+        return x * self.scale
+
+
+def layers(n: int, seconds: float) -> nn.Sequential:
+    """``n`` fresh ``Scaled`` layers in a row."""
+    return nn.Sequential(*(Scaled(seconds) for _ in range(n)))
+
+
+def pipeline(n: int, m: int, seconds: float) -> GPipe:
+    """A GPipe of ``n`` one-layer partitions on CPU, cutting batches into ``m``."""
+    return GPipe(
+        layers(n, seconds),
+        balance=[1] * n,
+        devices=["cpu"] * n,
+        chunks=m,
+        checkpoint="except_last",
+    )
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Call ``fn`` once to warm up, then return the median wall time of ``repeats`` calls."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_call(f: float, calls: int) -> float:
+    """The median time of one sleep layer's call, with grad, on the main thread.
+
+    It is a little more than ``f``: the sleep overshoots, and the thread wakes up cold.
+    """
+    layer, x = Scaled(f), torch.randn(1, 4)
+    return median_seconds(lambda: layer(x), calls)
+
+
+def measure_sleep(n: int, m: int, f: float, f_call: float, repeats: int) -> dict[str, Any]:
+    """Time the training-mode forward, a full training step, and an inference forward.
+
+    The inference forward (eval mode, no grad) has no checkpointing and no autograd
+    graph to record, so it shows what the schedule and its threads cost on their own.
+    """
+    model = pipeline(n, m, f).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(m, 4)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    forward = median_seconds(lambda: model(x), repeats)
+    train_step = median_seconds(step, repeats)
+    model.eval()
+    with torch.no_grad():
+        inference = median_seconds(lambda: model(x), repeats)
+    bound = (m + n - 1) * f
+    step_bound = bound + n * (m - 1) * f
+    return {
+        "n": n,
+        "m": m,
+        "bound_s": bound,
+        "forward_s": forward,
+        "efficiency": bound / forward,
+        "efficiency_f_call": (m + n - 1) * f_call / forward,
+        "no_grad_forward_s": inference,
+        "no_grad_efficiency": bound / inference,
+        "step_bound_s": step_bound,
+        "step_s": train_step,
+        "step_efficiency": step_bound / train_step,
+    }
+
+
+def measure_overhead(n: int, m: int, repeats: int) -> list[dict[str, Any]]:
+    """Time forwards of non-sleeping layers, plain and pipelined, in eval and train mode."""
+    x = torch.randn(m, 4)
+    rows = []
+    for mode in ("eval", "train"):
+        plain, piped = layers(n, 0.0), pipeline(n, m, 0.0)
+        training = mode == "train"
+        plain.train(training)
+        piped.train(training)
+        with torch.set_grad_enabled(training):
+            plain_s = median_seconds(lambda p=plain: p(x), repeats)
+            piped_s = median_seconds(lambda p=piped: p(x), repeats)
+        rows.append(
+            {
+                "n": n,
+                "m": m,
+                "mode": mode,
+                "sequential_s": plain_s,
+                "gpipe_s": piped_s,
+                "per_cell_s": piped_s / (n * m),
+            }
+        )
+    return rows
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), as ``platform`` leaves it empty."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return ""
+
+
+def git(directory: Path, *args: str) -> str:
+    """The output of a git command run in ``directory``, or "" without git."""
+    try:
+        done = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return done.stdout.rstrip()
+
+
+def source_state() -> dict[str, Any]:
+    """Which torchgpipe source is measured: a hash of its files, and git's view of them."""
+    package = Path(torchgpipe.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return {
+        "source_sha256": digest.hexdigest(),
+        "git_commit": git(package, "rev-parse", "HEAD"),
+        "git_modified": git(package, "status", "--porcelain", "--", ".").splitlines(),
+    }
+
+
+def environment() -> dict[str, Any]:
+    """The machine, the versions and the date of this run."""
+    return {
+        "processor": platform.processor() or cpu_model(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torchgpipe": torchgpipe.__version__,
+        **source_state(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def sleep_table(rows: list[dict[str, Any]], f: float, f_call: float, repeats: int) -> str:
+    """Format the sleep-layer measurements as a fixed-width table."""
+    lines = [
+        f"Sleep layers: f = {f * 1e3:g} ms per cell, checkpoint='except_last', "
+        f"median of {repeats} runs",
+        "bound = (m + n - 1) * f;  step bound = bound + n * (m - 1) * f (serial recompute)",
+        f"eff(f_call) uses one layer call as timed on the main thread: f_call = "
+        f"{f_call * 1e3:.3f} ms",
+        "no_grad eff: the same forward in eval mode under no_grad (no checkpointing)",
+        "",
+        f"{'n':>3} {'m':>4} {'bound ms':>9} {'forward ms':>11} {'efficiency':>11}"
+        f" {'target':>7} {'eff(f_call)':>12} {'no_grad eff':>12} {'step bound ms':>14}"
+        f" {'step ms':>9} {'step eff':>9}",
+    ]
+    for r in rows:
+        met = "met" if r["efficiency"] >= TARGET else "MISSED"
+        lines.append(
+            f"{r['n']:>3} {r['m']:>4} {r['bound_s'] * 1e3:>9.1f} {r['forward_s'] * 1e3:>11.1f}"
+            f" {r['efficiency']:>11.3f} {met:>7} {r['efficiency_f_call']:>12.3f}"
+            f" {r['no_grad_efficiency']:>12.3f}"
+            f" {r['step_bound_s'] * 1e3:>14.1f} {r['step_s'] * 1e3:>9.1f}"
+            f" {r['step_efficiency']:>9.3f}"
+        )
+    return "\n".join(lines)
+
+
+def overhead_table(rows: list[dict[str, Any]], repeats: int) -> str:
+    """Format the overhead measurements as a fixed-width table."""
+    lines = [
+        f"Overhead: layers return x * scale without sleeping, median of {repeats} runs",
+        "eval = eval mode under no_grad;  train = training mode with grad, except_last",
+        "",
+        f"{'n':>3} {'m':>4} {'mode':>6} {'Sequential us':>14} {'GPipe us':>10} {'us/cell':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['n']:>3} {r['m']:>4} {r['mode']:>6} {r['sequential_s'] * 1e6:>14.1f}"
+            f" {r['gpipe_s'] * 1e6:>10.1f} {r['per_cell_s'] * 1e6:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Read the command line; ``--quick`` replaces the sizes with tiny ones."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per sleep cell")
+    parser.add_argument("--sleep-ms", type=float, default=10.0, help="sleep per layer call")
+    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--overhead-micro-batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--overhead-repeats", type=int, default=50, help="timed runs")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.partitions, args.micro_batches, args.overhead_micro_batches = [1, 2], [1, 4], [1, 4]
+        args.sleep_ms, args.repeats, args.overhead_repeats = 1.0, 1, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run both measurements, print their tables and write the JSON results."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    env = environment()  # before measuring: the source hash names the code imported
+    f = args.sleep_ms / 1e3
+    f_call = measure_call(f, max(20, args.repeats))
+    grid = [(n, m) for n in args.partitions for m in args.micro_batches]
+    sleep = [measure_sleep(n, m, f, f_call, args.repeats) for n, m in grid]
+    print(sleep_table(sleep, f, f_call, args.repeats), end="\n\n", flush=True)
+    grid = [(n, m) for n in args.partitions for m in args.overhead_micro_batches]
+    overhead = [row for n, m in grid for row in measure_overhead(n, m, args.overhead_repeats)]
+    print(overhead_table(overhead, args.overhead_repeats), flush=True)
+
+    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    results = {
+        "environment": env,
+        "parameters": {**parameters, "target_efficiency": TARGET, "checkpoint": "except_last"},
+        "f_call_s": f_call,
+        "sleep": sleep,
+        "overhead": overhead,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
