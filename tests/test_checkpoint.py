@@ -141,12 +141,15 @@ def test_recorder_sees_recomputation_after_forward() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_recomputation_draws_the_same_dropout_mask(n: int, checkpoint: str) -> None:
+@pytest.mark.parametrize("indexed", [False, True])
+def test_recomputation_draws_the_same_dropout_mask(n: int, checkpoint: str, indexed: bool) -> None:
     # With x = 1, the output of dropout reveals the forward's mask and the gradient of
     # x the recomputation's: they must be the same, though every partition draws random
-    # numbers concurrently from the same (CPU) generator.
+    # numbers concurrently from the same (CPU) generator. 'cpu:0' and 'cpu:1' differ to
+    # == but are the same generator.
     layers = [nn.Dropout(0.5) for _ in range(n)]
-    model = GPipe(nn.Sequential(*layers), [1] * n, chunks=8, checkpoint=checkpoint)
+    devices = [f"cpu:{j}" if indexed else "cpu" for j in range(n)]
+    model = GPipe(nn.Sequential(*layers), [1] * n, devices=devices, chunks=8, checkpoint=checkpoint)
     for _ in range(5):
         x = torch.ones(16, 256, requires_grad=True)
         out = model(x)
@@ -156,6 +159,14 @@ def test_recomputation_draws_the_same_dropout_mask(n: int, checkpoint: str) -> N
         expected = mask.double() * 2**n
         assert torch.equal(x.grad.double() * mask, expected)  # same mask in backward
         assert torch.equal(x.grad != 0, mask)
+
+
+def test_partitions_on_cpu_share_one_generator_whatever_the_index() -> None:
+    layers = nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity())
+    mixed = ["cpu", torch.device("cpu", 0), "cpu:1"]
+    assert GPipe(layers, [1, 1, 1], devices=mixed)._pipeline.shares_device == [True] * 3
+    alone = GPipe(nn.Sequential(nn.Identity()), [1], devices=["cpu:0"])
+    assert alone._pipeline.shares_device == [False]
 
 
 def test_random_numbers_are_reproducible_across_runs() -> None:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,7 +39,7 @@ from torchgpipe.checkpoint import checkpoint
 from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import flatten
-from torchgpipe.rng import CellRandomness, draw_seed
+from torchgpipe.rng import CellRandomness, draw_seed, generator_key
 from torchgpipe.stream import (
     AnyStream,
     CPUStreamType,
@@ -123,7 +125,8 @@ class Pipeline:
         self.partitions = list(partitions)
         self.devices = list(devices)
         # Partitions that share a device share its random number generator: see rng.py.
-        self.shares_device = [self.devices.count(d) > 1 for d in self.devices]
+        generators = [generator_key(d) for d in self.devices]
+        self.shares_device = [generators.count(g) > 1 for g in generators]
         self._pool: WorkerPool | None = None  # started by the first run
         self._lock = threading.Lock()  # one run at a time on the workers
 
@@ -183,10 +186,11 @@ class Pipeline:
         if failures:
             first = min(failures, key=lambda f: (f.i, f.j))
             assert first.error is not None
-            first.error.add_note(
+            note = (
                 f"torchgpipe: raised in partition {first.j} (device {self.devices[first.j]}) "
                 f"on micro-batch {first.i} of {m}"
             )
+            _add_note(first.error, note)
             raise first.error
         return self._hand_back(run, outputs.items)
 
@@ -267,6 +271,19 @@ class Pipeline:
         else:
             output = partition(value)
         return fork(output) if wants_phony else (output, None)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; on Python 3.10, which has no notes, set ``__notes__``.
+
+    Python 3.10 does not print ``__notes__``, but code that catches the exception can
+    read them there, as on later versions.
+    """
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+        return
+    with suppress(AttributeError):  # an exception type with __slots__ and no __dict__
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def _device_of(value: Any) -> torch.device:

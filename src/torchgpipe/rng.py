@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CellRandomness", "draw_seed"]
+__all__ = ["CellRandomness", "draw_seed", "generator_key"]
 
 _SWAP_LOCK = threading.Lock()
 
@@ -34,6 +34,20 @@ _SWAP_LOCK = threading.Lock()
 def draw_seed() -> int:
     """A seed for a forward pass's cells, drawn from the default CPU generator."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+def generator_key(device: torch.device) -> tuple[str, int]:
+    """Which default generator ``device`` draws from: one for the CPU, one per GPU.
+
+    ``cpu``, ``cpu:0`` and ``cpu:1`` are different devices to ``==`` but share the one
+    CPU generator, so partitions on them share it too.
+    """
+    if device.type == "cpu":
+        return ("cpu", 0)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return (device.type, index if index is not None else 0)
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
