@@ -1,4 +1,4 @@
-from collections import OrderedDict, namedtuple
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 
 import pytest
 import torch
@@ -28,6 +28,44 @@ def test_flatten_unflatten_keeps_containers_and_types() -> None:
     assert _equal(rebuilt, value)
     assert type(rebuilt["p"]) is Pair
     assert type(rebuilt["o"]) is OrderedDict
+
+
+class Tagged(list):  # type: ignore[type-arg]
+    """A list subclass whose constructor does not take the items."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+
+def test_container_subclasses_keep_their_type_and_state() -> None:
+    d: defaultdict[str, object] = defaultdict(list, x=torch.ones(4))
+    c = Counter(a=torch.ones(4))
+    t = Tagged("t")
+    t.extend([torch.zeros(4), 1])
+    leaves, spec = flatten((d, c, t))
+    assert len(leaves) == 4
+    rebuilt_d, rebuilt_c, rebuilt_t = unflatten(leaves, spec)
+    assert type(rebuilt_d) is defaultdict
+    assert rebuilt_d.default_factory is list
+    assert rebuilt_d["missing"] == []  # the factory still works
+    assert type(rebuilt_c) is Counter
+    assert torch.equal(rebuilt_c["a"], torch.ones(4))  # not added to a count
+    assert type(rebuilt_t) is Tagged
+    assert rebuilt_t.tag == "t"
+    assert len(rebuilt_t) == 2
+    assert rebuilt_t[1] == 1
+    assert len(t) == 2  # the original is left as it was
+
+
+def test_scatter_gather_dict_subclass() -> None:
+    d = defaultdict(int, x=torch.arange(6.0))
+    batches = scatter(d, 3)
+    assert all(type(b) is defaultdict and b.default_factory is int for b in batches)
+    assert [b["x"].tolist() for b in batches] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    gathered = gather(batches)
+    assert type(gathered) is defaultdict
+    assert torch.equal(gathered["x"], torch.arange(6.0))
 
 
 def test_unflatten_wrong_number_of_leaves() -> None:

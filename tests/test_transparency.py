@@ -1,6 +1,7 @@
 """GPipe computes what the unwrapped model computes: outputs, gradients, weights."""
 
 import copy
+from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
@@ -208,3 +209,20 @@ def test_inplace_layer_at_a_partition_boundary(balance: list[int], checkpoint: s
     out.sum().backward()
     expected.sum().backward()
     _assert_same_grads(model, plain, exact=False)
+
+
+def test_defaultdict_input_and_output() -> None:
+    class Double(nn.Module):
+        def forward(self, d: defaultdict[str, Tensor]) -> defaultdict[str, Tensor]:
+            assert d.default_factory is list  # the type and its factory arrive intact
+            out: defaultdict[str, Tensor] = defaultdict(list)
+            out["x"] = d["x"] * 2
+            return out
+
+    plain = nn.Sequential(Double(), Double())
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=3)
+    x = torch.randn(6, 2, dtype=torch.float64, requires_grad=True)
+    out = model(defaultdict(list, x=x))
+    assert type(out) is defaultdict
+    assert out.default_factory is list
+    torch.testing.assert_close(out["x"], plain(defaultdict(list, x=x))["x"], rtol=0, atol=0)

@@ -12,8 +12,9 @@ sizes keep the cells of one clock tick equally long, which is what the pipeline 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,13 +29,16 @@ class Spec:
 
     ``kind`` is ``"leaf"``, ``"tuple"``, ``"list"`` or ``"dict"``; ``cls`` rebuilds the
     container (so named tuples and dict subclasses keep their type); ``keys`` are a
-    dict's keys in order.
+    dict's keys in order. ``template`` is an emptied shallow copy of a list or dict of a
+    subclass, which keeps what the subclass holds besides its items (the factory of a
+    ``defaultdict``, say) and whose constructor may not take the items.
     """
 
     kind: str
     cls: type | None = None
     keys: tuple[Any, ...] = ()
     children: tuple[Spec, ...] = ()
+    template: Any = field(default=None, compare=False)
 
     @property
     def num_leaves(self) -> int:
@@ -60,13 +64,23 @@ def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
         children = tuple(_flatten_into(v, leaves) for v in value)
         return Spec("tuple", type(value), (), children)
     if isinstance(value, list):
-        return Spec("list", type(value), (), tuple(_flatten_into(v, leaves) for v in value))
+        children = tuple(_flatten_into(v, leaves) for v in value)
+        return Spec("list", type(value), (), children, _template(value, list))
     if isinstance(value, dict):
         keys = tuple(value)
         children = tuple(_flatten_into(value[key], leaves) for key in keys)
-        return Spec("dict", type(value), keys, children)
+        return Spec("dict", type(value), keys, children, _template(value, dict))
     leaves.append(value)
     return _LEAF
+
+
+def _template(value: list[Any] | dict[Any, Any], base: type) -> Any:
+    """An emptied shallow copy of ``value`` when it is of a subclass of ``base``, or None."""
+    if type(value) is base:
+        return None
+    template = copy.copy(value)
+    template.clear()
+    return template
 
 
 def unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
@@ -91,6 +105,15 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return leaf
     children = [_unflatten_from(it, child) for child in spec.children]
     assert spec.cls is not None  # every container spec records its type
+    if spec.template is not None:  # a subclass of list or dict: fill a copy of the template
+        rebuilt = copy.copy(spec.template)
+        # The subclass's own update and extend: OrderedDict keeps its order only so; an
+        # empty Counter updated from a mapping takes the values as they are.
+        if spec.kind == "dict":
+            rebuilt.update(dict(zip(spec.keys, children, strict=True)))
+        else:
+            rebuilt.extend(children)
+        return rebuilt
     if spec.kind == "dict":
         return spec.cls(zip(spec.keys, children, strict=True))
     if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple
