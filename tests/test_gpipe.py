@@ -2,6 +2,7 @@ import copy
 import inspect
 import subprocess
 import sys
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -93,6 +94,13 @@ def test_parameters_shared_between_children_rejected_all_at_once() -> None:
         GPipe(nn.Sequential(a, b, c), [1, 2])
 
 
+@pytest.mark.parametrize("name", ["chunks", "checkpoint", "balance", "devices", "partitions"])
+def test_layer_named_like_an_attribute_rejected(name: str) -> None:
+    module = nn.Sequential(OrderedDict([("a", nn.Identity()), (name, nn.Identity())]))
+    with pytest.raises(ValueError, match=rf"\['{name}'\] are also attributes of GPipe"):
+        GPipe(module, [1, 1])
+
+
 def test_parameters_shared_within_one_layer_are_fine() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -115,7 +123,7 @@ def test_parameters_shared_within_one_layer_are_fine() -> None:
         ([0, 4], r"balance\[0\] = 0"),
         ([5, -1], r"balance\[1\] = -1"),
         ([], "balance is empty"),
-        (None, "balance is required.*torchgpipe.balance"),
+        (None, "balance is required.*automatic balancing is planned"),
     ],
 )
 def test_bad_balance_rejected(balance: list[int] | None, match: str) -> None:

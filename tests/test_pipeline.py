@@ -1,3 +1,4 @@
+import copy
 import gc
 import itertools
 import threading
@@ -8,7 +9,7 @@ import torch
 from helpers import Fail, Recorder, assert_workers_idle_and_alive, indexed_input
 from torch import nn
 
-from torchgpipe import GPipe
+from torchgpipe import GPipe, is_checkpointing
 from torchgpipe.pipeline import clock_cycles
 
 
@@ -133,6 +134,59 @@ def test_backward_exception_reaches_caller(checkpoint: str) -> None:
         out.sum().backward()
     model(torch.randn(6, 3))  # the next call works
     assert_workers_idle_and_alive(model, 2)
+
+
+class FailOnce(nn.Module):
+    """Fails in backward on the micro-batch whose first sample is ``target``, once."""
+
+    def __init__(self, target: float) -> None:
+        super().__init__()
+        self.target = target
+        self.armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and x[0, 0].item() == self.target:
+            if not is_checkpointing():  # the checkpointed forward records no graph
+                self.armed = False
+            return _FailingBackward.apply(x)
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_backward_failure_on_one_micro_batch_then_success(checkpoint: str) -> None:
+    # Only micro-batch 1 of 3 fails in backward; the next forward and backward work and
+    # give the plain model's gradients.
+    linear = nn.Linear(3, 3)
+    plain = copy.deepcopy(linear)
+    model = GPipe(nn.Sequential(linear, FailOnce(2.0)), [1, 1], chunks=3, checkpoint=checkpoint)
+    x = torch.arange(18.0).reshape(6, 3)
+    model[1].target = linear(x[2:4])[0, 0].item()  # micro-batch 1's first sample
+    with pytest.raises(ArithmeticError, match="in backward"):
+        model(x).sum().backward()
+    linear.zero_grad()
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    assert linear.weight.grad is not None
+    assert torch.allclose(linear.weight.grad, plain.weight.grad)  # type: ignore[arg-type]
+    assert_workers_idle_and_alive(model, 2)
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")  # a new exception each time: no layer holds a traceback
+
+
+def test_no_worker_thread_outlives_a_model_that_failed() -> None:
+    model = GPipe(nn.Sequential(nn.Identity(), Boom()), [1, 1], chunks=2)
+    with pytest.raises(ValueError, match="boom") as info:
+        model(indexed_input(2))
+    del info  # it holds the traceback, and so the pipeline's frames
+    threads = model._pipeline._pool.threads  # type: ignore[union-attr]
+    del model
+    gc.collect()  # the exception's traceback and the pipeline's frames form a cycle
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
 
 
 def test_no_worker_thread_outlives_the_model() -> None:

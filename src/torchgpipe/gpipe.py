@@ -22,7 +22,10 @@ Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
 
 _CHECKPOINT_MODES: tuple[str, ...] = get_args(Checkpoint)
 
-_AUTO_BALANCE_HINT = "or compute one with torchgpipe.balance (balance_by_time or balance_by_size)"
+# Automatic balancing (torchgpipe.balance) is not in this release yet: do not send users there.
+_AUTO_BALANCE_HINT = (
+    "or spread the layers evenly to start with (automatic balancing is planned for a later release)"
+)
 
 
 class BalanceError(ValueError):
@@ -107,6 +110,17 @@ class GPipe(nn.Module):
                 "statistics of batch-norm layers)"
             )
 
+        clashes = [
+            name
+            for name, _ in module.named_children()
+            if hasattr(type(self), name) or name in vars(self)
+        ]
+        if clashes:
+            raise ValueError(
+                f"layer names {clashes} are also attributes of GPipe, which would hide "
+                f"them; rename those layers (the keys of the OrderedDict given to "
+                f"nn.Sequential)"
+            )
         for name, layer in module.named_children():
             self.add_module(name, layer)
         partitions = []
