@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.pipeline import Pipeline
+from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
 
@@ -53,6 +54,10 @@ class GPipe(nn.Module):
     tensor or any nesting of tuples, lists and dicts of tensors sharing dim 0 (the
     batch), with other leaves passed to every micro-batch unchanged.
 
+    Layers made with :func:`torchgpipe.skip.skippable` may pass tensors to later layers
+    across partitions; ``skip_layout`` says which partition stashes and which pops each
+    one, and each skip is copied once, from the one to the other.
+
     Args:
         module: the model; its layers run in order, each called with the previous
             layer's output.
@@ -66,8 +71,9 @@ class GPipe(nn.Module):
         deferred_batch_norm: not available yet.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong
-            type.
+        TypeError: ``module`` is not an ``nn.Sequential``, an argument has the wrong
+            type, or the skip connections do not match up (see
+            :func:`torchgpipe.skip.verify_skippables`).
         ValueError: ``module`` holds a layer twice or shares parameters between
             layers, ``chunks`` is not positive, ``checkpoint`` is unknown, or a device
             is not available.
@@ -81,6 +87,7 @@ class GPipe(nn.Module):
     devices: list[torch.device]
     chunks: int
     checkpoint: Checkpoint
+    skip_layout: SkipLayout
 
     def __init__(
         self,
@@ -100,6 +107,7 @@ class GPipe(nn.Module):
             )
         self.balance = _check_balance(balance, len(module))
         _check_layers(module)
+        verify_skippables(module)
         self.devices = _check_devices(devices, len(self.balance))
         self.chunks = _check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
@@ -129,7 +137,8 @@ class GPipe(nn.Module):
             part, layers = layers[:size], layers[size:]
             partitions.append(nn.Sequential(*part).to(device))
         # A plain attribute, not a child module: the layers are registered once, above.
-        self._pipeline = Pipeline(partitions, self.devices)
+        self.skip_layout = skip_layout(module, self.balance)
+        self._pipeline = Pipeline(partitions, self.devices, self.skip_layout)
 
     @property
     def partitions(self) -> list[nn.Sequential]:

@@ -26,7 +26,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +40,9 @@ from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import flatten
 from torchgpipe.rng import CellRandomness, draw_seed, generator_key
+from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.skip.skippable import SkipKey, Skippable
+from torchgpipe.skip.tracker import run_cell
 from torchgpipe.stream import (
     AnyStream,
     CPUStreamType,
@@ -111,6 +114,7 @@ class _Run:
     copy: list[AnyStream]
     source: AnyStream  # where the caller produced the input
     abort: threading.Event
+    skips: list[dict[SkipKey, Any]]  # per micro-batch: stashed, waiting for their pop
 
 
 class Pipeline:
@@ -121,9 +125,22 @@ class Pipeline:
         devices: the device of each partition.
     """
 
-    def __init__(self, partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    def __init__(
+        self,
+        partitions: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        layout: SkipLayout | None = None,
+    ) -> None:
         self.partitions = list(partitions)
         self.devices = list(devices)
+        # Partitions with skippable layers run under a tracker of their own (skip/),
+        # which takes the inbound skips and hands back the outbound ones; None: no skips.
+        layout = layout or SkipLayout(())
+        self._inbound = [layout.inbound(j) for j in range(len(self.partitions))]
+        self._outbound = [
+            layout.outbound(j) if _has_skippables(p) else None
+            for j, p in enumerate(self.partitions)
+        ]
         # Partitions that share a device share its random number generator: see rng.py.
         generators = [generator_key(d) for d in self.devices]
         self.shares_device = [generators.count(g) > 1 for g in generators]
@@ -164,6 +181,7 @@ class Pipeline:
             copy=[new_stream(d) for d in self.devices],
             source=current_stream(_device_of(batches[0])),
             abort=threading.Event(),
+            skips=[{} for _ in batches],
         )
         queues: list[_Inbox] = [queue.SimpleQueue() for _ in range(n)]
         for batch in batches:
@@ -242,12 +260,41 @@ class Pipeline:
     def _cell(
         self, run: _Run, i: int, j: int, value: Any, phony: Tensor | None
     ) -> tuple[Any, Tensor | None]:
-        """Cell (i, j): move the input in, compute, and add the ordering edges."""
+        """Cell (i, j): move the input and the skips in, compute, keep the skips out."""
         device = self.devices[j]
         source = run.source if j == 0 else run.compute[j - 1]
         value = move(value, device, source=source, copy=run.copy[j], target=run.compute[j])
+        outbound_keys = self._outbound[j]
+        if outbound_keys is None:
+            return self._compute(run, i, j, self.partitions[j], value, phony)
 
-        partition = self.partitions[j]
+        # A skip comes straight from the partition that stashed it: one copy, here.
+        inbound = {
+            route.key: move(
+                run.skips[i].pop(route.key),
+                device,
+                source=run.compute[route.stash_partition],
+                copy=run.copy[j],
+                target=run.compute[j],
+            )
+            for route in self._inbound[j]
+        }
+        function = partial(run_cell, self.partitions[j], outbound_keys)
+        (output, outbound), phony = self._compute(run, i, j, function, (value, inbound), phony)
+        run.skips[i].update(outbound)
+        return output, phony
+
+    def _compute(
+        self,
+        run: _Run,
+        i: int,
+        j: int,
+        function: Callable[[Any], Any],
+        value: Any,
+        phony: Tensor | None,
+    ) -> tuple[Any, Tensor | None]:
+        """Run ``function(value)`` as cell (i, j): checkpointed or not, with its edges."""
+        device = self.devices[j]
         seed = None
         if run.seed is not None and self.shares_device[j]:
             seed = (run.seed + 1_000_003 * j + i) % 2**63
@@ -256,7 +303,7 @@ class Pipeline:
         wants_phony = run.state.grad_enabled and i + 1 < run.m
         if i < run.checkpoint_stop:
             return checkpoint(
-                partition,
+                function,
                 value,
                 state=run.state,
                 randomness=randomness,
@@ -267,10 +314,14 @@ class Pipeline:
         value = join(value, phony)
         if seed is not None:
             with randomness.forward():
-                output = partition(value)
+                output = function(value)
         else:
-            output = partition(value)
+            output = function(value)
         return fork(output) if wants_phony else (output, None)
+
+
+def _has_skippables(partition: nn.Module) -> bool:
+    return any(isinstance(module, Skippable) for module in partition.modules())
 
 
 def _add_note(error: BaseException, note: str) -> None:

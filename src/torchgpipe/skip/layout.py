@@ -1,0 +1,153 @@
+"""Where each skip lives: the static check of a Sequential, and the route of each skip.
+
+:func:`verify_skippables` reads the skippable modules of a Sequential (its layers and
+the modules inside them) and checks that every skip is stashed once, popped once, and
+stashed before it is popped. :func:`skip_layout` then says, for a balance, which
+partition stashes and which pops each skip: GPipe copies a skip once, from the one to
+the other, and the partitions between them never see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from torchgpipe.skip.skippable import Namespace, SkipKey, Skippable
+
+__all__ = ["SkipLayout", "SkipRoute", "skip_layout", "verify_skippables"]
+
+
+@dataclass(frozen=True)
+class SkipRoute:
+    """One skip: its name and namespace, and the partitions that stash and pop it."""
+
+    namespace: Namespace
+    name: str
+    stash_partition: int
+    pop_partition: int
+
+    @property
+    def key(self) -> SkipKey:
+        """The skip's key, as skippable modules name it."""
+        return SkipKey(self.namespace, self.name)
+
+    @property
+    def crosses(self) -> bool:
+        """Whether the skip leaves the partition that stashes it."""
+        return self.stash_partition != self.pop_partition
+
+
+@dataclass(frozen=True)
+class SkipLayout:
+    """Which partition stashes and which pops every skip of a model.
+
+    ``str(layout)`` is a table, one skip per line.
+    """
+
+    routes: tuple[SkipRoute, ...]
+
+    def inbound(self, j: int) -> tuple[SkipRoute, ...]:
+        """The skips partition ``j`` pops that an earlier partition stashed."""
+        return tuple(r for r in self.routes if r.pop_partition == j and r.crosses)
+
+    def outbound(self, j: int) -> tuple[SkipKey, ...]:
+        """The keys of the skips partition ``j`` stashes for a later partition."""
+        return tuple(r.key for r in self.routes if r.stash_partition == j and r.crosses)
+
+    def __str__(self) -> str:
+        if not self.routes:
+            return "no skips"
+        lines = [f"{'skip':<40} {'stashed by':>10} {'popped by':>10}"]
+        for r in self.routes:
+            name = str(r.key)
+            lines.append(f"{name:<40} {r.stash_partition:>10} {r.pop_partition:>10}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Use:
+    layer: int  # the index of the Sequential's layer the module is in
+    where: str  # how to name it in a message
+
+
+def _skippables(module: nn.Sequential) -> Iterator[tuple[int, str, Skippable]]:
+    """Every skippable module, with the index of the layer it is in and a readable name."""
+    for index, (name, layer) in enumerate(module.named_children()):
+        for path, sub in layer.named_modules(prefix=name):
+            if isinstance(sub, Skippable):
+                yield index, f"layer {path} ({type(sub).__name__})", sub
+
+
+def _uses(module: nn.Sequential) -> tuple[dict[SkipKey, list[_Use]], dict[SkipKey, list[_Use]]]:
+    stashes: dict[SkipKey, list[_Use]] = {}
+    pops: dict[SkipKey, list[_Use]] = {}
+    for index, where, sub in _skippables(module):
+        for key in sub.stash_keys():
+            stashes.setdefault(key, []).append(_Use(index, where))
+        for key in sub.pop_keys():
+            pops.setdefault(key, []).append(_Use(index, where))
+    return stashes, pops
+
+
+def verify_skippables(module: nn.Sequential) -> None:
+    """Check that every skip of ``module`` is stashed once, popped once, in that order.
+
+    Skippable modules are looked for among the layers and inside them. Every problem is
+    reported at once.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or there is a skip that is
+            stashed but never popped, popped but never stashed, stashed or popped by
+            more than one module, or popped by a layer before the layer that stashes it.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"verify_skippables takes an nn.Sequential, got {type(module).__name__}")
+    stashes, pops = _uses(module)
+    problems = []
+    for key in [*stashes, *(k for k in pops if k not in stashes)]:
+        stashed, popped = stashes.get(key, []), pops.get(key, [])
+        if len(stashed) > 1:
+            problems.append(f"{key} is stashed by {_list(stashed)}")
+        if len(popped) > 1:
+            problems.append(f"{key} is popped by {_list(popped)}")
+        if not popped:
+            problems.append(f"{key} is stashed by {_list(stashed)} but never popped")
+        elif not stashed:
+            problems.append(f"{key} is popped by {_list(popped)} but never stashed")
+        elif popped[0].layer < stashed[0].layer:
+            problems.append(
+                f"{key} is popped by {popped[0].where} before {stashed[0].where} stashes it"
+            )
+    if problems:
+        raise TypeError(
+            "the skip connections do not match up:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nEach skip name is stashed once and popped once, by a later layer; to use "
+            "one skippable class more than once, give each use a Namespace of its own "
+            "with module.isolate(Namespace())"
+        )
+
+
+def _list(uses: list[_Use]) -> str:
+    return " and ".join(use.where for use in uses)
+
+
+def skip_layout(module: nn.Sequential, balance: Sequence[int]) -> SkipLayout:
+    """The route of every skip of ``module`` when split by ``balance``.
+
+    ``module`` must pass :func:`verify_skippables`.
+    """
+    partition_of = [j for j, size in enumerate(balance) for _ in range(size)]
+    stashes, pops = _uses(module)
+    routes = tuple(
+        SkipRoute(
+            key.namespace,
+            key.name,
+            partition_of[stashes[key][0].layer],
+            partition_of[pops[key][0].layer],
+        )
+        for key in stashes
+    )
+    return SkipLayout(routes)

@@ -1,0 +1,274 @@
+"""Skippable modules: layers that hand tensors to later layers by name.
+
+A skippable module's ``forward`` is a generator. It yields ``stash(name, tensor)`` to
+leave a tensor for a later layer, and ``pop(name)`` to take one left by an earlier
+layer (the ``yield`` evaluates to the tensor), then returns its output as usual::
+
+    @skippable(stash=["skip"])
+    class Down(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            return self.conv(x)
+
+    @skippable(pop=["skip"])
+    class Up(nn.Module):
+        def forward(self, x):
+            skip = yield pop("skip")
+            return self.conv(x) + skip
+
+Where the tensors go is up to whoever runs the layers (see ``tracker.py``): a plain
+``nn.Sequential`` keeps them on the calling thread until they are popped; GPipe sends
+each one from the partition that stashes it straight to the partition that pops it.
+
+Names are scoped by a :class:`Namespace`. ``module.isolate(ns)`` moves a module's names
+into ``ns``, so that one class can appear several times in a model (a U-Net's levels)
+without their skips colliding. Names no namespace was given live in a global one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch import Tensor, nn
+
+from torchgpipe.skip.tracker import current_tracker
+
+__all__ = ["Namespace", "SkipKey", "Skippable", "pop", "skippable", "stash"]
+
+
+class Namespace:
+    """A scope for skip names, so that one skippable class can be used many times.
+
+    Namespaces compare by identity: two ``Namespace()`` are always different.
+
+    Example::
+
+        ns1, ns2 = Namespace(), Namespace()
+        model = nn.Sequential(Down().isolate(ns1), Down().isolate(ns2),
+                              Up().isolate(ns2), Up().isolate(ns1))
+    """
+
+    def __init__(self, label: str | None = None) -> None:
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.label!r})" if self.label else f"<Namespace at {id(self):#x}>"
+
+
+GLOBAL_NAMESPACE = Namespace("global")
+"""Where names live that no :meth:`Skippable.isolate` put in a namespace of their own."""
+
+
+@dataclass(frozen=True)
+class SkipKey:
+    """A skip's identity: its name within its namespace."""
+
+    namespace: Namespace
+    name: str
+
+    def __str__(self) -> str:
+        if self.namespace is GLOBAL_NAMESPACE:
+            return repr(self.name)
+        return f"{self.name!r} in {self.namespace!r}"
+
+
+@dataclass(frozen=True)
+class stash:  # lower case: the name torchgpipe users write, stash(name, x)
+    """Yielded by a skippable ``forward`` to leave ``tensor`` for a later layer.
+
+    ``tensor`` may be None. The ``yield`` evaluates to None.
+    """
+
+    name: str
+    tensor: Tensor | None
+
+
+@dataclass(frozen=True)
+class pop:  # lower case: the name torchgpipe users write, pop(name)
+    """Yielded by a skippable ``forward`` to take the tensor stashed as ``name``.
+
+    The ``yield`` evaluates to that tensor (or None, if None was stashed).
+    """
+
+    name: str
+
+
+class Skippable(nn.Module):
+    """The base that :func:`skippable` adds to a class; drives its generator ``forward``.
+
+    Subclasses get ``stash_names`` and ``pop_names`` (the declared names, in order)
+    from the decorator.
+    """
+
+    stash_names: tuple[str, ...] = ()
+    pop_names: tuple[str, ...] = ()
+
+    def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
+        """Put this module's skip names (or the names in ``only``) into namespace ``ns``.
+
+        Returns the module itself, so that it can be used inline in a Sequential.
+
+        Raises:
+            TypeError: ``ns`` is not a :class:`Namespace`.
+            ValueError: a name in ``only`` is not one this module stashes or pops.
+        """
+        if not isinstance(ns, Namespace):
+            raise TypeError(f"isolate() takes a Namespace, got {ns!r}; create one: Namespace()")
+        declared = (*self.stash_names, *self.pop_names)
+        names = declared if only is None else tuple(only)
+        unknown = [name for name in names if name not in declared]
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} has no skip named {unknown}; the names it declares "
+                f"are {list(declared)}"
+            )
+        namespaces = dict(self._skip_namespaces())
+        namespaces.update(dict.fromkeys(names, ns))
+        self.__dict__["_namespaces"] = namespaces
+        return self
+
+    def _skip_namespaces(self) -> dict[str, Namespace]:
+        namespaces: dict[str, Namespace] = self.__dict__.get("_namespaces", {})
+        return namespaces
+
+    def skip_key(self, name: str) -> SkipKey:
+        """The key of ``name`` for this module: the name in its namespace."""
+        return SkipKey(self._skip_namespaces().get(name, GLOBAL_NAMESPACE), name)
+
+    def stash_keys(self) -> tuple[SkipKey, ...]:
+        """The keys of the skips this module stashes, in declared order."""
+        return tuple(self.skip_key(name) for name in self.stash_names)
+
+    def pop_keys(self) -> tuple[SkipKey, ...]:
+        """The keys of the skips this module pops, in declared order."""
+        return tuple(self.skip_key(name) for name in self.pop_names)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the decorated class's generator ``forward``, serving its stashes and pops.
+
+        Raises:
+            TypeError: the generator yielded something other than ``stash``/``pop``,
+                or stashed something other than a tensor or None.
+            ValueError: a name was not declared, was used twice, or a declared name
+                was not stashed or popped by the time ``forward`` returned.
+        """
+        generator: Generator[Any, Any, Any] = super().forward(*args, **kwargs)
+        tracker = current_tracker()
+        stashed: set[str] = set()
+        popped: set[str] = set()
+        try:
+            request = next(generator)
+            while True:
+                reply = None
+                if isinstance(request, stash):
+                    self._check_use(request.name, self.stash_names, stashed, "stash")
+                    if request.tensor is not None and not isinstance(request.tensor, Tensor):
+                        raise TypeError(
+                            f"{self._where()} stashed {type(request.tensor).__name__} as skip "
+                            f"{request.name!r}; a skip is a tensor or None"
+                        )
+                    tracker.stash(self.skip_key(request.name), request.tensor)
+                elif isinstance(request, pop):
+                    self._check_use(request.name, self.pop_names, popped, "pop")
+                    reply = tracker.pop(self.skip_key(request.name))
+                else:
+                    raise TypeError(
+                        f"{self._where()} yielded {request!r}; a skippable forward yields "
+                        f"only stash(name, tensor) and pop(name), and returns its output"
+                    )
+                request = generator.send(reply)
+        except StopIteration as stop:
+            output = stop.value
+        finally:
+            generator.close()
+        self._check_all_used(stashed, popped)
+        return output
+
+    def _where(self) -> str:
+        return f"{type(self).__name__}.forward"
+
+    def _check_use(self, name: str, declared: tuple[str, ...], used: set[str], verb: str) -> None:
+        if name not in declared:
+            raise ValueError(
+                f"{self._where()} yielded {verb}({name!r}) but {type(self).__name__} "
+                f"declares {verb}={list(declared)}; add {name!r} to @skippable({verb}=[...])"
+            )
+        if name in used:
+            raise ValueError(
+                f"{self._where()} yielded {verb}({name!r}) twice in one call; each skip is "
+                f"stashed once and popped once per forward"
+            )
+        used.add(name)
+
+    def _check_all_used(self, stashed: set[str], popped: set[str]) -> None:
+        missing = [f"stash({n!r})" for n in self.stash_names if n not in stashed]
+        missing += [f"pop({n!r})" for n in self.pop_names if n not in popped]
+        if missing:
+            raise ValueError(
+                f"{self._where()} returned without yielding {', '.join(missing)}; each "
+                f"declared skip is stashed once and popped once per forward (stash None "
+                f"when there is nothing to pass)"
+            )
+
+
+ModuleType = TypeVar("ModuleType", bound=type[nn.Module])
+
+
+def skippable(
+    *, stash: Iterable[str] = (), pop: Iterable[str] = ()
+) -> Callable[[ModuleType], ModuleType]:
+    """Make an ``nn.Module`` class whose ``forward`` is a generator into a skippable one.
+
+    ``stash`` and ``pop`` declare the names its ``forward`` yields ``stash(name,
+    tensor)`` and ``pop(name)`` for. The decorated class is a subclass of the original
+    and of :class:`Skippable`, with the same name; it works in a plain ``nn.Sequential``
+    as well as in GPipe.
+
+    Raises:
+        TypeError: the decorated object is not an ``nn.Module`` class, or its
+            ``forward`` is not a generator function.
+        ValueError: a name is declared twice, or both stashed and popped.
+    """
+    stash_names, pop_names = _names(stash, "stash"), _names(pop, "pop")
+    both = sorted(set(stash_names) & set(pop_names))
+    if both:
+        raise ValueError(
+            f"@skippable declares {both} as both stashed and popped; a module passes a "
+            f"skip to another module, so use a different name on each side"
+        )
+
+    def decorate(cls: ModuleType) -> ModuleType:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"@skippable decorates an nn.Module class, got {cls!r}")
+        if not inspect.isgeneratorfunction(cls.forward):
+            raise TypeError(
+                f"@skippable needs {cls.__name__}.forward to be a generator: it yields "
+                f"stash(name, tensor) and pop(name), then returns its output; "
+                f"{cls.__name__}.forward has no yield"
+            )
+        namespace = {
+            "stash_names": stash_names,
+            "pop_names": pop_names,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        return type(cls.__name__, (Skippable, cls), namespace)  # type: ignore[return-value]  # a subclass of cls
+
+    return decorate
+
+
+def _names(names: Iterable[str], what: str) -> tuple[str, ...]:
+    if isinstance(names, str):
+        raise TypeError(f"@skippable({what}=...) takes a list of names, got the string {names!r}")
+    result = tuple(names)
+    bad = [name for name in result if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"skip names are strings, got {bad} in @skippable({what}=...)")
+    repeated = sorted({name for name in result if result.count(name) > 1})
+    if repeated:
+        raise ValueError(f"@skippable({what}=...) lists {repeated} more than once")
+    return result

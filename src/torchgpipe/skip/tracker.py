@@ -1,0 +1,122 @@
+"""Skip trackers: where a stashed tensor waits until it is popped.
+
+A skippable module hands its stashes and pops to the tracker of the calling thread:
+
+- Outside GPipe, each thread has a plain tracker, a dict from skip key to tensor; a
+  pop takes the tensor out again, so a plain ``nn.Sequential`` of skippable layers
+  holds each skip only between its stash and its pop.
+- Inside GPipe, each cell runs under a :class:`CellTracker`. Skips popped in the same
+  partition stay in it; skips for later partitions are collected as outbound, and
+  skips stashed by earlier partitions arrive as inbound. The cell returns the outbound
+  ones alongside its output, so that checkpointing sees them as outputs (gradients
+  reach the stashing layer) and inbound ones as inputs (recomputation pops the very
+  tensors the forward popped, and stashes nothing anywhere but in its own return
+  value).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torchgpipe.skip.skippable import SkipKey
+
+__all__ = ["CellTracker", "SkipTracker", "current_tracker", "run_cell", "use_tracker"]
+
+
+class SkipTracker:
+    """Holds stashed tensors until they are popped."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[SkipKey, Tensor | None] = {}
+
+    def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
+        """Keep ``tensor`` until ``key`` is popped."""
+        self.waiting[key] = tensor
+
+    def pop(self, key: SkipKey) -> Tensor | None:
+        """Take the tensor stashed as ``key`` out.
+
+        Raises:
+            ValueError: nothing was stashed as ``key`` (yet).
+        """
+        if key not in self.waiting:
+            raise ValueError(
+                f"skip {key} was popped before any layer stashed it; a layer that "
+                f"stashes {key} must run first (verify_skippables(model) checks a "
+                f"Sequential)"
+            )
+        return self.waiting.pop(key)
+
+
+class CellTracker(SkipTracker):
+    """The tracker of one GPipe cell: inbound skips in, outbound skips collected.
+
+    Args:
+        inbound: the skips earlier partitions stashed for this one.
+        outbound: the keys this partition stashes for later partitions.
+    """
+
+    def __init__(self, inbound: dict[SkipKey, Tensor | None], outbound: frozenset[SkipKey]):
+        super().__init__()
+        self.waiting.update(inbound)
+        self._outbound = outbound
+        self.out: dict[SkipKey, Tensor | None] = {}
+
+    def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
+        """Collect ``tensor`` as outbound, or keep it for a pop in this partition."""
+        if key in self._outbound:
+            self.out[key] = tensor
+        else:
+            super().stash(key, tensor)
+
+
+_local = threading.local()
+
+
+def current_tracker() -> SkipTracker:
+    """The tracker of the calling thread: a cell's inside GPipe, else the thread's own."""
+    tracker: SkipTracker | None = getattr(_local, "tracker", None)
+    if tracker is None:
+        tracker = _local.tracker = SkipTracker()
+    return tracker
+
+
+@contextmanager
+def use_tracker(tracker: SkipTracker) -> Iterator[None]:
+    """Make ``tracker`` the calling thread's tracker within the block."""
+    previous = getattr(_local, "tracker", None)
+    _local.tracker = tracker
+    try:
+        yield
+    finally:
+        _local.tracker = previous
+
+
+def run_cell(
+    function: Callable[[Any], Any], outbound: tuple[SkipKey, ...], packed: Any
+) -> tuple[Any, dict[SkipKey, Tensor | None]]:
+    """Run a partition on ``(value, inbound)``; return ``(output, outbound skips)``.
+
+    Raises:
+        ValueError: an inbound skip was not popped, or an outbound one not stashed
+            (the layout and the layers disagree).
+    """
+    value, inbound = packed
+    tracker = CellTracker(inbound, frozenset(outbound))
+    with use_tracker(tracker):
+        output = function(value)
+    missing = [str(key) for key in outbound if key not in tracker.out]
+    left = [str(key) for key in inbound if key in tracker.waiting]
+    if missing or left:
+        raise ValueError(
+            f"the partition did not stash {missing} or did not pop {left}, though its "
+            f"layers declare them; a skippable layer must stash and pop every name it "
+            f"declares on every call"
+        )
+    return output, {key: tracker.out[key] for key in outbound}
