@@ -1,4 +1,5 @@
 import torchgpipe
+import torchgpipe.skip
 
 
 def test_public_names() -> None:
@@ -19,3 +20,19 @@ def test_public_objects_are_documented() -> None:
         obj = getattr(torchgpipe, name)
         if callable(obj):
             assert obj.__doc__, name
+
+
+def test_skip_public_names() -> None:
+    assert sorted(torchgpipe.skip.__all__) == sorted(
+        [
+            "Namespace",
+            "SkipLayout",
+            "SkipRoute",
+            "pop",
+            "skippable",
+            "stash",
+            "verify_skippables",
+        ]
+    )
+    for name in torchgpipe.skip.__all__:
+        assert getattr(torchgpipe.skip, name).__doc__, name

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import GPipe, is_recomputing
+from torchgpipe.skip import Namespace, pop, skippable, stash
 
 
 class MaskDropout(nn.Module):
@@ -226,3 +227,71 @@ def test_defaultdict_input_and_output() -> None:
     assert type(out) is defaultdict
     assert out.default_factory is list
     torch.testing.assert_close(out["x"], plain(defaultdict(list, x=x))["x"], rtol=0, atol=0)
+
+
+# Skip connections across partitions (torchgpipe.skip).
+
+
+@skippable(stash=["skip"])
+class Down(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return torch.tanh(self.linear(x))
+
+
+@skippable(pop=["skip"])
+class Up(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return self.linear(torch.cat([x, skip], dim=1))
+
+
+def _unet(width: int = 6, levels: int = 3) -> nn.Sequential:
+    """Down 1..levels, a middle layer, Up levels..1: skips nested like a U-Net's."""
+    spaces = [Namespace() for _ in range(levels)]
+    downs = [Down(width).isolate(ns) for ns in spaces]
+    ups = [Up(width).isolate(ns) for ns in reversed(spaces)]
+    return nn.Sequential(*downs, nn.Linear(width, width), *ups)
+
+
+def _long_skip(width: int = 6, middle: int = 8) -> nn.Sequential:
+    """One skip from the first layer over `middle` layers to the last."""
+    return nn.Sequential(Down(width), *[nn.Linear(width, width) for _ in range(middle)], Up(width))
+
+
+SKIP_CASES = [
+    ("unet", [7]),
+    ("unet", [2, 3, 2]),
+    ("unet", [1, 1, 1, 1, 1, 1, 1]),
+    ("unet", [3, 4]),
+    ("long", [1] * 10),
+    ("long", [2, 4, 4]),
+    ("long", [9, 1]),
+]
+
+
+@pytest.mark.parametrize(("name", "balance"), SKIP_CASES)
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_skips_match_the_plain_model(
+    name: str, balance: list[int], chunks: int, checkpoint: str
+) -> None:
+    plain = (_unet() if name == "unet" else _long_skip()).double()
+    model = GPipe(copy.deepcopy(plain), balance, chunks=chunks, checkpoint=checkpoint)
+    x1 = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    out, expected = model(x1), plain(x2)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    _assert_same_grads(model, plain, exact=False)
+    assert x1.grad is not None
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)

@@ -1,0 +1,198 @@
+"""Skips inside GPipe: one copy, straight to the popping partition, and nothing left over."""
+
+import gc
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgpipe.pipeline
+from torchgpipe import GPipe, is_recomputing
+from torchgpipe.microbatch import flatten
+from torchgpipe.skip import pop, skippable, stash
+
+MARK = 1234.5
+
+
+@skippable(stash=["skip"])
+class StashMark(nn.Module):
+    """Stashes a tensor full of MARK, so that the copies of it can be told apart."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", torch.full_like(x, MARK))
+        return x + 1
+
+
+@skippable(pop=["skip"])
+class PopMark(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        assert torch.all(skip == MARK)
+        return x * 2
+
+
+class Moves:
+    """Records, for every move into a partition, how many skip copies it carried."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, int, int]] = []  # (thread, skips, other tensors)
+        real = torchgpipe.pipeline.move
+
+        def spy(value: Any, *args: Any, **kwargs: Any) -> Any:
+            tensors = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
+            skips = sum(bool(torch.all(x == MARK)) for x in tensors)
+            self.calls.append((threading.current_thread().name, skips, len(tensors) - skips))
+            return real(value, *args, **kwargs)
+
+        monkeypatch.setattr(torchgpipe.pipeline, "move", spy)
+
+    def skips_into(self, j: int) -> int:
+        return sum(s for name, s, _ in self.calls if name == f"torchgpipe-worker-{j}")
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_skip_is_copied_once_straight_to_the_popping_partition(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: str
+) -> None:
+    n, m = 5, 4
+    layers = [StashMark(), *[nn.Identity() for _ in range(n - 2)], PopMark()]
+    model = GPipe(nn.Sequential(*layers), [1] * n, chunks=m, checkpoint=checkpoint)
+    moves = Moves(monkeypatch)
+    out = model(torch.zeros(m, 3, requires_grad=True))
+    torch.testing.assert_close(out, torch.full((m, 3), 2.0))
+    assert moves.skips_into(n - 1) == m  # one copy per micro-batch, into the last partition
+    assert all(moves.skips_into(j) == 0 for j in range(n - 1))  # the others never see it
+    out.sum().backward()
+
+
+class Counting(nn.Module):
+    """Stashes x times the number of forward calls so far, so a second stash would differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        yield stash("skip", x * self.calls)
+        return x
+
+
+class Remember(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.popped: list[tuple[bool, Tensor]] = []
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        self.popped.append((is_recomputing(), skip.detach().clone()))
+        return x + skip
+
+
+CountingStash = skippable(stash=["skip"])(Counting)
+RememberPop = skippable(pop=["skip"])(Remember)
+
+
+def test_recomputation_pops_what_the_forward_popped() -> None:
+    stasher, popper = CountingStash(), RememberPop()
+    model = GPipe(nn.Sequential(stasher, nn.Identity(), popper), [1, 1, 1], chunks=2)
+    x = torch.ones(2, 2, requires_grad=True)
+    model(x).sum().backward()
+    forward = [t for recomputing, t in popper.popped if not recomputing]
+    recomputed = [t for recomputing, t in popper.popped if recomputing]
+    assert len(forward) == 2
+    assert len(recomputed) == 1
+    # Micro-batch 0 was stashed with calls == 1. Its recomputation (after micro-batch 1's
+    # forward, and after the stashing cell recomputed) must still see calls == 1.
+    torch.testing.assert_close(recomputed[0], forward[0])
+    torch.testing.assert_close(forward[0], torch.ones(1, 2))
+    assert x.grad is not None
+    # Micro-batch 1 was not checkpointed: d/dx (x + 2 * x). (Micro-batch 0's gradient
+    # comes from the stashing layer's recomputation, where this impure layer's counter
+    # has moved on: layers with side effects should check is_recomputing().)
+    torch.testing.assert_close(x.grad[1], torch.tensor([3.0, 3.0]))
+
+
+@skippable(stash=["skip"])
+class StashWatched(nn.Module):
+    def __init__(self, refs: list[weakref.ref[Tensor]]) -> None:
+        super().__init__()
+        self.refs = refs
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        h = self.linear(x)
+        self.refs.append(weakref.ref(h))
+        yield stash("skip", h)
+        return torch.relu(h)
+
+
+@skippable(pop=["skip"])
+class PopWatched(nn.Module):
+    def __init__(self, refs: list[weakref.ref[Tensor]]) -> None:
+        super().__init__()
+        self.refs = refs
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        self.refs.append(weakref.ref(skip))
+        return x * skip
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_nothing_of_a_skip_is_left_after_backward(checkpoint: str) -> None:
+    refs: list[weakref.ref[Tensor]] = []
+    layers = [StashWatched(refs), nn.Linear(4, 4), nn.Linear(4, 4), PopWatched(refs)]
+    model = GPipe(nn.Sequential(*layers), [1, 1, 1, 1], chunks=4, checkpoint=checkpoint)
+    for _ in range(5):
+        out = model(torch.randn(8, 4))
+        out.sum().backward()
+        del out
+        gc.collect()
+        assert refs, "the layers ran"
+        assert [r for r in refs if r() is not None] == []  # nothing piles up
+        refs.clear()
+
+
+@skippable(stash=["maybe"])
+class StashNone(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("maybe", None)
+        return x
+
+
+@skippable(pop=["maybe"])
+class PopNone(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        value = yield pop("maybe")
+        return x if value is None else x * 0
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_none_crosses_partitions(checkpoint: str) -> None:
+    model = GPipe(
+        nn.Sequential(StashNone(), nn.Linear(2, 2), PopNone()), [1, 1, 1], chunks=2,
+        checkpoint=checkpoint,
+    )  # fmt: skip
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(model(x), model[1](x))
+    model(x).sum().backward()
+
+
+@skippable(stash=["skip"])
+class StashString(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", "not a tensor")
+        return x
+
+
+def test_misuse_inside_gpipe_reaches_the_caller_and_the_next_call_works() -> None:
+    model = GPipe(nn.Sequential(StashString(), PopMark()), [1, 1], chunks=2)
+    with pytest.raises(TypeError, match=r"StashString\.forward stashed str as skip 'skip'") as info:
+        model(torch.zeros(2, 1))
+    assert any("partition 0" in note for note in getattr(info.value, "__notes__", []))
+    good = GPipe(nn.Sequential(StashMark(), PopMark()), [1, 1], chunks=2)
+    torch.testing.assert_close(good(torch.zeros(2, 1)), torch.full((2, 1), 2.0))

@@ -1,0 +1,106 @@
+"""verify_skippables and the route of each skip through the partitions."""
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.skip import Namespace, SkipRoute, pop, skippable, stash, verify_skippables
+from torchgpipe.skip.layout import skip_layout
+from torchgpipe.skip.skippable import GLOBAL_NAMESPACE
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip
+
+
+def test_verify_accepts_matching_skips() -> None:
+    ns = Namespace()
+    verify_skippables(nn.Sequential(Stash(), Stash().isolate(ns), Pop().isolate(ns), Pop()))
+    verify_skippables(nn.Sequential(nn.Linear(2, 2)))  # no skips at all
+
+
+def test_verify_reports_every_problem_at_once() -> None:
+    lonely, orphan = Namespace("lonely"), Namespace("orphan")
+    model = nn.Sequential(
+        Pop(),  # 0: pops the global 'skip' before layer 1 stashes it
+        Stash(),  # 1
+        Stash().isolate(lonely),  # 2: never popped
+        Pop().isolate(orphan),  # 3: never stashed
+        Stash(),  # 4: the global 'skip' stashed a second time
+    )
+    with pytest.raises(TypeError) as info:
+        verify_skippables(model)
+    message = str(info.value)
+    assert "'skip' is stashed by layer 1 (Stash) and layer 4 (Stash)" in message
+    assert "'skip' is popped by layer 0 (Pop) before layer 1 (Stash) stashes it" in message
+    assert "'skip' in Namespace('lonely') is stashed by layer 2 (Stash) but never popped" in message
+    assert "'skip' in Namespace('orphan') is popped by layer 3 (Pop) but never stashed" in message
+    assert "isolate(Namespace())" in message
+
+
+def test_verify_reports_a_skip_popped_twice() -> None:
+    with pytest.raises(TypeError, match=r"'skip' is popped by layer 1 \(Pop\) and layer 2 \(Pop\)"):
+        verify_skippables(nn.Sequential(Stash(), Pop(), Pop()))
+
+
+def test_verify_finds_skippables_inside_layers() -> None:
+    inner = nn.Sequential(nn.Identity(), Stash())
+    with pytest.raises(TypeError, match=r"stashed by layer 0\.1 \(Stash\) but never popped"):
+        verify_skippables(nn.Sequential(inner, nn.Identity()))
+    verify_skippables(nn.Sequential(inner, Pop()))
+
+
+def test_verify_takes_a_sequential() -> None:
+    with pytest.raises(TypeError, match=r"takes an nn\.Sequential, got Stash"):
+        verify_skippables(Stash())  # type: ignore[arg-type]
+
+
+def test_gpipe_verifies_before_any_work() -> None:
+    with pytest.raises(TypeError, match="never popped"):
+        GPipe(nn.Sequential(Stash(), nn.Identity()), [1, 1])
+
+
+def test_layout_says_which_partition_stashes_and_pops() -> None:
+    ns = Namespace("inner")
+    model = nn.Sequential(Stash(), Stash().isolate(ns), nn.Identity(), Pop().isolate(ns), Pop())
+    layout = skip_layout(model, [2, 1, 2])
+    assert layout.routes == (
+        SkipRoute(GLOBAL_NAMESPACE, "skip", 0, 2),
+        SkipRoute(ns, "skip", 0, 2),
+    )
+    assert [r.key for r in layout.inbound(2)] == [r.key for r in layout.routes]
+    assert layout.outbound(0) == tuple(r.key for r in layout.routes)
+    assert layout.inbound(1) == ()
+    assert layout.outbound(1) == ()
+
+    within = skip_layout(model, [5])
+    assert not any(r.crosses for r in within.routes)
+    assert within.inbound(0) == ()
+    assert within.outbound(0) == ()
+
+
+def test_gpipe_exposes_the_layout_as_a_table() -> None:
+    ns = Namespace("inner")
+    model = nn.Sequential(Stash(), Stash().isolate(ns), nn.Identity(), Pop().isolate(ns), Pop())
+    pipe = GPipe(model, [1, 2, 2])
+    assert pipe.skip_layout.routes == (
+        SkipRoute(GLOBAL_NAMESPACE, "skip", 0, 2),
+        SkipRoute(ns, "skip", 1, 2),
+    )
+    lines = str(pipe.skip_layout).splitlines()
+    assert lines[0].split() == ["skip", "stashed", "by", "popped", "by"]
+    assert lines[1].split() == ["'skip'", "0", "2"]
+    assert lines[2].split() == ["'skip'", "in", "Namespace('inner')", "1", "2"]
+    assert str(GPipe(nn.Sequential(nn.Identity()), [1]).skip_layout) == "no skips"
+    pipe(torch.ones(2, 2))  # and it runs

@@ -1,0 +1,196 @@
+"""@skippable, stash, pop, Namespace: on their own and in a plain nn.Sequential."""
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.skip import Namespace, pop, skippable, stash
+from torchgpipe.skip.skippable import GLOBAL_NAMESPACE, SkipKey, Skippable
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip
+
+
+def test_skippable_keeps_the_class_name_and_is_a_module() -> None:
+    layer = Stash()
+    assert type(layer).__name__ == "Stash"
+    assert isinstance(layer, Skippable)
+    assert isinstance(layer, nn.Module)
+    assert layer.stash_names == ("skip",)
+    assert Pop.pop_names == ("skip",)
+
+
+def test_skippables_work_in_a_plain_sequential() -> None:
+    model = nn.Sequential(Stash(), nn.Linear(3, 3), Pop())
+    x = torch.randn(4, 3)
+    expected = model[1](x * 2) + x
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_namespaces_keep_two_uses_of_a_class_apart() -> None:
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(
+        Stash().isolate(ns1), Stash().isolate(ns2), Pop().isolate(ns2), Pop().isolate(ns1)
+    )
+    x = torch.ones(2, 2)
+    # x -> stash x, 2x -> stash 2x, 4x -> 4x + 2x -> 6x + x
+    torch.testing.assert_close(model(x), 7 * x)
+
+
+def test_isolate_only_some_names() -> None:
+    @skippable(stash=["a", "b"])
+    class Two(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("a", x)
+            yield stash("b", x)
+            return x
+
+    ns = Namespace("mine")
+    layer = Two().isolate(ns, only=["a"])
+    assert layer.stash_keys() == (SkipKey(ns, "a"), SkipKey(GLOBAL_NAMESPACE, "b"))
+    with pytest.raises(ValueError, match=r"Two has no skip named \['c'\]"):
+        layer.isolate(ns, only=["c"])
+    with pytest.raises(TypeError, match="isolate\\(\\) takes a Namespace"):
+        layer.isolate("ns")  # type: ignore[arg-type]
+
+
+def test_none_is_a_skip_value() -> None:
+    @skippable(stash=["maybe"])
+    class StashNone(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("maybe", None)
+            return x
+
+    @skippable(pop=["maybe"])
+    class PopNone(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            value = yield pop("maybe")
+            assert value is None
+            return x
+
+    x = torch.ones(1)
+    assert nn.Sequential(StashNone(), PopNone())(x) is x
+
+
+def test_namespaces_compare_by_identity() -> None:
+    assert Namespace() != Namespace()
+    ns = Namespace("level 1")
+    assert SkipKey(ns, "x") == SkipKey(ns, "x")
+    assert "level 1" in str(SkipKey(ns, "x"))
+    assert str(SkipKey(GLOBAL_NAMESPACE, "x")) == "'x'"
+
+
+def test_forward_must_be_a_generator() -> None:
+    class Plain(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    with pytest.raises(TypeError, match=r"Plain.forward to be a generator.*has no yield"):
+        skippable(stash=["skip"])(Plain)
+
+
+def test_skippable_decorates_module_classes_only() -> None:
+    with pytest.raises(TypeError, match=r"decorates an nn\.Module class"):
+        skippable(stash=["skip"])(int)  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"stash": "skip"}, TypeError, "takes a list of names, got the string 'skip'"),
+        ({"stash": ["a", "a"]}, ValueError, r"lists \['a'\] more than once"),
+        ({"pop": [1]}, TypeError, r"skip names are strings, got \[1\]"),
+        ({"stash": ["a"], "pop": ["a"]}, ValueError, r"declares \['a'\] as both"),
+    ],
+)
+def test_bad_declarations_rejected(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        skippable(**kwargs)  # type: ignore[arg-type]
+
+
+def test_popping_an_undeclared_name_names_the_skip_and_layer() -> None:
+    @skippable(pop=["skip"])
+    class PopOther(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield pop("other")
+            return x
+
+    with pytest.raises(
+        ValueError, match=r"PopOther.forward yielded pop\('other'\).*pop=\['skip'\]"
+    ):
+        nn.Sequential(Stash(), PopOther())(torch.ones(1))
+
+
+def test_yielding_something_else_names_the_layer() -> None:
+    @skippable(stash=["skip"])
+    class YieldsTensor(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield x
+            return x
+
+    with pytest.raises(TypeError, match=r"YieldsTensor.forward yielded tensor.*only stash"):
+        YieldsTensor()(torch.ones(1))
+
+
+def test_stashing_a_non_tensor_names_the_skip_and_layer() -> None:
+    @skippable(stash=["skip"])
+    class StashList(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", [x])
+            return x
+
+    with pytest.raises(TypeError, match=r"StashList.forward stashed list as skip 'skip'"):
+        StashList()(torch.ones(1))
+
+
+def test_each_declared_skip_is_used_once_per_call() -> None:
+    @skippable(stash=["skip"])
+    class Twice(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            yield stash("skip", x)
+            return x
+
+    @skippable(stash=["skip"])
+    class Never(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            if False:
+                yield
+            return x
+
+    with pytest.raises(ValueError, match=r"yielded stash\('skip'\) twice"):
+        Twice()(torch.ones(1))
+    with pytest.raises(
+        ValueError, match=r"Never.forward returned without yielding stash\('skip'\)"
+    ):
+        Never()(torch.ones(1))
+
+
+def test_pop_before_stash_at_run_time() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"skip 'skip' in Namespace\('fresh'\) was popped before any layer stashed it",
+    ):
+        Pop().isolate(Namespace("fresh"))(torch.ones(1))
+
+
+def test_exceptions_from_the_generator_propagate() -> None:
+    @skippable(stash=["skip"])
+    class Raises(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            raise ArithmeticError("inside")
+
+    with pytest.raises(ArithmeticError, match="inside"):
+        Raises()(torch.ones(1))
