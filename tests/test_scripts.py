@@ -83,3 +83,25 @@ def test_benchmark_quick_writes_json_and_tables(tmp_path):
     modes = {(row["n"], row["m"], row["mode"]) for row in results["overhead"]}
     assert len(modes) == 8
     assert results["environment"]["torch"] == __import__("torch").__version__
+
+
+def test_skip_example_trains_and_prints_the_layout():
+    out = run_python("examples/skip_unet.py")
+    assert re.search(r"'skip' in Namespace\('level 1'\) +0 +2", out)
+    assert re.search(r"'skip' in Namespace\('level 2'\) +0 +1", out)
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 3
+    assert losses[-1] < losses[0] / 2
+
+
+def test_skip_benchmark_quick_counts_one_crossing(tmp_path):
+    out_file = tmp_path / "skip.json"
+    run_python("benchmarks/skip_traffic/main.py", "--quick", "--out", str(out_file))
+    rows = json.loads(out_file.read_text())["rows"]
+    crossings = {(row["kind"], row["n"]): row["skip_crossings"] for row in rows}
+    assert crossings == {
+        ("skippable", 2): 1.0,
+        ("tuple", 2): 1.0,
+        ("skippable", 4): 1.0,
+        ("tuple", 4): 3.0,
+    }

@@ -1,0 +1,253 @@
+"""Skip traffic: bytes a long skip moves between partitions, @skippable against a tuple.
+
+A model of ``n`` partitions carries one skip from its first layer to its last. Two ways
+to write it:
+
+- ``skippable``: the first layer stashes the skip, the last pops it
+  (``torchgpipe.skip``); GPipe copies it once, from partition 0 to partition n - 1.
+- ``tuple``: every layer takes and returns ``(x, skip)``, so the skip goes through
+  every partition boundary on its way.
+
+The script counts the bytes of every tensor GPipe hands to a partition from another
+partition during one training step's forward pass (on GPUs, each is a copy between
+devices; backward copies the gradient of each back the same way). On CPU the tensors
+stay in place, so the count is taken where the copies would be issued: a wrapper
+around the pipeline's ``move``. The input the caller hands to partition 0 is not
+counted (both models receive the same). Step times are printed for information only.
+
+Run from the repository root::
+
+    python benchmarks/skip_traffic/main.py            # a few seconds
+    python benchmarks/skip_traffic/main.py --quick    # smaller, for a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import torchgpipe
+import torchgpipe.pipeline
+from torchgpipe import GPipe
+from torchgpipe.microbatch import flatten
+from torchgpipe.skip import pop, skippable, stash
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
+
+
+@skippable(stash=["skip"])
+class StashFirst(nn.Module):
+    """The first layer: stashes its input as the skip."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]  # a generator
+        """Stash ``x``, return a linear map of it."""
+        yield stash("skip", x)
+        return torch.relu(self.linear(x))
+
+
+@skippable(pop=["skip"])
+class PopLast(nn.Module):
+    """The last layer: adds the skip back."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]  # a generator
+        """Pop the skip and add it to a linear map of ``x``."""
+        skip = yield pop("skip")
+        return self.linear(x) + skip
+
+
+class Middle(nn.Module):
+    """A layer between the two ends (the same in both models)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """A linear map and a ReLU."""
+        return torch.relu(self.linear(x))
+
+
+class TupleFirst(nn.Module):
+    """The first layer of the tuple model: returns ``(x', skip)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Return the output and the skip together."""
+        return torch.relu(self.linear(x)), x
+
+
+class TupleMiddle(Middle):
+    """A middle layer that carries the skip along."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        """Map the first element, pass the skip on."""
+        x, skip = pair
+        return super().forward(x), skip
+
+
+class TupleLast(nn.Module):
+    """The last layer of the tuple model: adds the skip back."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        """Add the skip to a linear map of the first element."""
+        x, skip = pair
+        return self.linear(x) + skip
+
+
+def build(kind: str, n: int, width: int) -> nn.Sequential:
+    """``n`` layers, one per partition: the skip from the first to the last."""
+    if kind == "skippable":
+        return nn.Sequential(
+            StashFirst(width), *[Middle(width) for _ in range(n - 2)], PopLast(width)
+        )
+    return nn.Sequential(
+        TupleFirst(width), *[TupleMiddle(width) for _ in range(n - 2)], TupleLast(width)
+    )
+
+
+class Traffic:
+    """Counts the bytes handed to each partition from another one."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.tensors = 0
+        self._lock = threading.Lock()
+        self._real = torchgpipe.pipeline.move
+
+    def __enter__(self) -> Traffic:
+        def counting(value: Any, *args: Any, **kwargs: Any) -> Any:
+            # Worker 0's moves bring in the caller's input: the same for both models.
+            if threading.current_thread().name != "torchgpipe-worker-0":
+                leaves = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
+                with self._lock:
+                    self.bytes += sum(x.numel() * x.element_size() for x in leaves)
+                    self.tensors += len(leaves)
+            return self._real(value, *args, **kwargs)
+
+        torchgpipe.pipeline.move = counting  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torchgpipe.pipeline.move = self._real
+
+
+def measure(kind: str, n: int, m: int, batch: int, width: int, repeats: int) -> dict[str, Any]:
+    """One training step's cross-partition bytes, and the median step time."""
+    torch.manual_seed(0)
+    model = GPipe(build(kind, n, width), [1] * n, chunks=m)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    with Traffic() as traffic:
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    activation = batch * width * x.element_size()  # one activation tensor, all micro-batches
+    skip_bytes = traffic.bytes - (n - 1) * activation
+    return {
+        "kind": kind,
+        "n": n,
+        "m": m,
+        "bytes": traffic.bytes,
+        "tensors": traffic.tensors,
+        "activation_bytes": (n - 1) * activation,
+        "skip_bytes": skip_bytes,
+        "skip_crossings": skip_bytes / activation,
+        "step_s": statistics.median(times),
+    }
+
+
+def table(rows: list[dict[str, Any]], batch: int, width: int) -> str:
+    """The measurements as a fixed-width table."""
+    lines = [
+        f"One skip from partition 0 to partition n - 1; batch {batch} x {width} float32 "
+        f"({batch * width * 4:,} bytes per activation or skip, all micro-batches)",
+        "bytes: handed to a partition by another during one forward (backward mirrors it)",
+        "",
+        f"{'n':>3} {'m':>3} {'model':>10} {'bytes':>12} {'tensors':>8} {'skip bytes':>12}"
+        f" {'skip crossings':>15} {'step ms':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['n']:>3} {r['m']:>3} {r['kind']:>10} {r['bytes']:>12,} {r['tensors']:>8}"
+            f" {r['skip_bytes']:>12,} {r['skip_crossings']:>15.2f} {r['step_s'] * 1e3:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure both models for every n, print the table, write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--partitions", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.partitions, args.batch, args.width, args.repeats = [2, 4], 8, 16, 1
+    if min(args.partitions) < 2:
+        parser.error("--partitions: a skip between partitions needs at least 2")
+    torch.set_num_threads(1)
+    rows = [
+        measure(kind, n, args.chunks, args.batch, args.width, args.repeats)
+        for n in args.partitions
+        for kind in ("skippable", "tuple")
+    ]
+    print(table(rows, args.batch, args.width), flush=True)
+    results = {
+        "environment": {
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "torchgpipe": torchgpipe.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
