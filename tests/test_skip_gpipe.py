@@ -1,5 +1,6 @@
 """Skips inside GPipe: one copy, straight to the popping partition, and nothing left over."""
 
+import copy
 import gc
 import threading
 import weakref
@@ -196,3 +197,24 @@ def test_misuse_inside_gpipe_reaches_the_caller_and_the_next_call_works() -> Non
     assert any("partition 0" in note for note in getattr(info.value, "__notes__", []))
     good = GPipe(nn.Sequential(StashMark(), PopMark()), [1, 1], chunks=2)
     torch.testing.assert_close(good(torch.zeros(2, 1)), torch.full((2, 1), 2.0))
+
+
+@pytest.mark.cuda
+def test_skips_between_cuda_partitions_match_cpu() -> None:
+    # The skip is copied on the popping partition's copy stream after waiting for the
+    # stashing partition's compute stream; the values and gradients show it arrived.
+    count = torch.cuda.device_count()
+    devices = [torch.device("cuda", j % count) for j in range(3)]
+    layers = [StashWatched([]), nn.Linear(4, 4), PopWatched([])]
+    plain = nn.Sequential(*layers)
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1], devices=devices, chunks=4)
+    x = torch.randn(8, 4)
+    out = model(x.to(devices[0]))
+    expected = plain(x)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None
+        assert q.grad is not None
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
