@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import io
 import threading
 import weakref
 from typing import Any
@@ -13,7 +14,7 @@ from torch import Tensor, nn
 import torchgpipe.pipeline
 from torchgpipe import GPipe, is_recomputing
 from torchgpipe.microbatch import flatten
-from torchgpipe.skip import pop, skippable, stash
+from torchgpipe.skip import Namespace, pop, skippable, stash
 
 MARK = 1234.5
 
@@ -64,9 +65,9 @@ def test_skip_is_copied_once_straight_to_the_popping_partition(
     moves = Moves(monkeypatch)
     out = model(torch.zeros(m, 3, requires_grad=True))
     torch.testing.assert_close(out, torch.full((m, 3), 2.0))
+    out.sum().backward()  # recomputing the stashing cells must not send the skip again
     assert moves.skips_into(n - 1) == m  # one copy per micro-batch, into the last partition
     assert all(moves.skips_into(j) == 0 for j in range(n - 1))  # the others never see it
-    out.sum().backward()
 
 
 class Counting(nn.Module):
@@ -218,3 +219,44 @@ def test_skips_between_cuda_partitions_match_cpu() -> None:
         assert p.grad is not None
         assert q.grad is not None
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+
+
+@skippable(stash=["skip"])
+class StashLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return self.linear(x)
+
+
+@skippable(pop=["skip"])
+class PopAdd(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copies_of_a_gpipe_with_skips_work(isolated: bool, how: str) -> None:
+    # Skips in the global namespace once broke in a copy: the copied layout had a new
+    # global namespace that the copied layers did not use.
+    stasher, popper = StashLinear(), PopAdd()
+    if isolated:
+        ns = Namespace()
+        stasher.isolate(ns)
+        popper.isolate(ns)
+    model = GPipe(nn.Sequential(stasher, nn.Linear(3, 3), popper), [1, 1, 1], chunks=2)
+    if how == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(copied(x), model(x))
+    assert [r.crosses for r in copied.skip_layout.routes] == [True]

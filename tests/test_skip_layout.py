@@ -104,3 +104,24 @@ def test_gpipe_exposes_the_layout_as_a_table() -> None:
     assert lines[2].split() == ["'skip'", "in", "Namespace('inner')", "1", "2"]
     assert str(GPipe(nn.Sequential(nn.Identity()), [1]).skip_layout) == "no skips"
     pipe(torch.ones(2, 2))  # and it runs
+
+
+class Calls(nn.Module):
+    """Calls its children in an order verify_skippables cannot know."""
+
+    def __init__(self, *children: nn.Module) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(children)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for part in reversed(self.parts):
+            x = part(x)
+        return x
+
+
+def test_verify_checks_the_order_inside_nested_sequentials() -> None:
+    nested = nn.Sequential(nn.Sequential(nn.Identity(), Pop()), nn.Sequential(Stash()))
+    with pytest.raises(TypeError, match=r"popped by layer 0\.0\.1 \(Pop\) before layer 0\.1\.0"):
+        verify_skippables(nn.Sequential(nested))
+    # Inside another kind of container the calling order is unknown: not reported.
+    verify_skippables(nn.Sequential(Calls(Pop(), Stash())))

@@ -6,6 +6,7 @@ from torch import Tensor, nn
 
 from torchgpipe.skip import Namespace, pop, skippable, stash
 from torchgpipe.skip.skippable import GLOBAL_NAMESPACE, SkipKey, Skippable
+from torchgpipe.skip.tracker import current_tracker
 
 
 @skippable(stash=["skip"])
@@ -194,3 +195,53 @@ def test_exceptions_from_the_generator_propagate() -> None:
 
     with pytest.raises(ArithmeticError, match="inside"):
         Raises()(torch.ones(1))
+
+
+def test_a_subclass_may_override_the_generator_and_keeps_the_names() -> None:
+    class Triple(Stash):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x * 3)
+            return x
+
+    layer = Triple()
+    assert layer.stash_names == ("skip",)
+    torch.testing.assert_close(nn.Sequential(layer, Pop())(torch.ones(1)), torch.tensor([4.0]))
+
+
+def test_a_subclass_may_be_decorated_again_with_other_names() -> None:
+    @skippable(stash=["other"])
+    class Other(Stash):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("other", x)
+            return x
+
+    assert Other.stash_names == ("other",)
+    assert isinstance(Other(), Stash)
+    Other()(torch.ones(1))
+    # Stashed under the new name (and taken out here, so that no later test sees it).
+    assert current_tracker().waiting.pop(Other().skip_key("other")) is not None
+
+
+def test_a_subclass_cannot_make_forward_a_plain_function() -> None:
+    with pytest.raises(
+        TypeError, match=r"Plain.forward must be a generator, as Plain is a skippable"
+    ):
+
+        class Plain(Stash):
+            def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+                return x
+
+
+def test_a_failing_layer_takes_back_its_stash() -> None:
+    @skippable(stash=["skip"])
+    class Flaky(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            raise ArithmeticError("after the stash")
+
+    ns = Namespace("flaky")
+    with pytest.raises(ArithmeticError):
+        nn.Sequential(Flaky().isolate(ns), Pop().isolate(ns))(torch.ones(1))
+    # Nothing stale is left for a later pop to find.
+    with pytest.raises(ValueError, match="popped before any layer stashed it"):
+        Pop().isolate(ns)(torch.ones(1))

@@ -68,26 +68,49 @@ class SkipLayout:
 
 @dataclass(frozen=True)
 class _Use:
-    layer: int  # the index of the Sequential's layer the module is in
+    order: tuple[int, ...]  # positions along the path of Sequentials that hold the module
     where: str  # how to name it in a message
 
+    @property
+    def layer(self) -> int:
+        """The index of the top-level layer the module is in."""
+        return self.order[0]
 
-def _skippables(module: nn.Sequential) -> Iterator[tuple[int, str, Skippable]]:
-    """Every skippable module, with the index of the layer it is in and a readable name."""
-    for index, (name, layer) in enumerate(module.named_children()):
-        for path, sub in layer.named_modules(prefix=name):
-            if isinstance(sub, Skippable):
-                yield index, f"layer {path} ({type(sub).__name__})", sub
+    def before(self, other: _Use) -> bool:
+        """Whether this module surely runs before ``other`` (False when unknown).
+
+        Children of a Sequential run in order; inside any other module, the order in
+        which children are called is not known, so their positions are not compared.
+        """
+        common = min(len(self.order), len(other.order))
+        return self.order[:common] < other.order[:common]
+
+
+def _skippables(module: nn.Sequential) -> Iterator[tuple[_Use, Skippable]]:
+    """Every skippable module inside ``module``, with its position and a readable name."""
+
+    def walk(
+        parent: nn.Module, prefix: str, order: tuple[int, ...]
+    ) -> Iterator[tuple[_Use, Skippable]]:
+        ordered = isinstance(parent, nn.Sequential)
+        for index, (name, child) in enumerate(parent.named_children()):
+            path = f"{prefix}.{name}" if prefix else name
+            child_order = (*order, index) if ordered else order
+            if isinstance(child, Skippable):
+                yield _Use(child_order, f"layer {path} ({type(child).__name__})"), child
+            yield from walk(child, path, child_order if ordered else order)
+
+    yield from walk(module, "", ())
 
 
 def _uses(module: nn.Sequential) -> tuple[dict[SkipKey, list[_Use]], dict[SkipKey, list[_Use]]]:
     stashes: dict[SkipKey, list[_Use]] = {}
     pops: dict[SkipKey, list[_Use]] = {}
-    for index, where, sub in _skippables(module):
+    for use, sub in _skippables(module):
         for key in sub.stash_keys():
-            stashes.setdefault(key, []).append(_Use(index, where))
+            stashes.setdefault(key, []).append(use)
         for key in sub.pop_keys():
-            pops.setdefault(key, []).append(_Use(index, where))
+            pops.setdefault(key, []).append(use)
     return stashes, pops
 
 
@@ -116,7 +139,7 @@ def verify_skippables(module: nn.Sequential) -> None:
             problems.append(f"{key} is stashed by {_list(stashed)} but never popped")
         elif not stashed:
             problems.append(f"{key} is popped by {_list(popped)} but never stashed")
-        elif popped[0].layer < stashed[0].layer:
+        elif popped[0].before(stashed[0]):
             problems.append(
                 f"{key} is popped by {popped[0].where} before {stashed[0].where} stashes it"
             )

@@ -57,6 +57,17 @@ class Namespace:
     def __repr__(self) -> str:
         return f"Namespace({self.label!r})" if self.label else f"<Namespace at {id(self):#x}>"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # deepcopy and pickle: a copied model's layers and its layout must still agree on
+        # the one global namespace; other namespaces are copied once per copy of a model.
+        if self is GLOBAL_NAMESPACE:
+            return (_global_namespace, ())
+        return (Namespace, (self.label,))
+
+
+def _global_namespace() -> Namespace:
+    return GLOBAL_NAMESPACE
+
 
 GLOBAL_NAMESPACE = Namespace("global")
 """Where names live that no :meth:`Skippable.isolate` put in a namespace of their own."""
@@ -100,11 +111,28 @@ class Skippable(nn.Module):
     """The base that :func:`skippable` adds to a class; drives its generator ``forward``.
 
     Subclasses get ``stash_names`` and ``pop_names`` (the declared names, in order)
-    from the decorator.
+    from the decorator. A subclass of a skippable class may override ``forward`` with
+    another generator: it keeps the declared names, unless decorated again.
     """
 
     stash_names: tuple[str, ...] = ()
     pop_names: tuple[str, ...] = ()
+    _generator_forward: Callable[..., Generator[Any, Any, Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is None:
+            return
+        if not inspect.isgeneratorfunction(forward):
+            raise TypeError(
+                f"{cls.__name__}.forward must be a generator, as {cls.__name__} is a "
+                f"skippable module: it yields stash(name, tensor) and pop(name), then "
+                f"returns its output"
+            )
+        # The generator is kept aside and forward drives it (see Skippable.forward).
+        cls._generator_forward = forward
+        cls.forward = Skippable.forward  # type: ignore[method-assign]  # the driver
 
     def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
         """Put this module's skip names (or the names in ``only``) into namespace ``ns``.
@@ -155,7 +183,7 @@ class Skippable(nn.Module):
             ValueError: a name was not declared, was used twice, or a declared name
                 was not stashed or popped by the time ``forward`` returned.
         """
-        generator: Generator[Any, Any, Any] = super().forward(*args, **kwargs)
+        generator = self._generator_forward(*args, **kwargs)
         tracker = current_tracker()
         stashed: set[str] = set()
         popped: set[str] = set()
@@ -182,6 +210,10 @@ class Skippable(nn.Module):
                 request = generator.send(reply)
         except StopIteration as stop:
             output = stop.value
+        except BaseException:
+            for name in stashed:  # a failed call leaves nothing waiting
+                tracker.take_back(self.skip_key(name))
+            raise
         finally:
             generator.close()
         self._check_all_used(stashed, popped)
@@ -243,7 +275,12 @@ def skippable(
     def decorate(cls: ModuleType) -> ModuleType:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"@skippable decorates an nn.Module class, got {cls!r}")
-        if not inspect.isgeneratorfunction(cls.forward):
+        # A subclass of a skippable class is decorated again to change its names.
+        already = issubclass(cls, Skippable)
+        forward: Callable[..., Any] = cls.forward
+        if issubclass(cls, Skippable):
+            forward = cls._generator_forward
+        if not inspect.isgeneratorfunction(forward):
             raise TypeError(
                 f"@skippable needs {cls.__name__}.forward to be a generator: it yields "
                 f"stash(name, tensor) and pop(name), then returns its output; "
@@ -252,11 +289,13 @@ def skippable(
         namespace = {
             "stash_names": stash_names,
             "pop_names": pop_names,
+            "forward": forward,  # taken aside by Skippable.__init_subclass__
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
-        return type(cls.__name__, (Skippable, cls), namespace)  # type: ignore[return-value]  # a subclass of cls
+        bases = (cls,) if already else (Skippable, cls)
+        return type(cls.__name__, bases, namespace)  # type: ignore[return-value]  # a subclass of cls
 
     return decorate
 

@@ -4,7 +4,10 @@ A skippable module hands its stashes and pops to the tracker of the calling thre
 
 - Outside GPipe, each thread has a plain tracker, a dict from skip key to tensor; a
   pop takes the tensor out again, so a plain ``nn.Sequential`` of skippable layers
-  holds each skip only between its stash and its pop.
+  holds each skip only between its stash and its pop. A skippable layer that raises
+  takes back what it stashed in that call; a forward that stops between a stash and
+  its pop for another reason (a later layer raises, or a slice of the model such as
+  ``model[:2](x)`` runs) leaves the stash there until the same name is stashed again.
 - Inside GPipe, each cell runs under a :class:`CellTracker`. Skips popped in the same
   partition stay in it; skips for later partitions are collected as outbound, and
   skips stashed by earlier partitions arrive as inbound. The cell returns the outbound
@@ -38,6 +41,10 @@ class SkipTracker:
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Keep ``tensor`` until ``key`` is popped."""
         self.waiting[key] = tensor
+
+    def take_back(self, key: SkipKey) -> None:
+        """Forget ``key``'s stash, if it is still waiting (its layer failed)."""
+        self.waiting.pop(key, None)
 
     def pop(self, key: SkipKey) -> Tensor | None:
         """Take the tensor stashed as ``key`` out.
@@ -74,6 +81,9 @@ class CellTracker(SkipTracker):
             self.out[key] = tensor
         else:
             super().stash(key, tensor)
+
+    def take_back(self, key: SkipKey) -> None:
+        """Nothing to do: a cell's tracker is dropped with the failed cell."""
 
 
 _local = threading.local()
@@ -115,8 +125,9 @@ def run_cell(
     left = [str(key) for key in inbound if key in tracker.waiting]
     if missing or left:
         raise ValueError(
-            f"the partition did not stash {missing} or did not pop {left}, though its "
-            f"layers declare them; a skippable layer must stash and pop every name it "
-            f"declares on every call"
+            f"GPipe routes skips {missing} out of this partition and {left} into it, but "
+            f"its layers did not stash or pop them under those names; a layer's skip "
+            f"names and namespaces must not change after GPipe is built (isolate() "
+            f"before wrapping the model)"
         )
     return output, {key: tracker.out[key] for key in outbound}
