@@ -9,11 +9,13 @@ to write it:
   every partition boundary on its way.
 
 The script counts the bytes of every tensor GPipe hands to a partition from another
-partition during one training step's forward pass (on GPUs, each is a copy between
-devices; backward copies the gradient of each back the same way). On CPU the tensors
-stay in place, so the count is taken where the copies would be issued: a wrapper
-around the pipeline's ``move``. The input the caller hands to partition 0 is not
-counted (both models receive the same). Step times are printed for information only.
+partition during one training step: in the forward pass, and in backward the
+gradient that flows back into each of those tensors (on GPUs, each is a copy between
+devices, the backward one made by the copy's autograd node). On CPU the tensors stay
+in place, so the count is taken where the copies would be issued: a wrapper around the
+pipeline's ``move``, and a gradient hook on each tensor it hands over. The input the
+caller hands to partition 0 is not counted (both models receive the same). Step times
+are printed for information only.
 
 Run from the repository root::
 
@@ -133,23 +135,32 @@ def build(kind: str, n: int, width: int) -> nn.Sequential:
 
 
 class Traffic:
-    """Counts the bytes handed to each partition from another one."""
+    """Counts the bytes handed to each partition from another one, and back in backward."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.tensors = 0
+        self.backward_bytes = 0
         self._lock = threading.Lock()
         self._real = torchgpipe.pipeline.move
 
+    def _count_gradient(self, grad: Tensor) -> None:
+        with self._lock:
+            self.backward_bytes += grad.numel() * grad.element_size()
+
     def __enter__(self) -> Traffic:
         def counting(value: Any, *args: Any, **kwargs: Any) -> Any:
+            moved = self._real(value, *args, **kwargs)
             # Worker 0's moves bring in the caller's input: the same for both models.
             if threading.current_thread().name != "torchgpipe-worker-0":
-                leaves = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
+                leaves = [x for x in flatten(moved)[0] if isinstance(x, Tensor)]
                 with self._lock:
                     self.bytes += sum(x.numel() * x.element_size() for x in leaves)
                     self.tensors += len(leaves)
-            return self._real(value, *args, **kwargs)
+                for x in leaves:
+                    if x.requires_grad:
+                        x.register_hook(self._count_gradient)
+            return moved
 
         torchgpipe.pipeline.move = counting  # type: ignore[assignment]
         return self
@@ -179,15 +190,19 @@ def measure(kind: str, n: int, m: int, batch: int, width: int, repeats: int) -> 
         times.append(time.perf_counter() - start)
     activation = batch * width * x.element_size()  # one activation tensor, all micro-batches
     skip_bytes = traffic.bytes - (n - 1) * activation
+    skip_backward = traffic.backward_bytes - (n - 1) * activation
     return {
         "kind": kind,
         "n": n,
         "m": m,
         "bytes": traffic.bytes,
         "tensors": traffic.tensors,
+        "backward_bytes": traffic.backward_bytes,
+        "step_bytes": traffic.bytes + traffic.backward_bytes,
         "activation_bytes": (n - 1) * activation,
         "skip_bytes": skip_bytes,
         "skip_crossings": skip_bytes / activation,
+        "skip_backward_crossings": skip_backward / activation,
         "step_s": statistics.median(times),
     }
 
@@ -197,15 +212,18 @@ def table(rows: list[dict[str, Any]], batch: int, width: int) -> str:
     lines = [
         f"One skip from partition 0 to partition n - 1; batch {batch} x {width} float32 "
         f"({batch * width * 4:,} bytes per activation or skip, all micro-batches)",
-        "bytes: handed to a partition by another during one forward (backward mirrors it)",
+        "forward: bytes handed to a partition by another; backward: their gradients back",
+        "crossings: partition boundaries the skip (forward) and its gradient (backward) cross",
         "",
-        f"{'n':>3} {'m':>3} {'model':>10} {'bytes':>12} {'tensors':>8} {'skip bytes':>12}"
-        f" {'skip crossings':>15} {'step ms':>9}",
+        f"{'n':>3} {'m':>3} {'model':>10} {'forward B':>11} {'backward B':>11}"
+        f" {'step B':>11} {'skip B':>11} {'crossings':>10} {'back':>5} {'step ms':>8}",
     ]
     for r in rows:
         lines.append(
-            f"{r['n']:>3} {r['m']:>3} {r['kind']:>10} {r['bytes']:>12,} {r['tensors']:>8}"
-            f" {r['skip_bytes']:>12,} {r['skip_crossings']:>15.2f} {r['step_s'] * 1e3:>9.2f}"
+            f"{r['n']:>3} {r['m']:>3} {r['kind']:>10} {r['bytes']:>11,}"
+            f" {r['backward_bytes']:>11,} {r['step_bytes']:>11,} {r['skip_bytes']:>11,}"
+            f" {r['skip_crossings']:>10.2f} {r['skip_backward_crossings']:>5.2f}"
+            f" {r['step_s'] * 1e3:>8.2f}"
         )
     return "\n".join(lines)
 
