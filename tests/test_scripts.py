@@ -99,6 +99,8 @@ def test_skip_benchmark_quick_counts_one_crossing(tmp_path):
     run_python("benchmarks/skip_traffic/main.py", "--quick", "--out", str(out_file))
     rows = json.loads(out_file.read_text())["rows"]
     crossings = {(row["kind"], row["n"]): row["skip_crossings"] for row in rows}
+    back = {(row["kind"], row["n"]): row["skip_backward_crossings"] for row in rows}
+    assert back == crossings  # each gradient crosses back where its tensor crossed
     assert crossings == {
         ("skippable", 2): 1.0,
         ("tuple", 2): 1.0,
