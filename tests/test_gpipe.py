@@ -170,11 +170,6 @@ def test_unknown_checkpoint_mode_rejected() -> None:
         GPipe(_mlp(), [4], checkpoint="sometimes")  # type: ignore[arg-type]
 
 
-def test_deferred_batch_norm_not_available_yet() -> None:
-    with pytest.raises(NotImplementedError, match="deferred_batch_norm"):
-        GPipe(_mlp(), [4], deferred_batch_norm=True)
-
-
 def test_errors_come_before_any_work() -> None:
     module = _mlp()
     weight = module[0].weight

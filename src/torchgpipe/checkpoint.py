@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -91,6 +91,7 @@ class _Cell:
         self.out_spec: Spec | None = None
         self.out_leaves: list[Any] = []
         self.fork = False
+        self.guard: Callable[[], AbstractContextManager[None]] = nullcontext
 
     def call(self, tensors: tuple[Tensor, ...]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
@@ -131,16 +132,24 @@ class _Checkpointed(torch.autograd.Function):
             for x, need in zip(ctx.saved_tensors, needs, strict=True)
         )
         # The layers get non-leaf aliases, which they may modify in place as they could
-        # in forward; the leaves collect the gradients.
-        with cell.state.apply(grad_enabled=True), _flag("recomputing"), cell.randomness.replay():
-            aliases = tuple(_alias(x) if x.requires_grad else x for x in inputs)
-            output = cell.call(aliases)
-        outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
-        pairs = [
-            (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        # in forward; the leaves collect the gradients. The guard holds until the
+        # recomputed graph is through: what it restores may be saved in that graph.
+        with cell.guard():
+            with (
+                cell.state.apply(grad_enabled=True),
+                _flag("recomputing"),
+                cell.randomness.replay(),
+            ):
+                aliases = tuple(_alias(x) if x.requires_grad else x for x in inputs)
+                output = cell.call(aliases)
+            outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
+            pairs = [
+                (y, g)
+                for y, g in zip(outputs, grads, strict=True)
+                if g is not None and y.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
         grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
         return (None, None, *grads_in)
 
@@ -188,6 +197,7 @@ def checkpoint(
     device: torch.device,
     after: Tensor | None = None,
     fork: bool = False,
+    guard: Callable[[], AbstractContextManager[None]] | None = None,
 ) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
@@ -198,10 +208,15 @@ def checkpoint(
     autograd nodes per cell: ``after`` is the phony of the previous micro-batch on this
     partition (whose backward then waits for this cell's), and with ``fork`` the cell
     returns a phony for the next micro-batch, or else None.
+
+    ``guard``, when given, is entered around the recomputation (the pipeline uses it
+    to keep batch norm's running statistics from being updated a second time).
     """
     leaves, spec = flatten(value)
     cell = _Cell(function, spec, leaves, state, randomness)
     cell.fork = fork
+    if guard is not None:
+        cell.guard = guard
     tensors = tuple(x for x in leaves if isinstance(x, Tensor))
     # The parameters are not inputs of the autograd function, so an input that needs no
     # grad would make its outputs need none either: a phony that requires grad says they

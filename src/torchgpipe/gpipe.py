@@ -9,6 +9,7 @@ from typing import Any, Literal, NoReturn, TypeAlias, get_args, overload
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
@@ -68,7 +69,11 @@ class GPipe(nn.Module):
             batch is smaller).
         checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the last)
             or ``'never'``. Nothing is checkpointed in eval mode or without grad.
-        deferred_batch_norm: not available yet.
+        deferred_batch_norm: replace every batch-norm layer with a
+            :class:`~torchgpipe.batchnorm.DeferredBatchNorm` (in place, sharing its
+            parameters and buffers), whose running statistics are updated once per
+            mini-batch from the statistics of the whole mini-batch. Without it, each
+            micro-batch updates them, once (recomputation does not).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, an argument has the wrong
@@ -80,13 +85,13 @@ class GPipe(nn.Module):
         BalanceError: ``balance`` is missing, does not sum to ``len(module)``, or has a
             non-positive entry.
         IndexError: there are fewer devices than partitions.
-        NotImplementedError: ``deferred_batch_norm=True``.
     """
 
     balance: list[int]
     devices: list[torch.device]
     chunks: int
     checkpoint: Checkpoint
+    deferred_batch_norm: bool
     skip_layout: SkipLayout
 
     def __init__(
@@ -111,12 +116,9 @@ class GPipe(nn.Module):
         self.devices = _check_devices(devices, len(self.balance))
         self.chunks = _check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
-        if deferred_batch_norm:
-            raise NotImplementedError(
-                "deferred_batch_norm=True is not available yet; pass "
-                "deferred_batch_norm=False (each micro-batch then updates the running "
-                "statistics of batch-norm layers)"
-            )
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
+        self.deferred_batch_norm = deferred_batch_norm
 
         clashes = [
             name
@@ -129,6 +131,9 @@ class GPipe(nn.Module):
                 f"them; rename those layers (the keys of the OrderedDict given to "
                 f"nn.Sequential)"
             )
+        # Every check has passed: from here on the module is changed (batch norm layers
+        # replaced in place, as torchgpipe did) and placed.
+        self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
         for name, layer in module.named_children():
             self.add_module(name, layer)
         partitions = []
@@ -175,6 +180,8 @@ class GPipe(nn.Module):
                 and the micro-batch.
         """
         batches = scatter(input, self.chunks)
+        for layer in self._deferred:
+            layer.expect(len(batches))
         outputs = self._pipeline.run(batches, checkpoint_stop=self._checkpoint_stop(len(batches)))
         return gather(outputs)
 

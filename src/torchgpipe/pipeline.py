@@ -27,14 +27,16 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
 from torchgpipe.checkpoint import checkpoint
 from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
@@ -142,6 +144,8 @@ class Pipeline:
             for j, p in enumerate(self.partitions)
         ]
         # Partitions that share a device share its random number generator: see rng.py.
+        # Recomputation must not update plain batch norm's running statistics again.
+        self._guards = [_batch_norm_guard(p) for p in self.partitions]
         generators = [generator_key(d) for d in self.devices]
         self.shares_device = [generators.count(g) > 1 for g in generators]
         self._pool: WorkerPool | None = None  # started by the first run
@@ -310,6 +314,7 @@ class Pipeline:
                 device=device,
                 after=phony,
                 fork=wants_phony,
+                guard=self._guards[j],
             )
         value = join(value, phony)
         if seed is not None:
@@ -318,6 +323,17 @@ class Pipeline:
         else:
             output = function(value)
         return fork(output) if wants_phony else (output, None)
+
+
+def _batch_norm_guard(partition: nn.Module) -> Callable[[], AbstractContextManager[None]] | None:
+    tracking = [
+        m
+        for m in partition.modules()
+        if isinstance(m, _BatchNorm)
+        and not isinstance(m, DeferredBatchNorm)  # it never updates in recomputation
+        and m.track_running_stats
+    ]
+    return partial(freeze_running_stats, tracking) if tracking else None
 
 
 def _has_skippables(partition: nn.Module) -> bool:

@@ -1,0 +1,172 @@
+"""Deferred batch normalization: running statistics of the mini-batch, not of each piece.
+
+Under GPipe a batch-norm layer sees micro-batches, and it must normalize each with that
+micro-batch's statistics (the pipeline cannot wait for the whole mini-batch). Plain
+``BatchNorm`` would also fold each micro-batch's statistics into its running mean and
+variance, m times per step, with weights that depend on m. :class:`DeferredBatchNorm`
+instead merges the statistics of the micro-batches (counts, means and squared
+deviations, merged pairwise so that no precision is lost to large means) and updates
+the running statistics once, after the last micro-batch of the mini-batch, from the
+mean and variance of the whole mini-batch: what plain ``BatchNorm`` tracks when it sees
+the mini-batch at once. Recomputation in backward neither merges nor updates.
+
+:func:`freeze_running_stats` serves plain batch norm under checkpointing: the
+recomputation of a cell would update the running statistics a second time, so the
+pipeline puts back what they were before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.nn.functional import batch_norm
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from torchgpipe.checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "freeze_running_stats"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """Batch norm that updates its running statistics once per mini-batch.
+
+    GPipe calls :meth:`expect` before each forward with the number of micro-batches;
+    the running statistics are updated when that many have been seen in training mode.
+    Evaluation uses the running statistics, as ``BatchNorm`` does.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # BatchNorm's own arguments
+        self._expected = 1
+        self._seen = 0
+        self._count: Tensor | None = None  # samples per channel merged so far
+        self._mean: Tensor | None = None
+        self._m2: Tensor | None = None  # sum of squared deviations from the mean
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"DeferredBatchNorm expects input of at least 2 dimensions (batch, "
+                f"channels, ...), got {input.dim()}"
+            )
+
+    def expect(self, micro_batches: int) -> None:
+        """Start a mini-batch of ``micro_batches`` pieces (drops any partial one)."""
+        self._expected = micro_batches
+        self._seen = 0
+        self._count = self._mean = self._m2 = None
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalize ``input``; in training mode, merge its statistics."""
+        self._check_input_dim(input)
+        if not self.training:
+            return batch_norm(
+                input,
+                self.running_mean if self.track_running_stats else None,
+                self.running_var if self.track_running_stats else None,
+                self.weight,
+                self.bias,
+                self.running_mean is None,
+                0.0,
+                self.eps,
+            )
+        if self.track_running_stats and not is_recomputing():
+            self._merge(input.detach())
+        return batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    def _merge(self, x: Tensor) -> None:
+        dims = [0, *range(2, x.dim())]
+        stats = x.to(torch.float64) if x.dtype in (torch.float16, torch.bfloat16) else x
+        count = torch.tensor(x.numel() / x.size(1), dtype=stats.dtype, device=x.device)
+        mean = stats.mean(dims)
+        m2 = stats.var(dims, unbiased=False) * count
+        if self._count is None or self._mean is None or self._m2 is None:
+            self._count, self._mean, self._m2 = count, mean, m2
+        else:  # Chan et al.'s pairwise merge of (count, mean, squared deviations)
+            total = self._count + count
+            delta = mean - self._mean
+            self._mean = self._mean + delta * (count / total)
+            self._m2 = self._m2 + m2 + delta.square() * (self._count * count / total)
+            self._count = total
+        self._seen += 1
+        if self._seen == self._expected:
+            self._commit()
+
+    def _commit(self) -> None:
+        assert self._count is not None
+        assert self._mean is not None
+        assert self._m2 is not None
+        assert self.running_mean is not None
+        assert self.running_var is not None
+        assert isinstance(self.num_batches_tracked, Tensor)
+        count = self._count
+        variance = self._m2 / (count - 1) if count > 1 else self._m2 / count
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative average over the mini-batches
+                factor = 1.0 / float(self.num_batches_tracked)
+            else:
+                factor = self.momentum
+            self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)
+            self.running_var.lerp_(variance.to(self.running_var.dtype), factor)
+        self.expect(self._expected)
+
+    @classmethod
+    def from_batch_norm(cls, module: _BatchNorm) -> DeferredBatchNorm:
+        """A deferred copy of ``module`` that shares its parameters and buffers."""
+        deferred = cls(
+            module.num_features,
+            eps=module.eps,
+            momentum=module.momentum,
+            affine=module.affine,
+            track_running_stats=module.track_running_stats,
+            device="meta",
+        )
+        deferred.weight, deferred.bias = module.weight, module.bias
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            deferred.register_buffer(name, getattr(module, name))
+        deferred.train(module.training)
+        return deferred
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
+    """Replace, in place, every batch-norm layer inside ``module`` with a deferred one.
+
+    Parameters and buffers are shared with the layers replaced, so ``state_dict()``
+    keys and values stay as they were. Returns the deferred layers.
+    """
+    converted: list[DeferredBatchNorm] = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, _BatchNorm) and not isinstance(child, DeferredBatchNorm):
+                deferred = DeferredBatchNorm.from_batch_norm(child)
+                setattr(parent, name, deferred)
+                converted.append(deferred)
+    converted.extend(
+        m for m in module.modules() if isinstance(m, DeferredBatchNorm) and m not in converted
+    )
+    return converted
+
+
+@contextmanager
+def freeze_running_stats(modules: Sequence[_BatchNorm]) -> Iterator[None]:
+    """Put the running statistics of ``modules`` back as they were when the block ends."""
+    saved = [
+        [t.clone() for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+        for m in modules
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, tensors in zip(modules, saved, strict=True):
+                current = [
+                    t
+                    for t in (m.running_mean, m.running_var, m.num_batches_tracked)
+                    if t is not None
+                ]
+                for now, before in zip(current, tensors, strict=True):
+                    now.copy_(before)

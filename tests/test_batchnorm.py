@@ -1,0 +1,166 @@
+"""Deferred batch norm, and plain batch norm under checkpointing."""
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from torchgpipe.microbatch import scatter
+
+
+class MyBatchNorm(nn.BatchNorm1d):
+    """A user's subclass of PyTorch's batch norm."""
+
+
+def _convnet(momentum: float | None = 0.1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1),
+        nn.BatchNorm2d(4, momentum=momentum),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 6),
+        MyBatchNorm(6, momentum=momentum),
+        nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=momentum)),
+    ).double()
+
+
+def test_convert_replaces_every_batch_norm_sharing_parameters_and_buffers() -> None:
+    model = nn.Sequential(
+        nn.BatchNorm1d(3), nn.Sequential(nn.BatchNorm2d(3), MyBatchNorm(3)), nn.BatchNorm3d(3)
+    ).eval()
+    before = dict(model.state_dict(keep_vars=True))
+    converted = convert_deferred_batch_norm(model)
+    assert len(converted) == 4
+    assert all(type(m) is DeferredBatchNorm for m in converted)
+    assert not any(type(m) in (nn.BatchNorm1d, MyBatchNorm) for m in model.modules())
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] for k in before)  # the same tensors, not copies
+    assert not any(m.training for m in converted)
+
+
+def _inputs_seen(model: nn.Module) -> dict[str, list[Tensor]]:
+    """Records the input of every deferred layer in forward (not in recomputation)."""
+    from torchgpipe import is_recomputing
+
+    seen: dict[str, list[Tensor]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DeferredBatchNorm):
+            seen[name] = []
+
+            def hook(module: nn.Module, args: tuple[Tensor], name: str = name) -> None:
+                if not is_recomputing():
+                    seen[name].append(args[0].detach().clone())
+
+            module.register_forward_pre_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_running_stats_are_those_of_the_whole_mini_batch(
+    chunks: int, momentum: float | None, checkpoint: str
+) -> None:
+    model = GPipe(
+        _convnet(momentum), [3, 4], chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=True
+    )
+    seen = _inputs_seen(model)
+    # Plain batch norms fed what each deferred one saw, as one mini-batch per step.
+    references = {
+        name: copy.deepcopy(module)
+        for name, module in model.named_modules()
+        if isinstance(module, DeferredBatchNorm)
+    }
+    steps = 3
+    for _ in range(steps):
+        x = torch.randn(11, 3, 3, 3, dtype=torch.float64) * 3 + 5  # 11: uneven micro-batches
+        model(x).sum().backward()
+        for name, reference in references.items():
+            batch = torch.cat(seen[name])
+            seen[name].clear()
+            plain = nn.BatchNorm1d(reference.num_features, momentum=momentum).double()
+            plain.load_state_dict(reference.state_dict())
+            plain.train()
+            plain(batch if batch.dim() == 2 else batch.transpose(1, -1).reshape(-1, batch.size(1)))
+            references[name] = plain  # type: ignore[assignment]
+    for name, plain in references.items():
+        deferred = model.get_submodule(name)
+        assert isinstance(deferred, DeferredBatchNorm)
+        torch.testing.assert_close(
+            deferred.running_mean, plain.running_mean, rtol=1e-12, atol=1e-12
+        )
+        torch.testing.assert_close(deferred.running_var, plain.running_var, rtol=1e-12, atol=1e-12)
+        assert int(deferred.num_batches_tracked) == steps  # mini-batches, not micro-batches
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_each_micro_batch_is_normalized_with_its_own_statistics(chunks: int) -> None:
+    bn = nn.BatchNorm1d(4).double()
+    model = GPipe(nn.Sequential(copy.deepcopy(bn)), [1], chunks=chunks, deferred_batch_norm=True)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    expected = torch.cat([copy.deepcopy(bn)(piece) for piece in scatter(x, chunks)])
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_eval_mode_uses_the_running_statistics() -> None:
+    plain = _convnet()
+    model = GPipe(copy.deepcopy(plain), [3, 4], chunks=3, deferred_batch_norm=True)
+    for _ in range(2):
+        model(torch.randn(6, 3, 3, 3, dtype=torch.float64) + 1)
+    plain.load_state_dict(model.state_dict())  # the keys are the plain model's
+    model.eval()
+    plain.eval()
+    x = torch.randn(5, 3, 3, 3, dtype=torch.float64)
+    torch.testing.assert_close(model(x), plain(x))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_without_deferral_each_micro_batch_updates_once(checkpoint: str) -> None:
+    bn = nn.BatchNorm1d(4).double()
+    reference = copy.deepcopy(bn)
+    model = GPipe(nn.Sequential(nn.Identity(), bn), [1, 1], chunks=3, checkpoint=checkpoint)
+    for _ in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+        model(x).square().sum().backward()  # recomputation must not update a second time
+        for piece in scatter(x.detach(), 3):
+            reference(piece)
+    torch.testing.assert_close(bn.running_mean, reference.running_mean)
+    torch.testing.assert_close(bn.running_var, reference.running_var)
+    assert int(bn.num_batches_tracked) == 6
+
+
+def test_a_failed_forward_leaves_no_partial_statistics() -> None:
+    class FailOnce(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fail = True
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.fail:
+                self.fail = False
+                raise ArithmeticError("once")
+            return x
+
+    bn = nn.BatchNorm1d(2).double()
+    reference = copy.deepcopy(bn)
+    model = GPipe(nn.Sequential(bn, FailOnce()), [1, 1], chunks=2, deferred_batch_norm=True)
+    with pytest.raises(ArithmeticError):
+        model(torch.randn(4, 2, dtype=torch.float64))
+    x = torch.randn(4, 2, dtype=torch.float64)
+    model(x)
+    reference(x)
+    deferred = model[0]
+    assert isinstance(deferred, DeferredBatchNorm)
+    # The failed call's micro-batches updated the statistics (the mini-batch was seen),
+    # and nothing of it leaks into the next mini-batch's average.
+    assert int(deferred.num_batches_tracked) in (1, 2)
+    assert deferred._seen == 0
+
+
+def test_deferred_batch_norm_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="deferred_batch_norm must be a bool, got 'yes'"):
+        GPipe(nn.Sequential(nn.BatchNorm1d(2)), [1], deferred_batch_norm="yes")  # type: ignore[arg-type]
