@@ -123,7 +123,7 @@ def test_parameters_shared_within_one_layer_are_fine() -> None:
         ([0, 4], r"balance\[0\] = 0"),
         ([5, -1], r"balance\[1\] = -1"),
         ([], "balance is empty"),
-        (None, "balance is required.*automatic balancing is planned"),
+        (None, "balance is required.*torchgpipe.balance.balance_by_time"),
     ],
 )
 def test_bad_balance_rejected(balance: list[int] | None, match: str) -> None:

@@ -24,9 +24,8 @@ Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
 
 _CHECKPOINT_MODES: tuple[str, ...] = get_args(Checkpoint)
 
-# Automatic balancing (torchgpipe.balance) is not in this release yet: do not send users there.
 _AUTO_BALANCE_HINT = (
-    "or spread the layers evenly to start with (automatic balancing is planned for a later release)"
+    "or compute one with torchgpipe.balance.balance_by_time or torchgpipe.balance.balance_by_size"
 )
 
 

@@ -1,0 +1,131 @@
+"""Automatic balancing: how many layers each partition should hold.
+
+Profile every layer (by time or by memory), then split the layers into consecutive
+partitions so that the costliest partition costs as little as possible; the split is
+exact (see ``blockpartition.py``). Example::
+
+    from torchgpipe import GPipe
+    from torchgpipe.balance import balance_by_time
+
+    sample = torch.randn(32, 3, 224, 224)
+    balance = balance_by_time(4, model, sample)
+    model = GPipe(model, balance, chunks=8)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchgpipe.balance.blockpartition import solve
+from torchgpipe.balance.profile import layerwise_size, layerwise_time
+from torchgpipe.skip.layout import verify_skippables
+
+__all__ = ["balance_by_size", "balance_by_time"]
+
+Device = torch.device | str | int
+
+
+def balance_by_time(
+    partitions: int,
+    module: nn.Sequential,
+    sample: Any,
+    *,
+    timeout: float = 1.0,
+    device: Device | None = None,
+) -> list[int]:
+    """A balance that minimizes the time of the slowest partition.
+
+    Each layer's forward and backward on ``sample`` (a mini-batch, or a micro-batch as
+    the pipeline will see it) are timed on ``device``, in passes over all layers
+    repeated until ``timeout`` seconds have gone by; the layers are then split so that
+    the slowest partition is as fast as possible.
+
+    Args:
+        partitions: the number of partitions.
+        module: the model; it is left as it was (profiled on copies of its layers).
+        sample: an input of the model (a tensor, or any nesting of tuples, lists and
+            dicts of tensors).
+        timeout: seconds to spend timing (at least one pass is made).
+        device: where to time the layers. Default: the current CUDA device, or the
+            CPU without CUDA.
+
+    Returns:
+        The number of layers of each partition, positive and summing to ``len(module)``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or its skips do not match.
+        ValueError: fewer layers than partitions, or a non-positive ``timeout``.
+    """
+    _check(partitions, module)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    times = layerwise_time(module, sample, timeout=timeout, device=_device(device))
+    return solve(times, partitions)
+
+
+def balance_by_size(
+    partitions: int,
+    module: nn.Sequential,
+    input: Any,
+    *,
+    chunks: int = 1,
+    param_scale: float = 2.0,
+    device: Device | None = None,
+) -> list[int]:
+    """A balance that minimizes the memory of the fullest partition.
+
+    A layer's memory is the activations it keeps for one micro-batch of ``input`` (its
+    output and what it saves for backward) plus its parameters times ``param_scale``:
+    a parameter comes with its gradient, and optimizers keep state of their own (2 for
+    SGD with momentum, 3 for Adam's two moments, and so on).
+
+    Args:
+        partitions: the number of partitions.
+        module: the model; it is left as it was (profiled on copies of its layers).
+        input: a mini-batch; its first micro-batch is profiled.
+        chunks: the micro-batches the pipeline will cut ``input`` into.
+        param_scale: how many times its own size each parameter costs.
+        device: where to run the layers. Default: the current CUDA device, or the CPU
+            without CUDA.
+
+    Returns:
+        The number of layers of each partition, positive and summing to ``len(module)``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or its skips do not match.
+        ValueError: fewer layers than partitions, ``chunks`` not positive, or a
+            negative ``param_scale``.
+    """
+    _check(partitions, module)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    if not param_scale >= 0:
+        raise ValueError(f"param_scale must be non-negative, got {param_scale!r}")
+    sizes = layerwise_size(
+        module, input, chunks=chunks, param_scale=param_scale, device=_device(device)
+    )
+    return solve(sizes, partitions)
+
+
+def _check(partitions: int, module: nn.Sequential) -> None:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"balancing takes an nn.Sequential, got {type(module).__name__}")
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions <= 0:
+        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+    if len(module) < partitions:
+        raise ValueError(
+            f"cannot split {len(module)} layers into {partitions} partitions: every "
+            f"partition needs at least one layer; use at most {len(module)} partitions"
+        )
+    verify_skippables(module)
+
+
+def _device(device: Device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)

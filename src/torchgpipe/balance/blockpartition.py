@@ -1,0 +1,136 @@
+"""The exact split of a sequence of costs into consecutive groups with the least maximum.
+
+Given layer costs ``c[0..n)`` and ``k`` partitions, find ``k`` non-empty consecutive
+groups whose largest total is as small as possible (the pipeline's slowest stage, or
+its fullest device).
+
+The optimum is the total of some run ``c[s:e]``, and whether a cap ``C`` can be met is
+decided greedily (fill each group while it fits): the greedy needs at most ``k`` groups
+exactly when some split meets ``C``. So the search keeps an interval ``(lo, hi]``
+holding the optimum (``hi`` met, ``lo`` not), and probes a run total drawn at random
+from those inside the interval: every probe halves the candidates in expectation.
+For each start ``s`` the run totals inside the interval are those of ends in one range
+that moves right with ``s``, so counting and drawing take one pass over the starts.
+In all, about ``O(n log n)`` steps.
+
+Costs are floats; they are turned into integers exactly (every float is an integer
+times a power of two), so the comparisons above are exact and the split is truly
+optimal for the costs given.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_right
+from collections.abc import Sequence
+from fractions import Fraction
+from itertools import accumulate, pairwise
+
+__all__ = ["solve"]
+
+
+def solve(costs: Sequence[float], partitions: int) -> list[int]:
+    """Split ``costs`` into ``partitions`` consecutive groups minimizing the largest total.
+
+    Returns the number of items in each group: positive ints summing to ``len(costs)``.
+
+    Raises:
+        ValueError: ``partitions`` is not positive, there are fewer costs than
+            partitions, or a cost is negative or not finite.
+    """
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions <= 0:
+        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+    if len(costs) < partitions:
+        raise ValueError(
+            f"cannot split {len(costs)} layers into {partitions} partitions: every "
+            f"partition needs at least one layer; use at most {len(costs)} partitions"
+        )
+    bad = [(i, c) for i, c in enumerate(costs) if not (math.isfinite(c) and c >= 0)]
+    if bad:
+        raise ValueError(f"costs must be finite and non-negative, got {bad[:5]} (index, cost)")
+
+    prefix = list(accumulate(_exact_integers(costs), initial=0))
+    best = _least_cap(prefix, partitions)
+    return _split(prefix, partitions, best)
+
+
+def _exact_integers(costs: Sequence[float]) -> list[int]:
+    """The costs times one power of two that makes every one of them an integer."""
+    ratios = [Fraction(c) for c in costs]
+    scale = max(r.denominator for r in ratios)  # every denominator is a power of two
+    return [int(r * scale) for r in ratios]
+
+
+def _groups(prefix: list[int], cap: int, limit: int) -> int:
+    """How many groups the greedy fill needs under ``cap`` (``limit + 1`` means more)."""
+    n = len(prefix) - 1
+    start, count = 0, 0
+    while start < n:
+        end = bisect_right(prefix, prefix[start] + cap) - 1
+        if end == start:  # one item alone is over the cap
+            return limit + 1
+        start, count = end, count + 1
+        if count > limit:
+            return count
+    return count
+
+
+def _least_cap(prefix: list[int], k: int) -> int:
+    n = len(prefix) - 1
+    total = prefix[n]
+    largest = max(b - a for a, b in pairwise(prefix))
+    lo = max(largest, -(-total // k)) - 1  # below every possible answer: not met
+    hi = total  # one group per item... at most k groups, met
+    rng = random.Random(0)  # deterministic: the same costs give the same search
+    while True:
+        ranges = _ranges(prefix, lo, hi)
+        count = sum(last - first for _, first, last in ranges)
+        if count == 0:
+            return hi
+        pick = rng.randrange(count)
+        for start, first, last in ranges:
+            if pick < last - first:
+                cap = prefix[first + pick] - prefix[start]
+                break
+            pick -= last - first
+        if _groups(prefix, cap, k) <= k:
+            hi = cap
+        else:
+            lo = cap
+
+
+def _ranges(prefix: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """For each start ``s``, the ends ``e`` in ``[first, last)`` with lo < total < hi."""
+    n = len(prefix) - 1
+    ranges = []
+    first = last = 0
+    for start in range(n):
+        first = max(first, start + 1)
+        while first <= n and prefix[first] - prefix[start] <= lo:
+            first += 1
+        last = max(last, first)
+        while last <= n and prefix[last] - prefix[start] < hi:
+            last += 1
+        if first < last:
+            ranges.append((start, first, last))
+    return ranges
+
+
+def _split(prefix: list[int], k: int, cap: int) -> list[int]:
+    """Exactly ``k`` non-empty groups, none over ``cap`` (which the greedy fill meets)."""
+    n = len(prefix) - 1
+    bounds = [0]
+    while bounds[-1] < n:
+        bounds.append(bisect_right(prefix, prefix[bounds[-1]] + cap) - 1)
+    # Fewer than k groups: split the costliest group that has room, at its middle cost.
+    while len(bounds) - 1 < k:
+        splittable = [g for g in range(len(bounds) - 1) if bounds[g + 1] - bounds[g] > 1]
+        g = max(splittable, key=lambda g: prefix[bounds[g + 1]] - prefix[bounds[g]])
+        a, b = bounds[g], bounds[g + 1]
+        middle = min(
+            range(a + 1, b),
+            key=lambda m: max(prefix[m] - prefix[a], prefix[b] - prefix[m]),
+        )
+        bounds.insert(g + 1, middle)
+    return [b - a for a, b in pairwise(bounds)]

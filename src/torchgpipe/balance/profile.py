@@ -1,0 +1,142 @@
+"""Per-layer costs for balancing: the time of forward and backward, or the memory.
+
+Both profilers work on copies of the layers, made one by one on the profiling device,
+so the model's weights, gradients, training mode and device are left as they were.
+Each layer gets its input detached (a new leaf that needs grad, cloned so that a layer
+may modify it in place), so that its backward stops at its own input. Skips stashed by
+skippable layers are handed on detached as well.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.microbatch import flatten, map_tensors, scatter
+from torchgpipe.skip.skippable import SkipKey
+from torchgpipe.skip.tracker import SkipTracker, use_tracker
+
+__all__ = ["layerwise_size", "layerwise_time"]
+
+
+class _DetachingTracker(SkipTracker):
+    """Keeps stashed skips as fresh leaves, so a popping layer's backward stops there."""
+
+    def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
+        super().stash(key, None if tensor is None else _leaf(tensor))
+
+
+def _leaf(x: Tensor) -> Tensor:
+    x = x.detach()
+    return x.requires_grad_() if x.is_floating_point() or x.is_complex() else x
+
+
+def _fresh_input(value: Any) -> Any:
+    """Leaves that need grad, then clones of them that a layer may modify in place."""
+    return map_tensors(lambda x: _leaf(x).clone() if _differentiable(x) else x.detach(), value)
+
+
+def _differentiable(x: Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+    for layer in module:
+        yield copy.deepcopy(layer).to(device).train()
+
+
+@contextmanager
+def _profiling() -> Iterator[None]:
+    with use_tracker(_DetachingTracker()), torch.enable_grad():
+        yield
+
+
+def layerwise_time(
+    module: nn.Sequential, sample: Any, *, timeout: float, device: torch.device
+) -> list[float]:
+    """Seconds of forward plus backward of each layer on ``sample``, summed over passes.
+
+    After one pass to warm up (first calls allocate and initialize), passes over all
+    layers repeat until ``timeout`` seconds have gone by (at least one).
+    """
+    layers = list(_copies(module, device))
+    totals = [0.0] * len(layers)
+    with _profiling():
+        _time_pass(layers, sample, device, totals)  # a warm-up pass, not counted
+        totals = [0.0] * len(layers)
+        start = time.perf_counter()
+        while True:
+            _time_pass(layers, sample, device, totals)
+            if time.perf_counter() - start >= timeout:
+                return totals
+
+
+def _time_pass(
+    layers: list[nn.Module], sample: Any, device: torch.device, totals: list[float]
+) -> None:
+    """One pass over the layers, adding each one's forward and backward time to totals."""
+    value = map_tensors(lambda x: x.to(device), sample)
+    for j, layer in enumerate(layers):
+        value = _fresh_input(value)
+        _synchronize(device)
+        begin = time.perf_counter()
+        output = layer(value)
+        outputs = [y for y in flatten(output)[0] if isinstance(y, Tensor) and y.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
+        _synchronize(device)
+        totals[j] += time.perf_counter() - begin
+        value = map_tensors(lambda y: y.detach(), output)
+
+
+def layerwise_size(
+    module: nn.Sequential, input: Any, *, chunks: int, param_scale: float, device: torch.device
+) -> list[float]:
+    """Bytes of each layer: activations of one micro-batch, plus parameters times a scale.
+
+    A layer's activations are its output and the tensors it saves for backward, but
+    neither its input (the previous layer's output) nor its parameters, each storage
+    counted once.
+    """
+    micro_batch = scatter(map_tensors(lambda x: x.to(device), input), chunks)[0]
+    sizes = []
+    value = micro_batch
+    with _profiling():
+        for layer in _copies(module, device):
+            value = _fresh_input(value)
+            known = {_storage(x) for x in _tensors(value)}
+            known |= {_storage(p) for p in layer.parameters()}
+            saved: dict[tuple[int, str], int] = {}
+
+            def pack(x: Tensor, saved: dict[tuple[int, str], int] = saved) -> Tensor:
+                saved[_storage(x)] = x.untyped_storage().nbytes()
+                return x
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                output = layer(value)
+            for y in _tensors(output):
+                saved[_storage(y)] = y.untyped_storage().nbytes()
+            activations = sum(size for key, size in saved.items() if key not in known)
+            parameters = sum(p.numel() * p.element_size() for p in layer.parameters())
+            sizes.append(activations + parameters * param_scale)
+            value = map_tensors(lambda y: y.detach(), output)
+    return sizes
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [x for x in flatten(value)[0] if isinstance(x, Tensor)]
+
+
+def _storage(x: Tensor) -> tuple[int, str]:
+    return (x.untyped_storage().data_ptr(), str(x.device))

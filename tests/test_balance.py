@@ -1,0 +1,234 @@
+"""Automatic balancing: the exact split, and the profilers by time and by size."""
+
+import copy
+import itertools
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import torchgpipe.balance
+from torchgpipe import GPipe
+from torchgpipe.balance import balance_by_size, balance_by_time
+from torchgpipe.balance.blockpartition import solve
+from torchgpipe.skip import pop, skippable, stash
+
+
+def _largest(costs: list[float], balance: list[int]) -> float:
+    bounds = [0, *itertools.accumulate(balance)]
+    return max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+
+
+def _brute_force(costs: list[float], k: int) -> float:
+    n = len(costs)
+    return min(
+        _largest(costs, [b - a for a, b in itertools.pairwise([0, *cuts, n])])
+        for cuts in itertools.combinations(range(1, n), k - 1)
+    )
+
+
+def _check_split(costs: list[float], k: int, balance: list[int]) -> None:
+    assert len(balance) == k
+    assert all(isinstance(b, int) and b > 0 for b in balance)
+    assert sum(balance) == len(costs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_solve_is_optimal_for_integer_costs(data: st.DataObject) -> None:
+    costs = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=9))
+    k = data.draw(st.integers(1, len(costs)))
+    balance = solve(costs, k)
+    _check_split(costs, k, balance)
+    assert _largest(costs, balance) == _brute_force(costs, k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_solve_is_optimal_for_float_costs(data: st.DataObject) -> None:
+    costs = data.draw(
+        st.lists(st.floats(0, 1e3, allow_nan=False), min_size=1, max_size=9),
+    )
+    k = data.draw(st.integers(1, len(costs)))
+    balance = solve(costs, k)
+    _check_split(costs, k, balance)
+    # Exact in the costs' own values; the sums below round, hence the tolerance.
+    expected = _brute_force(costs, k)
+    assert _largest(costs, balance) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_solve_handles_thousands_of_layers() -> None:
+    costs = [float((i * 7919) % 101) for i in range(3000)]
+    balance = solve(costs, 16)
+    _check_split(costs, 16, balance)
+    # The optimum is at least the average and the largest item; here it is close.
+    assert _largest(costs, balance) <= sum(costs) / 16 + max(costs)
+
+
+def test_solve_on_zeros_and_equal_costs() -> None:
+    assert solve([0.0] * 5, 3) == [3, 1, 1] or sum(solve([0.0] * 5, 3)) == 5
+    assert solve([1, 1, 1, 1], 4) == [1, 1, 1, 1]
+    assert solve([1, 1, 1, 1], 2) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("costs", "k", "match"),
+    [
+        ([1.0, 2.0], 3, "cannot split 2 layers into 3 partitions"),
+        ([1.0, -2.0], 1, r"non-negative, got \[\(1, -2.0\)\]"),
+        ([1.0, float("nan")], 1, "finite"),
+        ([1.0], 0, "partitions must be a positive int"),
+    ],
+)
+def test_solve_rejects_bad_input(costs: list[float], k: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        solve(costs, k)
+
+
+class Sleep(nn.Module):
+    """Sleeps a known time in forward and again in backward."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return _SleepBackward.apply(x * self.scale, self.seconds)
+
+
+class _SleepBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+        return grad, None
+
+
+def test_balance_by_time_finds_the_optimal_split() -> None:
+    # Known costs (forward and backward each sleep this long); the best split into 3 has
+    # bottleneck 24 ms, and every other split is at least 4 ms (a sleep's whole
+    # overshoot many times over) slower.
+    ms = [4, 4, 12, 8, 16, 4, 4, 8, 4]
+    model = nn.Sequential(*[Sleep(t / 1e3) for t in ms])
+    balance = balance_by_time(3, model, torch.ones(2, 2), timeout=0.01, device="cpu")
+    assert _largest(ms, balance) == _brute_force(ms, 3) == 24
+
+
+class Sized(nn.Module):
+    """A layer of known size: `params` float32 parameters, an output of `width` columns."""
+
+    def __init__(self, params: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(params))
+        self.width = width
+
+    def forward(self, x: Tensor) -> Tensor:
+        # sum, expand and add save nothing for backward; the sum is a new (batch, width).
+        return x.sum(dim=1, keepdim=True).expand(-1, self.width) + self.weight.sum()
+
+
+@pytest.mark.parametrize(("chunks", "param_scale"), [(1, 2.0), (4, 3.0)])
+def test_balance_by_size_finds_the_optimal_split(chunks: int, param_scale: float) -> None:
+    shapes = [(100, 10), (10, 400), (300, 10), (10, 10), (50, 200), (500, 10), (10, 300)]
+    model = nn.Sequential(*[Sized(p, w) for p, w in shapes])
+    batch = 8
+    micro = batch // chunks
+    sizes = [4 * (micro * w + p * param_scale) for p, w in shapes]
+    balance = balance_by_size(
+        3, model, torch.ones(batch, 5), chunks=chunks, param_scale=param_scale, device="cpu"
+    )
+    assert _largest(sizes, balance) == _brute_force(sizes, 3)
+    # And the profile itself is what the layers are known to hold.
+    from torchgpipe.balance.profile import layerwise_size
+
+    measured = layerwise_size(
+        model, torch.ones(batch, 5), chunks=chunks, param_scale=param_scale,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    assert measured == sizes
+
+
+@skippable(stash=["skip"])
+class StashLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return self.linear(x)
+
+
+@skippable(pop=["skip"])
+class PopAdd(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip
+
+
+def _mixed_model() -> nn.Sequential:
+    return nn.Sequential(
+        StashLinear(),
+        nn.ReLU(inplace=True),  # modifies its input in place
+        nn.BatchNorm1d(4),
+        nn.Dropout(0.5),
+        PopAdd(),
+        nn.Linear(4, 2),
+    )
+
+
+@pytest.mark.parametrize("by", ["time", "size"])
+def test_balancing_leaves_the_model_as_it_was(by: str) -> None:
+    model = _mixed_model().eval()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(6, 4)
+    if by == "time":
+        balance = balance_by_time(3, model, x, timeout=0.01, device="cpu")
+    else:
+        balance = balance_by_size(3, model, x, chunks=2, device="cpu")
+    assert sum(balance) == len(model)
+    assert len(balance) == 3
+    assert not model.training  # the mode
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and buffers
+    assert all(p.grad is None for p in model.parameters())
+    GPipe(model, balance, chunks=2)(x)  # and the split is usable as it is
+
+
+def test_balancing_takes_nested_inputs() -> None:
+    class Pair(nn.Module):
+        def forward(self, pair: dict[str, Tensor]) -> Tensor:
+            return pair["a"] * pair["b"]
+
+    model = nn.Sequential(Pair(), nn.Linear(3, 3), nn.Linear(3, 3))
+    sample = {"a": torch.randn(4, 3), "b": torch.randn(4, 3)}
+    assert sum(balance_by_time(2, model, sample, timeout=0.01, device="cpu")) == 3
+    assert sum(balance_by_size(2, model, sample, device="cpu")) == 3
+
+
+def test_balancing_rejects_bad_arguments() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    x = torch.randn(2, 2)
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 partitions"):
+        balance_by_time(3, model, x, device="cpu")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        balance_by_time(2, model, x, timeout=0, device="cpu")
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        balance_by_size(2, model, x, chunks=0, device="cpu")
+    with pytest.raises(ValueError, match="param_scale must be non-negative"):
+        balance_by_size(2, model, x, param_scale=-1.0, device="cpu")
+    with pytest.raises(TypeError, match=r"balancing takes an nn\.Sequential"):
+        balance_by_size(1, nn.Linear(2, 2), x, device="cpu")  # type: ignore[arg-type]
+
+
+def test_balance_public_names() -> None:
+    assert sorted(torchgpipe.balance.__all__) == ["balance_by_size", "balance_by_time"]
