@@ -107,3 +107,18 @@ def test_skip_benchmark_quick_counts_one_crossing(tmp_path):
         ("skippable", 4): 1.0,
         ("tuple", 4): 3.0,
     }
+
+
+def test_balance_benchmark_quick_compares_three_splits(tmp_path):
+    out_file = tmp_path / "balance.json"
+    out = run_python("benchmarks/balance/main.py", "--quick", "--out", str(out_file))
+    assert "balance_by_time" in out
+    rows = {row["balance_name"]: row for row in json.loads(out_file.read_text())["rows"]}
+    assert set(rows) == {"even", "balance_by_time", "brute force"}
+    for row in rows.values():
+        assert sum(row["balance"]) == 17
+        assert row["forward_ms"] > 0
+    # The brute force is the best by construction; nothing beats it.
+    assert all(
+        rows["brute force"]["slowest_ms"] <= row["slowest_ms"] + 1e-9 for row in rows.values()
+    )
