@@ -232,3 +232,12 @@ def test_balancing_rejects_bad_arguments() -> None:
 
 def test_balance_public_names() -> None:
     assert sorted(torchgpipe.balance.__all__) == ["balance_by_size", "balance_by_time"]
+
+
+@pytest.mark.cuda
+def test_balancing_on_cuda_leaves_the_model_on_its_device() -> None:
+    model = _mixed_model()
+    x = torch.randn(6, 4)
+    assert sum(balance_by_time(2, model, x, timeout=0.01, device="cuda")) == len(model)
+    assert sum(balance_by_size(2, model, x, device="cuda")) == len(model)
+    assert all(p.device.type == "cpu" for p in model.parameters())

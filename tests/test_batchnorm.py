@@ -164,3 +164,17 @@ def test_a_failed_forward_leaves_no_partial_statistics() -> None:
 def test_deferred_batch_norm_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="deferred_batch_norm must be a bool, got 'yes'"):
         GPipe(nn.Sequential(nn.BatchNorm1d(2)), [1], deferred_batch_norm="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_deferred_batch_norm_on_cuda() -> None:
+    bn = nn.BatchNorm1d(4)
+    reference = copy.deepcopy(bn)
+    model = GPipe(nn.Sequential(bn), [1], devices=["cuda:0"], chunks=3, deferred_batch_norm=True)
+    x = torch.randn(7, 4)
+    model(x.cuda())
+    reference(x)
+    deferred = model[0]
+    assert isinstance(deferred, DeferredBatchNorm)
+    torch.testing.assert_close(deferred.running_mean.cpu(), reference.running_mean)
+    torch.testing.assert_close(deferred.running_var.cpu(), reference.running_var)
