@@ -60,18 +60,43 @@ def test_solve_is_optimal_for_float_costs(data: st.DataObject) -> None:
     assert _largest(costs, balance) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
-def test_solve_handles_thousands_of_layers() -> None:
-    costs = [float((i * 7919) % 101) for i in range(3000)]
-    balance = solve(costs, 16)
-    _check_split(costs, 16, balance)
-    # The optimum is at least the average and the largest item; here it is close.
-    assert _largest(costs, balance) <= sum(costs) / 16 + max(costs)
+def _integer_optimum(costs: list[int], k: int) -> int:
+    """For integer costs, the least cap the greedy fill meets, by bisection: exact."""
+
+    def groups(cap: int) -> int:
+        count, total = 1, 0
+        for c in costs:
+            if total + c > cap:
+                count, total = count + 1, 0
+            total += c
+        return count
+
+    lo, hi = max(costs), sum(costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if groups(mid) <= k else (mid + 1, hi)
+    return lo
+
+
+@pytest.mark.parametrize("k", [2, 16, 200])
+def test_solve_is_optimal_for_thousands_of_layers(k: int) -> None:
+    costs = [(i * 7919) % 101 for i in range(3000)]
+    balance = solve(costs, k)
+    _check_split(costs, k, balance)
+    assert _largest(costs, balance) == _integer_optimum(costs, k)
 
 
 def test_solve_on_zeros_and_equal_costs() -> None:
-    assert solve([0.0] * 5, 3) == [3, 1, 1] or sum(solve([0.0] * 5, 3)) == 5
+    assert solve([0.0] * 5, 3) == [1, 1, 3]  # one group, split at its first even point
     assert solve([1, 1, 1, 1], 4) == [1, 1, 1, 1]
     assert solve([1, 1, 1, 1], 2) == [2, 2]
+
+
+def test_solve_takes_numpy_and_tensor_scalars() -> None:
+    import numpy as np
+
+    costs = [np.float32(1.0), torch.tensor(2.0), np.int64(1), 3]
+    assert solve(costs, 2) == [3, 1]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -186,9 +211,10 @@ def _mixed_model() -> nn.Sequential:
     )
 
 
+@pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("by", ["time", "size"])
-def test_balancing_leaves_the_model_as_it_was(by: str) -> None:
-    model = _mixed_model().eval()
+def test_balancing_leaves_the_model_as_it_was(by: str, training: bool) -> None:
+    model = _mixed_model().train(training)
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(6, 4)
     if by == "time":
@@ -197,11 +223,24 @@ def test_balancing_leaves_the_model_as_it_was(by: str) -> None:
         balance = balance_by_size(3, model, x, chunks=2, device="cpu")
     assert sum(balance) == len(model)
     assert len(balance) == 3
-    assert not model.training  # the mode
+    assert model.training == training  # the mode
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # weights and buffers
     assert all(p.grad is None for p in model.parameters())
     GPipe(model, balance, chunks=2)(x)  # and the split is usable as it is
+
+
+def test_frozen_parameters_count_once() -> None:
+    from torchgpipe.balance.profile import layerwise_size
+
+    frozen, trained = nn.Linear(4, 4), nn.Linear(4, 4)
+    frozen.requires_grad_(False)
+    x = torch.ones(1, 4)
+    sizes = layerwise_size(
+        nn.Sequential(frozen, trained), x, chunks=1, param_scale=3.0, device=torch.device("cpu")
+    )
+    parameters = 4 * (16 + 4)
+    assert sizes == [16 + parameters, 16 + 3 * parameters]  # output (1, 4) float32 + params
 
 
 def test_balancing_takes_nested_inputs() -> None:

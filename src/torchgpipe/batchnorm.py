@@ -5,7 +5,7 @@ micro-batch's statistics (the pipeline cannot wait for the whole mini-batch). Pl
 ``BatchNorm`` would also fold each micro-batch's statistics into its running mean and
 variance, m times per step, with weights that depend on m. :class:`DeferredBatchNorm`
 instead merges the statistics of the micro-batches (counts, means and squared
-deviations, merged pairwise so that no precision is lost to large means) and updates
+deviations, in float64 and merged pairwise so that large means cost no precision) and updates
 the running statistics once, after the last micro-batch of the mini-batch, from the
 mean and variance of the whole mini-batch: what plain ``BatchNorm`` tracks when it sees
 the mini-batch at once. Recomputation in backward neither merges nor updates.
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import batch_norm
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgpipe.checkpoint import is_recomputing
 
@@ -79,7 +80,9 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _merge(self, x: Tensor) -> None:
         dims = [0, *range(2, x.dim())]
-        stats = x.to(torch.float64) if x.dtype in (torch.float16, torch.bfloat16) else x
+        # In float64 whatever the input: a float32 mean of data around 1e4 is off by
+        # 1e-3, and the merge's squared differences of means would carry that error.
+        stats = x.to(torch.float64)
         count = torch.tensor(x.numel() / x.size(1), dtype=stats.dtype, device=x.device)
         mean = stats.mean(dims)
         m2 = stats.var(dims, unbiased=False) * count
@@ -137,7 +140,22 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
 
     Parameters and buffers are shared with the layers replaced, so ``state_dict()``
     keys and values stay as they were. Returns the deferred layers.
+
+    Raises:
+        ValueError: a lazy batch-norm layer has not been initialized yet.
     """
+    lazy = [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm)
+        and isinstance(m, LazyModuleMixin)
+        and m.has_uninitialized_params()
+    ]
+    if lazy:
+        raise ValueError(
+            f"batch-norm layers {lazy} are lazy and not initialized yet; run the model once "
+            f"on a sample batch before wrapping it with deferred_batch_norm=True"
+        )
     converted: list[DeferredBatchNorm] = []
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

@@ -79,8 +79,9 @@ def balance_by_size(
 
     A layer's memory is the activations it keeps for one micro-batch of ``input`` (its
     output and what it saves for backward) plus its parameters times ``param_scale``:
-    a parameter comes with its gradient, and optimizers keep state of their own (2 for
-    SGD with momentum, 3 for Adam's two moments, and so on).
+    a parameter that needs grad comes with its gradient, and optimizers keep state of
+    their own (2 for plain SGD, 3 for SGD with momentum, 4 for Adam's two moments, and
+    so on); frozen parameters count once.
 
     Args:
         partitions: the number of partitions.

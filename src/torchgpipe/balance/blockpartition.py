@@ -46,11 +46,15 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
             f"cannot split {len(costs)} layers into {partitions} partitions: every "
             f"partition needs at least one layer; use at most {len(costs)} partitions"
         )
-    bad = [(i, c) for i, c in enumerate(costs) if not (math.isfinite(c) and c >= 0)]
+    try:
+        values = [float(c) for c in costs]  # numpy scalars and 0-dim tensors included
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"costs must be numbers, got {list(costs)[:5]}...: {error}") from None
+    bad = [(i, c) for i, c in enumerate(values) if not (math.isfinite(c) and c >= 0)]
     if bad:
         raise ValueError(f"costs must be finite and non-negative, got {bad[:5]} (index, cost)")
 
-    prefix = list(accumulate(_exact_integers(costs), initial=0))
+    prefix = list(accumulate(_exact_integers(values), initial=0))
     best = _least_cap(prefix, partitions)
     return _split(prefix, partitions, best)
 

@@ -70,24 +70,27 @@ def layerwise_time(
     After one pass to warm up (first calls allocate and initialize), passes over all
     layers repeat until ``timeout`` seconds have gone by (at least one).
     """
-    layers = list(_copies(module, device))
-    totals = [0.0] * len(layers)
+    totals = [0.0] * len(module)
     with _profiling():
-        _time_pass(layers, sample, device, totals)  # a warm-up pass, not counted
-        totals = [0.0] * len(layers)
+        _time_pass(module, sample, device, totals)  # a warm-up pass, not counted
+        totals = [0.0] * len(module)
         start = time.perf_counter()
         while True:
-            _time_pass(layers, sample, device, totals)
+            _time_pass(module, sample, device, totals)
             if time.perf_counter() - start >= timeout:
                 return totals
 
 
 def _time_pass(
-    layers: list[nn.Module], sample: Any, device: torch.device, totals: list[float]
+    module: nn.Sequential, sample: Any, device: torch.device, totals: list[float]
 ) -> None:
-    """One pass over the layers, adding each one's forward and backward time to totals."""
+    """One pass over the layers, adding each one's forward and backward time to totals.
+
+    Each layer is copied to the device for its turn only: the model as a whole need not
+    fit there (that is what the pipeline is for).
+    """
     value = map_tensors(lambda x: x.to(device), sample)
-    for j, layer in enumerate(layers):
+    for j, layer in enumerate(_copies(module, device)):
         value = _fresh_input(value)
         _synchronize(device)
         begin = time.perf_counter()
@@ -104,6 +107,9 @@ def layerwise_size(
     module: nn.Sequential, input: Any, *, chunks: int, param_scale: float, device: torch.device
 ) -> list[float]:
     """Bytes of each layer: activations of one micro-batch, plus parameters times a scale.
+
+    Parameters that need grad count ``param_scale`` times (the gradient and optimizer
+    state come with them); frozen ones count once.
 
     A layer's activations are its output and the tensors it saves for backward, but
     neither its input (the previous layer's output) nor its parameters, each storage
@@ -128,10 +134,15 @@ def layerwise_size(
             for y in _tensors(output):
                 saved[_storage(y)] = y.untyped_storage().nbytes()
             activations = sum(size for key, size in saved.items() if key not in known)
-            parameters = sum(p.numel() * p.element_size() for p in layer.parameters())
-            sizes.append(activations + parameters * param_scale)
+            trained = sum(_bytes(p) for p in layer.parameters() if p.requires_grad)
+            frozen = sum(_bytes(p) for p in layer.parameters() if not p.requires_grad)
+            sizes.append(activations + trained * param_scale + frozen)
             value = map_tensors(lambda y: y.detach(), output)
     return sizes
+
+
+def _bytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def _tensors(value: Any) -> list[Tensor]:
