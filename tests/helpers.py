@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import is_recomputing
+from torchgpipe.skip import pop, skippable, stash
 
 
 class Recorder(nn.Module):
@@ -61,3 +62,25 @@ class Fail(nn.Module):
         if int(x[0, 0]) == self.on:
             raise self.error
         return x
+
+
+@skippable(stash=["skip"])
+class StashLinear(nn.Module):
+    """Stashes its input as 'skip' and returns a linear map of it."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return self.linear(x)
+
+
+@skippable(pop=["skip"])
+class PopAdd(nn.Module):
+    """Adds the popped 'skip' to its input."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip

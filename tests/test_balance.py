@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from helpers import PopAdd, StashLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -14,7 +15,6 @@ import torchgpipe.balance
 from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size, balance_by_time
 from torchgpipe.balance.blockpartition import solve
-from torchgpipe.skip import pop, skippable, stash
 
 
 def _largest(costs: list[float], balance: list[int]) -> float:
@@ -180,24 +180,6 @@ def test_balance_by_size_finds_the_optimal_split(chunks: int, param_scale: float
         device=torch.device("cpu"),
     )  # fmt: skip
     assert measured == sizes
-
-
-@skippable(stash=["skip"])
-class StashLinear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash("skip", x)
-        return self.linear(x)
-
-
-@skippable(pop=["skip"])
-class PopAdd(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield pop("skip")
-        return x + skip
 
 
 def _mixed_model() -> nn.Sequential:

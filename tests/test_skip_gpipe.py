@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import PopAdd, StashLinear
 from torch import Tensor, nn
 
 import torchgpipe.pipeline
@@ -221,30 +222,12 @@ def test_skips_between_cuda_partitions_match_cpu() -> None:
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
 
 
-@skippable(stash=["skip"])
-class StashLinear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(3, 3)
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash("skip", x)
-        return self.linear(x)
-
-
-@skippable(pop=["skip"])
-class PopAdd(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield pop("skip")
-        return x + skip
-
-
 @pytest.mark.parametrize("isolated", [False, True])
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copies_of_a_gpipe_with_skips_work(isolated: bool, how: str) -> None:
     # Skips in the global namespace once broke in a copy: the copied layout had a new
     # global namespace that the copied layers did not use.
-    stasher, popper = StashLinear(), PopAdd()
+    stasher, popper = StashLinear(3), PopAdd()
     if isolated:
         ns = Namespace()
         stasher.isolate(ns)

@@ -24,11 +24,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -38,9 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import environment, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 # Milliseconds per layer, forward and backward each: a stem, then stages that cost more
@@ -183,21 +181,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     print("\n".join(lines), flush=True)
     results = {
-        "environment": {
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "torchgpipe": torchgpipe.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "environment": environment(),
         "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "blocks_ms": blocks,
         "profiling_s": profiling_s,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"\nwrote {args.out}")
 
 

@@ -23,13 +23,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -39,8 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import torchgpipe
 from torchgpipe import GPipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import environment, write_json  # benchmarks/common.py
 
 TARGET = 0.95
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -159,57 +155,6 @@ def measure_overhead(n: int, m: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def cpu_model() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` (Linux), as ``platform`` leaves it empty."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return ""
-
-
-def git(directory: Path, *args: str) -> str:
-    """The output of a git command run in ``directory``, or "" without git."""
-    try:
-        done = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True)
-    except OSError:
-        return ""
-    return done.stdout.rstrip()
-
-
-def source_state() -> dict[str, Any]:
-    """Which torchgpipe source is measured: a hash of its files, and git's view of them."""
-    package = Path(torchgpipe.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(package.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return {
-        "source_sha256": digest.hexdigest(),
-        "git_commit": git(package, "rev-parse", "HEAD"),
-        "git_modified": git(package, "status", "--porcelain", "--", ".").splitlines(),
-    }
-
-
-def environment() -> dict[str, Any]:
-    """The machine, the versions and the date of this run."""
-    return {
-        "processor": platform.processor() or cpu_model(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torchgpipe": torchgpipe.__version__,
-        **source_state(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def sleep_table(rows: list[dict[str, Any]], f: float, f_call: float, repeats: int) -> str:
     """Format the sleep-layer measurements as a fixed-width table."""
     lines = [
@@ -293,8 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         "sleep": sleep,
         "overhead": overhead,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"\nwrote {args.out}")
 
 

@@ -26,10 +26,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import threading
@@ -45,6 +41,9 @@ import torchgpipe.pipeline
 from torchgpipe import GPipe
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip import pop, skippable, stash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import environment, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -251,19 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print(table(rows, args.batch, args.width), flush=True)
     results = {
-        "environment": {
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "torchgpipe": torchgpipe.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "environment": environment(),
         "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"\nwrote {args.out}")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchgpipe.balance.blockpartition import solve
+from torchgpipe.balance.blockpartition import check_partitions, solve
 from torchgpipe.balance.profile import layerwise_size, layerwise_time
 from torchgpipe.skip.layout import verify_skippables
 
@@ -114,13 +114,7 @@ def balance_by_size(
 def _check(partitions: int, module: nn.Sequential) -> None:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"balancing takes an nn.Sequential, got {type(module).__name__}")
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions <= 0:
-        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
-    if len(module) < partitions:
-        raise ValueError(
-            f"cannot split {len(module)} layers into {partitions} partitions: every "
-            f"partition needs at least one layer; use at most {len(module)} partitions"
-        )
+    check_partitions(len(module), partitions)  # before profiling, which takes a while
     verify_skippables(module)
 
 

@@ -27,7 +27,22 @@ from collections.abc import Sequence
 from fractions import Fraction
 from itertools import accumulate, pairwise
 
-__all__ = ["solve"]
+__all__ = ["check_partitions", "solve"]
+
+
+def check_partitions(num_layers: int, partitions: int) -> None:
+    """Refuse a number of partitions that ``num_layers`` layers cannot fill.
+
+    Raises:
+        ValueError: ``partitions`` is not a positive int, or exceeds ``num_layers``.
+    """
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions <= 0:
+        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+    if num_layers < partitions:
+        raise ValueError(
+            f"cannot split {num_layers} layers into {partitions} partitions: every "
+            f"partition needs at least one layer; use at most {num_layers} partitions"
+        )
 
 
 def solve(costs: Sequence[float], partitions: int) -> list[int]:
@@ -39,13 +54,7 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
         ValueError: ``partitions`` is not positive, there are fewer costs than
             partitions, or a cost is negative or not finite.
     """
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions <= 0:
-        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
-    if len(costs) < partitions:
-        raise ValueError(
-            f"cannot split {len(costs)} layers into {partitions} partitions: every "
-            f"partition needs at least one layer; use at most {len(costs)} partitions"
-        )
+    check_partitions(len(costs), partitions)
     try:
         values = [float(c) for c in costs]  # numpy scalars and 0-dim tensors included
     except (TypeError, ValueError) as error:
