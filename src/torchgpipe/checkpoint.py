@@ -16,6 +16,7 @@ layers. One small autograd function does all of that in one place.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -92,6 +93,8 @@ class _Cell:
         self.out_leaves: list[Any] = []
         self.fork = False
         self.guard: Callable[[], AbstractContextManager[None]] = nullcontext
+        # With a trace on: record(kind, start, end) for the recomputation and backward.
+        self.record: Callable[[str, float, float], None] | None = None
 
     def call(self, tensors: tuple[Tensor, ...]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
@@ -135,6 +138,7 @@ class _Checkpointed(torch.autograd.Function):
         # in forward; the leaves collect the gradients. The guard holds until the
         # recomputed graph is through: what it restores may be saved in that graph.
         with cell.guard():
+            started = time.perf_counter()
             with (
                 cell.state.apply(grad_enabled=True),
                 _flag("recomputing"),
@@ -142,6 +146,7 @@ class _Checkpointed(torch.autograd.Function):
             ):
                 aliases = tuple(_alias(x) if x.requires_grad else x for x in inputs)
                 output = cell.call(aliases)
+            recomputed = time.perf_counter()
             outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
             pairs = [
                 (y, g)
@@ -150,6 +155,9 @@ class _Checkpointed(torch.autograd.Function):
             ]
             if pairs:
                 torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+            if cell.record is not None:
+                cell.record("recompute", started, recomputed)
+                cell.record("backward", recomputed, time.perf_counter())
         grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
         return (None, None, *grads_in)
 
@@ -198,6 +206,7 @@ def checkpoint(
     after: Tensor | None = None,
     fork: bool = False,
     guard: Callable[[], AbstractContextManager[None]] | None = None,
+    record: Callable[[str, float, float], None] | None = None,
 ) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
@@ -210,13 +219,15 @@ def checkpoint(
     returns a phony for the next micro-batch, or else None.
 
     ``guard``, when given, is entered around the recomputation (the pipeline uses it
-    to keep batch norm's running statistics from being updated a second time).
+    to keep batch norm's running statistics from being updated a second time), and
+    ``record``, when given, is told the spans of the recomputation and the backward.
     """
     leaves, spec = flatten(value)
     cell = _Cell(function, spec, leaves, state, randomness)
     cell.fork = fork
     if guard is not None:
         cell.guard = guard
+    cell.record = record
     tensors = tuple(x for x in leaves if isinstance(x, Tensor))
     # The parameters are not inputs of the autograd function, so an input that needs no
     # grad would make its outputs need none either: a phony that requires grad says they

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, NoReturn, TypeAlias, get_args, overload
 
 import torch
@@ -13,6 +14,7 @@ from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.trace import Trace
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
 
@@ -183,6 +185,32 @@ class GPipe(nn.Module):
             layer.expect(len(batches))
         outputs = self._pipeline.run(batches, checkpoint_stop=self._checkpoint_stop(len(batches)))
         return gather(outputs)
+
+    @contextmanager
+    def trace(self) -> Iterator[Trace]:
+        """Record every cell's spans while the block runs (see :mod:`torchgpipe.trace`).
+
+        Example::
+
+            with model.trace() as trace:
+                model(x).sum().backward()
+            print(trace.summary())
+            trace.draw("timeline.png")
+
+        Backward spans are recorded as long as the backward runs on graphs built inside
+        the block, even if it runs after the block. Outside a trace nothing is recorded.
+
+        Raises:
+            RuntimeError: a trace of this model is already on.
+        """
+        if self._pipeline.tracer is not None:
+            raise RuntimeError("this GPipe is traced already; end that trace first")
+        trace = Trace(len(self.balance))
+        self._pipeline.tracer = trace
+        try:
+            yield trace
+        finally:
+            self._pipeline.tracer = None
 
     def _checkpoint_stop(self, m: int) -> int:
         if not (self.training and torch.is_grad_enabled()):

@@ -26,6 +26,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from torchgpipe.stream import (
     use_stream,
     wait_stream,
 )
+from torchgpipe.trace import BackwardSpan, Trace
 from torchgpipe.worker import ThreadState, WorkerPool
 
 __all__ = ["Pipeline", "clock_cycles"]
@@ -117,6 +119,7 @@ class _Run:
     source: AnyStream  # where the caller produced the input
     abort: threading.Event
     skips: list[dict[SkipKey, Any]]  # per micro-batch: stashed, waiting for their pop
+    trace: Trace | None  # where cells record their spans, while a trace is on
 
 
 class Pipeline:
@@ -148,6 +151,7 @@ class Pipeline:
         self._guards = [_batch_norm_guard(p) for p in self.partitions]
         generators = [generator_key(d) for d in self.devices]
         self.shares_device = [generators.count(g) > 1 for g in generators]
+        self.tracer: Trace | None = None  # set by GPipe.trace()
         self._pool: WorkerPool | None = None  # started by the first run
         self._lock = threading.Lock()  # one run at a time on the workers
 
@@ -186,7 +190,10 @@ class Pipeline:
             source=current_stream(_device_of(batches[0])),
             abort=threading.Event(),
             skips=[{} for _ in batches],
+            trace=self.tracer,
         )
+        if self.tracer is not None:
+            self.tracer.m = max(self.tracer.m, m)
         queues: list[_Inbox] = [queue.SimpleQueue() for _ in range(n)]
         for batch in batches:
             queues[0].put(batch)
@@ -266,13 +273,12 @@ class Pipeline:
     ) -> tuple[Any, Tensor | None]:
         """Cell (i, j): move the input and the skips in, compute, keep the skips out."""
         device = self.devices[j]
+        trace = run.trace
+        started = time.perf_counter() if trace is not None else 0.0
         source = run.source if j == 0 else run.compute[j - 1]
         value = move(value, device, source=source, copy=run.copy[j], target=run.compute[j])
-        outbound_keys = self._outbound[j]
-        if outbound_keys is None:
-            return self._compute(run, i, j, self.partitions[j], value, phony)
-
         # A skip comes straight from the partition that stashed it: one copy, here.
+        outbound_keys = self._outbound[j]
         inbound = {
             route.key: move(
                 run.skips[i].pop(route.key),
@@ -283,6 +289,11 @@ class Pipeline:
             )
             for route in self._inbound[j]
         }
+        if trace is not None:
+            trace.record(j, i, "copy", started, time.perf_counter())
+        if outbound_keys is None:
+            return self._compute(run, i, j, self.partitions[j], value, phony)
+
         function = partial(run_cell, self.partitions[j], outbound_keys)
         (output, outbound), phony = self._compute(run, i, j, function, (value, inbound), phony)
         run.skips[i].update(outbound)
@@ -298,6 +309,20 @@ class Pipeline:
         phony: Tensor | None,
     ) -> tuple[Any, Tensor | None]:
         """Run ``function(value)`` as cell (i, j): checkpointed or not, with its edges."""
+        if run.trace is None:
+            return self._forward(run, i, j, function, value, phony)
+        with run.trace.span(j, i, "forward"):
+            return self._forward(run, i, j, function, value, phony)
+
+    def _forward(
+        self,
+        run: _Run,
+        i: int,
+        j: int,
+        function: Callable[[Any], Any],
+        value: Any,
+        phony: Tensor | None,
+    ) -> tuple[Any, Tensor | None]:
         device = self.devices[j]
         seed = None
         if run.seed is not None and self.shares_device[j]:
@@ -315,13 +340,20 @@ class Pipeline:
                 after=phony,
                 fork=wants_phony,
                 guard=self._guards[j],
+                record=None if run.trace is None else partial(run.trace.record, j, i),
             )
         value = join(value, phony)
+        backward = None
+        if run.trace is not None and run.state.grad_enabled:
+            backward = BackwardSpan(run.trace, j, i)
+            value = backward.mark_input(value, device)
         if seed is not None:
             with randomness.forward():
                 output = function(value)
         else:
             output = function(value)
+        if backward is not None:
+            output = backward.mark_output(output)
         return fork(output) if wants_phony else (output, None)
 
 

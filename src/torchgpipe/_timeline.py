@@ -1,0 +1,80 @@
+"""Drawing a trace as a timeline (matplotlib, imported only when a picture is asked for)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from torchgpipe.trace import Trace
+
+__all__ = ["draw_timeline"]
+
+
+class _Style(NamedTuple):
+    alpha: float
+    hatch: str | None
+    height: float
+
+
+# Forward solid, recomputation hatched, backward lighter, copies thin (a fraction of a row).
+_STYLE = {
+    "forward": _Style(1.0, None, 0.8),
+    "recompute": _Style(0.55, "///", 0.8),
+    "backward": _Style(0.45, None, 0.8),
+    "copy": _Style(1.0, None, 0.2),
+}
+
+
+def draw_timeline(trace: Trace, path: Path, *, title: str | None = None) -> None:
+    """Partitions as rows, time across, each micro-batch in a colour of its own."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise ImportError("drawing a timeline needs matplotlib: pip install matplotlib") from error
+
+    begin = min(e.start for e in trace.events)
+    span_ms = (max(e.end for e in trace.events) - begin) * 1e3
+    colours = plt.get_cmap("tab20")
+    figure, axes = plt.subplots(figsize=(12, 1 + 0.6 * trace.n))
+    for e in trace.events:
+        style = _STYLE[e.kind]
+        left, width = (e.start - begin) * 1e3, e.duration * 1e3
+        axes.barh(
+            e.j,
+            width,
+            left=left,
+            height=style.height,
+            color=colours(e.i % 20),
+            alpha=style.alpha,
+            hatch=style.hatch,
+            edgecolor="black",
+            linewidth=0.3,
+        )
+        if e.kind != "copy" and width > span_ms / 60:
+            axes.text(left + width / 2, e.j, f"{e.kind[0].upper()}{e.i}", ha="center",
+                      va="center", fontsize=7)  # fmt: skip
+    axes.set_yticks(range(trace.n), [f"partition {j}" for j in range(trace.n)])
+    axes.invert_yaxis()
+    axes.set_xlabel("time (ms)")
+    summary = trace.summary()
+    axes.set_title(
+        title
+        or f"GPipe timeline: n = {trace.n}, m = {summary.m}, bubble {summary.bubble:.0%} "
+        f"(ideal {summary.ideal_bubble:.0%})"
+    )
+    axes.legend(
+        handles=[
+            Patch(facecolor="grey", alpha=style.alpha, hatch=style.hatch, label=kind)
+            for kind, style in _STYLE.items()
+        ],
+        loc="upper right",
+        fontsize=7,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

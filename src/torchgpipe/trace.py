@@ -1,0 +1,263 @@
+"""A trace of every cell: what ran where and when, as a table, a Chrome trace or a picture.
+
+Tracing is opt-in and scoped::
+
+    with model.trace() as trace:
+        model(x).sum().backward()
+    print(trace.summary())                 # busy time per partition, bubble fraction
+    trace.save_chrome("trace.json")        # chrome://tracing or ui.perfetto.dev
+    trace.draw("timeline.png")             # partitions as rows, micro-batches coloured
+
+While a trace is on, each cell records spans on the thread that runs them:
+
+- ``copy``: the cell's input moved to its partition's device;
+- ``forward``: the cell's forward (checkpointed or not);
+- ``recompute``: a checkpointed cell's forward, again, in backward;
+- ``backward``: the cell's backward (for a checkpointed cell, the backward of the
+  recomputed graph; otherwise from the moment its outputs' gradient arrives until its
+  input's gradient leaves).
+
+Off, the pipeline checks one attribute per cell and records nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from torchgpipe.microbatch import flatten, unflatten
+
+__all__ = ["BackwardSpan", "CellEvent", "Trace", "TraceSummary"]
+
+Kind = Literal["copy", "forward", "recompute", "backward"]
+KINDS: tuple[Kind, ...] = ("copy", "forward", "recompute", "backward")
+
+
+@dataclass(frozen=True)
+class CellEvent:
+    """One span of one cell: micro-batch ``i`` on partition ``j``.
+
+    ``start`` and ``end`` are ``time.perf_counter()`` seconds.
+    """
+
+    j: int
+    i: int
+    kind: Kind
+    start: float
+    end: float
+    thread: str
+
+    @property
+    def duration(self) -> float:
+        """``end - start``, in seconds."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """How busy each partition was while the traced work ran.
+
+    ``busy`` is each partition's time covered by its spans, ``span`` the time from the
+    first span's start to the last one's end, and ``bubble`` the fraction of
+    ``n * span`` in which partitions sat idle. ``ideal_bubble`` is GPipe's
+    ``(n - 1) / (m + n - 1)`` for the same ``n`` and ``m``.
+    """
+
+    n: int
+    m: int
+    span: float
+    busy: tuple[float, ...]
+    bubble: float
+    ideal_bubble: float
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.n} partitions, {self.m} micro-batches, {self.span * 1e3:.2f} ms traced",
+            *(
+                f"  partition {j}: busy {b * 1e3:8.2f} ms ({b / self.span:6.1%})"
+                for j, b in enumerate(self.busy)
+            ),
+            f"bubble {self.bubble:.1%} (GPipe's ideal for n = {self.n}, m = {self.m}: "
+            f"{self.ideal_bubble:.1%})",
+        ]
+        return "\n".join(lines)
+
+
+@dataclass
+class Trace:
+    """The cell events recorded while a trace was on.
+
+    Args:
+        n: the number of partitions of the traced pipeline.
+    """
+
+    n: int
+    events: list[CellEvent] = field(default_factory=list)
+    m: int = 0  # the most micro-batches of a traced forward
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, j: int, i: int, kind: Kind, start: float, end: float) -> None:
+        """Add a span (called by the pipeline, on the thread that ran it)."""
+        event = CellEvent(j, i, kind, start, end, threading.current_thread().name)
+        with self._lock:
+            self.events.append(event)
+
+    @contextmanager
+    def span(self, j: int, i: int, kind: Kind) -> Iterator[None]:
+        """Record the time the block takes as a span of cell (i, j)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(j, i, kind, start, time.perf_counter())
+
+    def of(self, kind: Kind) -> list[CellEvent]:
+        """The events of one kind, by start time."""
+        return sorted((e for e in self.events if e.kind == kind), key=lambda e: e.start)
+
+    def summary(self) -> TraceSummary:
+        """Busy time per partition and the bubble fraction of the traced work.
+
+        Raises:
+            ValueError: nothing was recorded.
+        """
+        if not self.events:
+            raise ValueError("the trace is empty: run the model while the trace is on")
+        begin = min(e.start for e in self.events)
+        span = max(e.end for e in self.events) - begin
+        busy = tuple(
+            _covered([(e.start, e.end) for e in self.events if e.j == j]) for j in range(self.n)
+        )
+        bubble = 1 - sum(busy) / (self.n * span) if span > 0 else 0.0
+        m = max(self.m, 1)
+        return TraceSummary(self.n, m, span, busy, bubble, (self.n - 1) / (m + self.n - 1))
+
+    def chrome(self) -> dict[str, Any]:
+        """The events in Chrome's trace format (microseconds; one row per partition)."""
+        begin = min((e.start for e in self.events), default=0.0)
+        events: list[dict[str, Any]] = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": 0,
+                "args": {"name": "torchgpipe"},
+            },
+            *(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": 0,
+                    "tid": j,
+                    "args": {"name": f"partition {j}"},
+                }
+                for j in range(self.n)
+            ),
+        ]
+        for e in sorted(self.events, key=lambda e: e.start):
+            events.append(
+                {
+                    "name": f"{e.kind[0].upper()}{e.i}",
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": e.j,
+                    "ts": (e.start - begin) * 1e6,
+                    "dur": e.duration * 1e6,
+                    "args": {"micro_batch": e.i, "partition": e.j, "thread": e.thread},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome(self, path: str | Path) -> None:
+        """Write :meth:`chrome` as JSON, for chrome://tracing or ui.perfetto.dev."""
+        Path(path).write_text(json.dumps(self.chrome()))
+
+    def draw(self, path: str | Path, *, title: str | None = None) -> None:
+        """Draw the timeline to an image file: partitions as rows, micro-batches coloured.
+
+        Forward spans are solid, recomputation hatched, backward lighter, copies thin.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install matplotlib``).
+            ValueError: nothing was recorded.
+        """
+        from torchgpipe._timeline import draw_timeline
+
+        if not self.events:
+            raise ValueError("the trace is empty: run the model while the trace is on")
+        draw_timeline(self, Path(path), title=title)
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The total length of the union of ``intervals``."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+class _Stamp(torch.autograd.Function):
+    """Identity whose backward calls ``stamp()``: marks when a gradient passes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, anchor: Tensor, stamp: Callable[[], None]) -> Tensor:
+        ctx.stamp = stamp
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.stamp()
+        return grad, None, None
+
+
+class BackwardSpan:
+    """Records the backward of a cell that is not checkpointed.
+
+    The cell's first floating-point output is marked so that the arrival of its
+    gradient starts the span, and its first floating-point input so that the departure
+    of the input's gradient ends it. An input that needs no gradient is made to need one
+    (through an empty tensor that does), so that the end is always seen.
+    """
+
+    def __init__(self, trace: Trace, j: int, i: int) -> None:
+        self._trace, self._j, self._i = trace, j, i
+        self._start: float | None = None
+
+    def mark_input(self, value: Any, device: torch.device) -> Any:
+        """``value`` with its first float tensor marked as the end of the span."""
+        anchor = torch.empty(0, device=device, requires_grad=True)
+        return _mark_first(value, anchor, self._end)
+
+    def mark_output(self, value: Any) -> Any:
+        """``value`` with its first float tensor marked as the start of the span."""
+        return _mark_first(value, None, self._begin)
+
+    def _begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self) -> None:
+        if self._start is not None:
+            self._trace.record(self._j, self._i, "backward", self._start, time.perf_counter())
+
+
+def _mark_first(value: Any, anchor: Tensor | None, callback: Callable[[], None]) -> Any:
+    leaves, spec = flatten(value)
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+            if anchor is None:
+                anchor = torch.empty(0, device=leaf.device)
+            leaves[index] = _Stamp.apply(leaf, anchor, callback)  # type: ignore[no-untyped-call]  # apply is unannotated
+            break
+    return unflatten(leaves, spec)

@@ -1,0 +1,152 @@
+"""The trace of every cell: recorded order, summary, Chrome export and timeline."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from torchgpipe import GPipe
+from torchgpipe.pipeline import clock_cycles
+from torchgpipe.trace import CellEvent, Trace
+
+
+def _model(checkpoint: str, n: int = 3, m: int = 4) -> GPipe:
+    layers = [nn.Linear(4, 4) for _ in range(n)]
+    return GPipe(nn.Sequential(*layers), [1] * n, chunks=m, checkpoint=checkpoint)
+
+
+def _by_cell(events: list[CellEvent], kind: str) -> dict[tuple[int, int], CellEvent]:
+    cells = {}
+    for e in events:
+        if e.kind == kind:
+            assert (e.i, e.j) not in cells, f"two {kind} spans for cell {(e.i, e.j)}"
+            cells[(e.i, e.j)] = e
+    return cells
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_forward_spans_follow_the_clock_cycles(checkpoint: str) -> None:
+    n, m = 3, 4
+    model = _model(checkpoint, n, m)
+    with model.trace() as trace:
+        model(torch.randn(8, 4)).sum().backward()
+    forward = _by_cell(trace.events, "forward")
+    copies = _by_cell(trace.events, "copy")
+    cells = [cell for tick in clock_cycles(m, n) for cell in tick]
+    assert set(forward) == set(cells) == set(copies)
+    for i, j in cells:  # (i, j) starts after (i - 1, j) and (i, j - 1) end
+        for before in [(i - 1, j), (i, j - 1)]:
+            if before in forward:
+                assert forward[(i, j)].start >= forward[before].end
+        assert copies[(i, j)].end <= forward[(i, j)].start
+        assert forward[(i, j)].thread == f"torchgpipe-worker-{j}"
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_backward_spans_run_in_reverse_micro_batch_order(checkpoint: str) -> None:
+    n, m = 3, 4
+    model = _model(checkpoint, n, m)
+    with model.trace() as trace:
+        model(torch.randn(8, 4)).sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    recompute = _by_cell(trace.events, "recompute")
+    assert len(backward) == n * m
+    checkpointed = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
+    assert set(recompute) == {(i, j) for i in range(checkpointed) for j in range(n)}
+    for (i, j), span in recompute.items():
+        assert span.end <= backward[(i, j)].start  # recomputed, then backpropagated
+    for j in range(n):
+        for i in range(1, m):  # micro-batch i is done on partition j before i - 1 starts
+            assert backward[(i, j)].end <= backward[(i - 1, j)].start
+
+
+def test_tracing_changes_no_result_and_stops_with_the_block() -> None:
+    model = _model("except_last")
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    with model.trace() as trace:
+        out = model(x)
+        out.sum().backward()
+    expected = plain(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    count = len(trace.events)
+    assert model._pipeline.tracer is None
+    model(x).sum().backward()
+    assert len(trace.events) == count  # nothing recorded outside the block
+
+
+def test_one_trace_at_a_time() -> None:
+    model = _model("never")
+    with model.trace(), pytest.raises(RuntimeError, match="traced already"), model.trace():
+        pass
+    assert model._pipeline.tracer is None
+
+
+def _synthetic(n: int, m: int, busy: float, ticks: int) -> Trace:
+    """A trace of n partitions where partition j works on ticks j .. j + m - 1."""
+    trace = Trace(n)
+    trace.m = m
+    for j in range(n):
+        for i in range(m):
+            start = float(i + j)
+            trace.record(j, i, "forward", start, start + busy)
+    assert ticks == m + n - 1
+    return trace
+
+
+def test_summary_of_an_ideal_schedule_has_the_ideal_bubble() -> None:
+    n, m = 4, 8
+    summary = _synthetic(n, m, 1.0, m + n - 1).summary()
+    assert summary.span == pytest.approx(m + n - 1)
+    assert summary.busy == pytest.approx((m,) * n)
+    assert summary.bubble == pytest.approx((n - 1) / (m + n - 1))
+    assert summary.ideal_bubble == pytest.approx((n - 1) / (m + n - 1))
+    assert "bubble 27.3%" in str(summary)
+
+
+def test_summary_counts_overlapping_spans_once() -> None:
+    trace = Trace(1)
+    trace.m = 1
+    trace.record(0, 0, "copy", 0.0, 1.0)
+    trace.record(0, 0, "forward", 0.5, 2.0)
+    trace.record(0, 0, "backward", 3.0, 4.0)
+    summary = trace.summary()
+    assert summary.busy == pytest.approx((3.0,))
+    assert summary.bubble == pytest.approx(0.25)
+
+
+def test_empty_trace_has_no_summary() -> None:
+    with pytest.raises(ValueError, match="the trace is empty"):
+        Trace(2).summary()
+
+
+def test_chrome_export(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = _model("always", n=2, m=2)
+    with model.trace() as trace:
+        model(torch.randn(4, 4)).sum().backward()
+    path = tmp_path / "trace.json"
+    trace.save_chrome(path)
+    data = json.loads(path.read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(trace.events)
+    assert {e["tid"] for e in spans} == {0, 1}
+    assert {e["cat"] for e in spans} == {"copy", "forward", "recompute", "backward"}
+    assert min(e["ts"] for e in spans) == 0
+    assert all(e["dur"] >= 0 for e in spans)
+    names = [e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"]
+    assert names == ["partition 0", "partition 1"]
+
+
+def test_timeline_picture(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    model = _model("except_last")
+    with model.trace() as trace:
+        model(torch.randn(8, 4)).sum().backward()
+    path = tmp_path / "timeline.png"
+    trace.draw(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
