@@ -26,8 +26,9 @@ def run_python(*args: str) -> str:
     return done.stdout
 
 
-def test_demo_quick_trains_and_compares_throughput():
-    out = run_python("-m", "torchgpipe.demo", "--quick")
+def test_demo_quick_trains_and_compares_throughput(tmp_path):
+    timeline = tmp_path / "timeline.png"
+    out = run_python("-m", "torchgpipe.demo", "--quick", "--timeline", str(timeline))
     losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", out)]
     steps = demo.parse_args(["--quick"]).steps
     assert len(losses) == 2 * steps  # GPipe, then the plain model
@@ -35,6 +36,8 @@ def test_demo_quick_trains_and_compares_throughput():
     assert piped[-1] < piped[0] / 2
     assert piped == pytest.approx(plain, abs=1e-3)
     assert re.search(r"ratio\s+\d+\.\d+ \(GPipe / plain\)", out)
+    assert re.search(r"bubble \d+\.\d% \(ideal 33\.3%\)", out)  # n = 2, m = 2
+    assert timeline.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_demo_rejects_bad_sizes(capsys):

@@ -7,7 +7,9 @@ input is its class's point plus noise, so the loss visibly falls within a few st
 model is trained twice from the same initial weights, on the same batches: wrapped in
 :class:`~torchgpipe.GPipe`, then as the plain ``nn.Sequential``. Both see the same
 numbers, so their losses differ only by rounding (gradients are summed over
-micro-batches in another order), which Adam amplifies over the steps.
+micro-batches in another order), which Adam amplifies over the steps. Then one more
+GPipe step is traced (:meth:`~torchgpipe.GPipe.trace`): the demo prints its bubble
+fraction and draws its timeline (``--timeline``; matplotlib needed).
 
 Without CUDA every partition sits on the CPU, run by a worker thread of its own with one
 intra-op thread (more threads than cores would fight), so only the forward passes of
@@ -32,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe.gpipe import Checkpoint, GPipe
+from torchgpipe.trace import TraceSummary
 
 __all__ = ["main"]
 
@@ -52,6 +55,7 @@ class Config:
     checkpoint: Checkpoint
     lr: float
     seed: int
+    timeline: str  # where the timeline picture goes; "" for none
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,11 @@ class Result:
 # A default run, and a --quick one; the default partitions depend on the machine.
 _DEFAULT = Config(
     steps=20, partitions=0, chunks=4, batch_size=1024, width=1024, layers=8, classes=10,
-    checkpoint="never", lr=3e-4, seed=0,
+    checkpoint="never", lr=3e-4, seed=0, timeline="gpipe-timeline.png",
 )  # fmt: skip
 _QUICK = Config(
     steps=8, partitions=2, chunks=2, batch_size=64, width=128, layers=4, classes=10,
-    checkpoint="except_last", lr=1e-2, seed=0,
+    checkpoint="except_last", lr=1e-2, seed=0, timeline="gpipe-timeline.png",
 )  # fmt: skip
 _POSITIVE = ("steps", "partitions", "chunks", "batch_size", "width", "layers")
 
@@ -102,6 +106,10 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     )
     parser.add_argument("--lr", type=float, help=f"Adam's learning rate ({d.lr}; quick {q.lr})")
     parser.add_argument("--seed", type=int, help=f"seed of the weights and data ({d.seed})")
+    parser.add_argument(
+        "--timeline",
+        help=f"where to draw the traced step's timeline, '' for nowhere ({d.timeline})",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a few seconds")
     args = vars(parser.parse_args(argv))
 
@@ -198,7 +206,9 @@ def train(
         if step > 0 or config.steps == 1:
             elapsed += seconds
         rate = len(x) / seconds
-        print(f"  step {step + 1:3d}/{config.steps}  loss {losses[-1]:.4f}  {rate:8.1f} samples/s")
+        bar = _bar(step + 1, config.steps)
+        progress = f"{bar} step {step + 1:3d}/{config.steps}"
+        print(f"  {progress}  loss {losses[-1]:.4f}  {rate:8.1f} samples/s")
     timed_steps = max(config.steps - 1, 1)
     return Result(losses, timed_steps * config.batch_size / elapsed)
 
@@ -208,8 +218,17 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def run(config: Config) -> tuple[Result, Result]:
-    """Train the model with GPipe, then plain from the same weights; return both results."""
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = round(width * done / total)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def run(config: Config) -> tuple[Result, Result, TraceSummary]:
+    """Train the model with GPipe, then plain from the same weights; return both results.
+
+    One more GPipe step (forward and backward, no update) is traced: its summary is
+    returned and, if ``config.timeline``, its timeline drawn there.
+    """
     devices = pick_devices(config.partitions)
     if devices[0].type == "cpu":
         torch.set_num_threads(1)
@@ -236,7 +255,34 @@ def run(config: Config) -> tuple[Result, Result]:
     piped = train(pipe, data, config, label="GPipe", devices=(devices[0], devices[-1]))
     plain.to(devices[0])
     alone = train(plain, data, config, label="plain", devices=(devices[0], devices[0]))
-    return piped, alone
+    summary = trace_step(pipe, data[0], config, devices=(devices[0], devices[-1]))
+    return piped, alone, summary
+
+
+def trace_step(
+    pipe: GPipe,
+    batch: tuple[Tensor, Tensor],
+    config: Config,
+    *,
+    devices: tuple[torch.device, torch.device],
+) -> TraceSummary:
+    """Trace one forward and backward of ``pipe``; print its summary, draw its timeline."""
+    x, y = batch[0].to(devices[0]), batch[1].to(devices[1])
+    with pipe.trace() as trace:
+        nn.functional.cross_entropy(pipe(x), y).backward()
+        _synchronize()
+    pipe.zero_grad()
+    summary = trace.summary()
+    print("one traced step (forward and backward):")
+    print("  " + str(summary).replace("\n", "\n  "))
+    if config.timeline:
+        try:
+            trace.draw(config.timeline)
+        except ImportError as error:
+            print(f"  no timeline drawn: {error}")
+        else:
+            print(f"  timeline drawn to {config.timeline}")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     config = parse_args(argv)
     start = time.perf_counter()
-    piped, alone = run(config)
+    piped, alone, traced = run(config)
     gap = max(abs(a - b) for a, b in zip(piped.losses, alone.losses, strict=True))
     ratio = piped.samples_per_s / alone.samples_per_s
     print("throughput, after the first (warm-up) step:")
@@ -256,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"largest loss difference between GPipe and plain (rounding): {gap:.2e}")
     print(
         f"summary: final loss {piped.losses[-1]:.4f} (first {piped.losses[0]:.4f}), "
-        f"GPipe/plain throughput {ratio:.2f}x, {time.perf_counter() - start:.1f} s in all"
+        f"GPipe/plain throughput {ratio:.2f}x, bubble {traced.bubble:.1%} (ideal "
+        f"{traced.ideal_bubble:.1%}), {time.perf_counter() - start:.1f} s in all"
     )
     first, last = piped.losses[0], piped.losses[-1]
     if not last < first / 2:
