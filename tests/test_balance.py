@@ -15,6 +15,7 @@ import torchgpipe.balance
 from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size, balance_by_time
 from torchgpipe.balance.blockpartition import solve
+from torchgpipe.skip import Namespace
 
 
 def _largest(costs: list[float], balance: list[int]) -> float:
@@ -183,12 +184,13 @@ def test_balance_by_size_finds_the_optimal_split(chunks: int, param_scale: float
 
 
 def _mixed_model() -> nn.Sequential:
+    ns = Namespace()  # each layer is copied on its own: the namespace must survive that
     return nn.Sequential(
-        StashLinear(),
+        StashLinear().isolate(ns),
         nn.ReLU(inplace=True),  # modifies its input in place
         nn.BatchNorm1d(4),
         nn.Dropout(0.5),
-        PopAdd(),
+        PopAdd().isolate(ns),
         nn.Linear(4, 2),
     )
 
