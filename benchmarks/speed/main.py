@@ -1,0 +1,205 @@
+"""Speed: training throughput of naive-1 and pipeline-1, -2, -4, -8, as in the seed's tables.
+
+For each model (``benchmarks/models``): ``naive-1`` is the plain ``nn.Sequential`` on one
+device; ``pipeline-k`` is GPipe over ``k`` partitions, balanced by ``balance_by_time``,
+with ``--chunks`` micro-batches. A step is forward, backward and an SGD step on a
+synthetic batch; after warm-up steps, the median of the measured steps gives the
+throughput (samples/s), and the speed-up is relative to naive-1.
+
+``--devices cuda`` puts partition ``j`` on GPU ``j % count``; ``--devices cpu`` (the
+default without CUDA) puts every partition on the CPU, each run by a worker thread with
+one intra-op thread. On CPU the autograd engine runs the backward of all partitions on
+one thread, so pipelines gain at most in the forward pass.
+
+Run from the repository root::
+
+    python benchmarks/speed/main.py                  # tiny models on this machine
+    python benchmarks/speed/main.py --size full      # the published sizes (GPUs)
+    python benchmarks/speed/main.py --quick          # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchgpipe import GPipe
+from torchgpipe.balance import balance_by_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import environment, write_json  # benchmarks/common.py
+from models import MODELS, build
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
+
+
+def devices_for(kind: str, k: int) -> list[torch.device]:
+    """``k`` devices of ``kind``: the GPUs in turn, or the CPU ``k`` times."""
+    if kind == "cuda":
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", j % count) for j in range(k)]
+    return [torch.device("cpu")] * k
+
+
+def step_time(model: nn.Module, x: torch.Tensor, loss_of: Any, warmup: int, steps: int) -> float:
+    """Median seconds of a training step (forward, backward, SGD step) after warm-up."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for index in range(warmup + steps):
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def progress(done: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr."""
+    filled = round(20 * done / total)
+    print(f"\r[{'#' * filled}{'.' * (20 - filled)}] {done}/{total} {label:<30}", end="",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def measure(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tick: Any) -> None:
+    """Measure naive-1 and every pipeline-k of one model; append rows."""
+    spec = build(name, args.size)
+    x_cpu = torch.randn(args.batch, *spec.sample_shape)
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.float(), torch.zeros_like(out, dtype=torch.float))
+
+    first = devices_for(args.devices, 1)[0]
+    tick(f"{name} naive-1")
+    naive = build(name, args.size).model.to(first)
+    naive_s = step_time(naive, x_cpu.to(first), loss_of, args.warmup, args.steps)
+    rows.append(_row(name, "naive-1", 1, None, naive_s, args.batch, naive_s))
+    for k in args.partitions:
+        if k > len(spec.model):
+            continue
+        tick(f"{name} pipeline-{k}")
+        model = build(name, args.size).model
+        sample = x_cpu[: max(1, args.batch // args.chunks)]
+        balance = balance_by_time(k, model, sample, timeout=args.balance_timeout, device=first)
+        devices = devices_for(args.devices, k)
+        pipe = GPipe(model, balance, devices=devices, chunks=args.chunks)
+        seconds = step_time(pipe, x_cpu.to(devices[0]), loss_of, args.warmup, args.steps)
+        rows.append(_row(name, f"pipeline-{k}", k, balance, seconds, args.batch, naive_s))
+
+
+def _row(
+    name: str, experiment: str, k: int, balance: list[int] | None, seconds: float,
+    batch: int, naive_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "model": name,
+        "experiment": experiment,
+        "k": k,
+        "balance": balance,
+        "step_s": seconds,
+        "throughput": batch / seconds,
+        "speedup": naive_s / seconds,
+    }
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The seed's layout: per model, experiment, throughput and speed-up."""
+    lines = [
+        f"size {args.size!r}, batch {args.batch}, chunks {args.chunks}, devices "
+        f"{args.devices}; median of {args.steps} steps after {args.warmup} warm-up",
+    ]
+    for name in args.models:
+        lines += ["", f"{name}:", f"{'Experiment':<12} {'Throughput':>12} {'Speed-up':>9}  balance"]
+        for r in (r for r in rows if r["model"] == name):
+            lines.append(
+                f"{r['experiment']:<12} {r['throughput']:>8.1f}/s  {r['speedup']:>8.3f}x"
+                f"  {r['balance'] or ''}"
+            )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Speed-up against the number of partitions, a line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name in sorted({r["model"] for r in rows}):
+        points = [(r["k"], r["speedup"]) for r in rows if r["model"] == name and r["balance"]]
+        axes.plot(*zip(*points, strict=True), marker="o", label=name)
+    axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    axes.set_xlabel("partitions (pipeline-k)")
+    axes.set_ylabel("speed-up over naive-1")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Read the command line; ``--quick`` shrinks everything for a smoke test."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--devices", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--balance-timeout", type=float, default=0.5)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=Path, help="draw the speed-ups to this PNG")
+    parser.add_argument("--quick", action="store_true", help="tiny and short: a smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.partitions, args.warmup, args.steps = 4, [1, 2], 1, 1
+        args.balance_timeout, args.chunks = 0.01, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure every model, print the tables, write the JSON (and the figure)."""
+    args = parse_args(argv)
+    if args.devices == "cpu":
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    env = environment()
+    rows: list[dict[str, Any]] = []
+    total = len(args.models) * (1 + len(args.partitions))
+    done = [0]
+
+    def tick(label: str) -> None:
+        progress(done[0], total, label)
+        done[0] += 1
+
+    for name in args.models:
+        measure(name, args, rows, tick)
+    progress(total, total, "done")
+    print(file=sys.stderr)
+    print(table(rows, args), flush=True)
+    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_json(args.out, {"environment": env, "parameters": parameters, "rows": rows})
+    print(f"\nwrote {args.out}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"drew {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
