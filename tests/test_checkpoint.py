@@ -182,3 +182,26 @@ def test_checkpointing_advances_the_global_generator() -> None:
     model = GPipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], chunks=2)
     x = torch.ones(4, 64, requires_grad=True)
     assert not torch.equal(model(x), model(x))  # each step draws new masks
+
+
+@pytest.mark.parametrize(("layer", "private_in_recompute"), [(nn.Linear, False), (None, True)])
+def test_recomputation_skips_the_private_stream_when_forward_drew_nothing(
+    monkeypatch: pytest.MonkeyPatch, layer: type | None, private_in_recompute: bool
+) -> None:
+    # A private stream costs a Python call per operator; when a cell's forward drew no
+    # random number, its recomputation will not either, and runs without one.
+    from torchgpipe import rng
+
+    calls = {"forward": 0, "recompute": 0}
+    real = rng._PrivateStream.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        calls["recompute" if is_recomputing() else "forward"] += 1
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(rng._PrivateStream, "__torch_dispatch__", counting)
+    second = nn.Linear(4, 4) if layer is not None else nn.Dropout(0.5)
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), second), [1, 1], chunks=2, checkpoint="always")
+    model(torch.randn(4, 4)).sum().backward()
+    assert calls["forward"] > 0  # partitions share the CPU: forwards run on private streams
+    assert (calls["recompute"] > 0) == private_in_recompute

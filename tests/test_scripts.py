@@ -125,3 +125,20 @@ def test_balance_benchmark_quick_compares_three_splits(tmp_path):
     assert all(
         rows["brute force"]["slowest_ms"] <= row["slowest_ms"] + 1e-9 for row in rows.values()
     )
+
+
+def test_speed_benchmark_quick_measures_naive_and_pipelines(tmp_path):
+    out_file, figure = tmp_path / "speed.json", tmp_path / "speed.png"
+    out = run_python(
+        "benchmarks/speed/main.py", "--quick", "--out", str(out_file), "--plot", str(figure)
+    )
+    assert "Speed-up" in out
+    rows = json.loads(out_file.read_text())["rows"]
+    seen = {(row["model"], row["experiment"]) for row in rows}
+    for model in ("resnet101", "unet"):
+        assert {(model, "naive-1"), (model, "pipeline-1"), (model, "pipeline-2")} <= seen
+    for row in rows:
+        assert row["throughput"] > 0
+        if row["balance"] is not None:
+            assert len(row["balance"]) == row["k"]
+    assert figure.read_bytes()[:4] == b"\x89PNG"

@@ -73,6 +73,7 @@ class _PrivateStream(TorchDispatchMode):
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated
         self._seed = seed
         self._states: dict[torch.device, torch.Tensor] = {}
+        self.drew = False  # whether any random operator ran under this stream
 
     def __torch_dispatch__(
         self,
@@ -84,6 +85,7 @@ class _PrivateStream(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
+        self.drew = True
         device = _device_of(args, kwargs)
         generator = _default_generator(device)
         with _SWAP_LOCK:
@@ -116,11 +118,13 @@ class CellRandomness:
         self._device = device
         self._seed = seed
         self._saved: list[torch.Tensor] = []
+        self._stream: _PrivateStream | None = None
 
     def forward(self) -> AbstractContextManager[None]:
         """Enter around the cell's forward pass."""
         if self._seed is not None:
-            return _PrivateStream(self._seed)
+            self._stream = _PrivateStream(self._seed)
+            return self._stream
         self._saved = [torch.get_rng_state()]
         if self._device.type == "cuda":
             self._saved.append(torch.cuda.get_rng_state(self._device))
@@ -130,6 +134,11 @@ class CellRandomness:
     def replay(self) -> Iterator[None]:
         """Enter around the recomputation: it draws the same numbers as the forward."""
         if self._seed is not None:
+            if self._stream is not None and not self._stream.drew:
+                # The forward drew nothing, so the same computation again draws nothing:
+                # no need to pay a Python call per operator a second time.
+                yield
+                return
             with _PrivateStream(self._seed):
                 yield
             return
