@@ -142,3 +142,13 @@ def test_speed_benchmark_quick_measures_naive_and_pipelines(tmp_path):
         if row["balance"] is not None:
             assert len(row["balance"]) == row["k"]
     assert figure.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_transparency_benchmark_quick_agrees(tmp_path):
+    out_file = tmp_path / "transparency.json"
+    run_python("benchmarks/transparency/main.py", "--quick", "--out", str(out_file))
+    results = json.loads(out_file.read_text())
+    assert len(results["rows"]) == 3  # chunks=2 x three checkpoint modes
+    for row in results["rows"]:
+        assert row["max_abs"] < 1e-9  # five float64 steps: rounding only
+    assert len(results["curves"]["plain"]) == 5
