@@ -152,3 +152,15 @@ def test_transparency_benchmark_quick_agrees(tmp_path):
     for row in results["rows"]:
         assert row["max_abs"] < 1e-9  # five float64 steps: rounding only
     assert len(results["curves"]["plain"]) == 5
+
+
+def test_memory_benchmark_quick_validates_its_method(tmp_path):
+    out_file = tmp_path / "memory.json"
+    run_python("benchmarks/memory/main.py", "--quick", "--out", str(out_file))
+    results = json.loads(out_file.read_text())
+    assert results["validation"]["measured"] == results["validation"]["expected"]
+    rows = {(row["model"], row["experiment"]): row for row in results["rows"]}
+    for model in ("resnet101", "unet"):
+        naive = max(rows[(model, "naive-1")]["activation_bytes"].values())
+        piped = max(rows[(model, "pipeline-1")]["activation_bytes"].values())
+        assert 0 < piped < naive  # checkpointing keeps less than the plain model
