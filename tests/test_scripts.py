@@ -135,8 +135,9 @@ def test_speed_benchmark_quick_measures_naive_and_pipelines(tmp_path):
     assert "Speed-up" in out
     rows = json.loads(out_file.read_text())["rows"]
     seen = {(row["model"], row["experiment"]) for row in rows}
-    for model in ("resnet101", "unet"):
+    for model in ("resnet101", "amoebanetd", "unet"):
         assert {(model, "naive-1"), (model, "pipeline-1"), (model, "pipeline-2")} <= seen
+    assert {("amoebanetd", "n=2, m=1"), ("amoebanetd", "n=2, m=4")} <= seen  # the grid
     for row in rows:
         assert row["throughput"] > 0
         if row["balance"] is not None:
@@ -160,7 +161,7 @@ def test_memory_benchmark_quick_validates_its_method(tmp_path):
     results = json.loads(out_file.read_text())
     assert results["validation"]["measured"] == results["validation"]["expected"]
     rows = {(row["model"], row["experiment"]): row for row in results["rows"]}
-    for model in ("resnet101", "unet"):
+    for model in ("resnet101", "amoebanetd", "unet"):
         naive = max(rows[(model, "naive-1")]["activation_bytes"].values())
         piped = max(rows[(model, "pipeline-1")]["activation_bytes"].values())
         assert 0 < piped < naive  # checkpointing keeps less than the plain model

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from models.amoebanet import amoebanetd
 from models.resnet import resnet101
 from models.unet import unet
 
@@ -42,10 +43,14 @@ def build(name: str, size: str) -> Spec:
         image = 32 if tiny else 224
         return Spec(resnet101(width=4 if tiny else 64, num_classes=10 if tiny else 1000),
                     (3, image, image), _classes)  # fmt: skip
+    if name == "amoebanetd":
+        layers, filters, image = (2, 8, 32) if tiny else (18, 256, 224)
+        return Spec(amoebanetd(layers, filters, num_classes=10 if tiny else 1000),
+                    (3, image, image), _classes)  # fmt: skip
     if name == "unet":
         depth, channels, image = (3, 4, 32) if tiny else (5, 64, 192)
         return Spec(unet(depth, channels), (3, image, image), _same)
     raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")
 
 
-MODELS = ("resnet101", "unet")
+MODELS = ("resnet101", "amoebanetd", "unet")

@@ -97,6 +97,17 @@ def measure(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tic
         pipe = GPipe(model, balance, devices=devices, chunks=args.chunks)
         seconds = step_time(pipe, x_cpu.to(devices[0]), loss_of, args.warmup, args.steps)
         rows.append(_row(name, f"pipeline-{k}", k, balance, seconds, args.batch, naive_s))
+    if name == "amoebanetd":  # the seed's grid: n partitions x m micro-batches
+        for n in args.grid_partitions:
+            model = build(name, args.size).model
+            balance = balance_by_time(n, model, x_cpu[:1], timeout=args.balance_timeout,
+                                      device=first)  # fmt: skip
+            devices = devices_for(args.devices, n)
+            for m in args.grid_micro_batches:
+                tick(f"{name} n={n} m={m}")
+                pipe = GPipe(build(name, args.size).model, balance, devices=devices, chunks=m)
+                seconds = step_time(pipe, x_cpu.to(devices[0]), loss_of, args.warmup, args.steps)
+                rows.append(_row(name, f"n={n}, m={m}", n, balance, seconds, args.batch, naive_s))
 
 
 def _row(
@@ -139,7 +150,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(6, 4))
     for name in sorted({r["model"] for r in rows}):
-        points = [(r["k"], r["speedup"]) for r in rows if r["model"] == name and r["balance"]]
+        points = [
+            (r["k"], r["speedup"])
+            for r in rows
+            if r["model"] == name and r["experiment"].startswith("pipeline-")
+        ]
         axes.plot(*zip(*points, strict=True), marker="o", label=name)
     axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     axes.set_xlabel("partitions (pipeline-k)")
@@ -160,6 +175,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--devices", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    parser.add_argument("--grid-partitions", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--grid-micro-batches", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--balance-timeout", type=float, default=0.5)
@@ -170,6 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.batch, args.partitions, args.warmup, args.steps = 4, [1, 2], 1, 1
         args.balance_timeout, args.chunks = 0.01, 2
+        args.grid_partitions, args.grid_micro_batches = [2], [1, 4]
     return args
 
 
@@ -181,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     env = environment()
     rows: list[dict[str, Any]] = []
-    total = len(args.models) * (1 + len(args.partitions))
+    grid = len(args.grid_partitions) * len(args.grid_micro_batches)
+    total = len(args.models) * (1 + len(args.partitions)) + grid * ("amoebanetd" in args.models)
     done = [0]
 
     def tick(label: str) -> None:
