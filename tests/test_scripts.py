@@ -156,8 +156,11 @@ def test_transparency_benchmark_quick_agrees(tmp_path):
 
 
 def test_memory_benchmark_quick_validates_its_method(tmp_path):
-    out_file = tmp_path / "memory.json"
-    run_python("benchmarks/memory/main.py", "--quick", "--out", str(out_file))
+    out_file, figure = tmp_path / "memory.json", tmp_path / "memory.png"
+    run_python(
+        "benchmarks/memory/main.py", "--quick", "--out", str(out_file), "--plot", str(figure)
+    )
+    assert figure.read_bytes()[:4] == b"\x89PNG"
     results = json.loads(out_file.read_text())
     assert results["validation"]["measured"] == results["validation"]["expected"]
     rows = {(row["model"], row["experiment"]): row for row in results["rows"]}

@@ -107,12 +107,22 @@ def measure(model: nn.Module, x: torch.Tensor, devices: list[torch.device]) -> d
     return {"cpu": peak_cpu_bytes(step)}
 
 
-def run_model(name: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def progress(done: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr."""
+    filled = round(20 * done / total)
+    bar = "#" * filled + "." * (20 - filled)
+    print(f"\r[{bar}] {done}/{total} {label:<28}", end="", file=sys.stderr, flush=True)
+
+
+def run_model(
+    name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tick: Callable[[str], None]
+) -> None:
     """naive-1 and every pipeline-k of one model."""
     spec = build(name, args.size)
     x = torch.randn(args.batch, *spec.sample_shape)
     kind = "cuda" if args.devices == "cuda" else "cpu"
     first = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
+    tick(f"{name} naive-1")
     naive = build(name, args.size).model.to(first)
     params = sum(p.numel() for p in naive.parameters())
     peak = measure(naive, x.to(first), [first])
@@ -121,7 +131,7 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -
         model = build(name, args.size).model
         if k > len(model):
             continue
-        print(f"  {name} pipeline-{k}", file=sys.stderr, flush=True)
+        tick(f"{name} pipeline-{k}")
         balance = balance_by_size(k, model, x, chunks=args.chunks, param_scale=3.0, device=first)
         devices = (
             [torch.device("cuda", j % torch.cuda.device_count()) for j in range(k)]
@@ -181,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=Path, help="draw the peaks to this PNG")
     parser.add_argument("--quick", action="store_true", help="small: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -190,14 +201,52 @@ def main(argv: list[str] | None = None) -> None:
     expected, measured = validate()
     print(f"validation: known allocations peak at {expected:,} bytes; measured {measured:,}")
     rows: list[dict[str, Any]] = []
+    total = len(args.models) * (1 + len(args.partitions))
+    done = [0]
+
+    def tick(label: str) -> None:
+        progress(done[0], total, label)
+        done[0] += 1
+
     for name in args.models:
-        run_model(name, args, rows)
+        run_model(name, args, rows, tick)
+    progress(total, total, "done")
+    print(file=sys.stderr)
     print(table(rows, args), flush=True)
     parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_json(args.out, {"environment": environment(), "parameters": parameters,
                           "validation": {"expected": expected, "measured": measured},
                           "rows": rows})  # fmt: skip
     print(f"\nwrote {args.out}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"drew {args.plot}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Peak activation memory per experiment, relative to naive-1, a group per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    experiments = list(dict.fromkeys(r["experiment"] for r in rows))
+    figure, axes = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(models)
+    for index, name in enumerate(models):
+        mine = {r["experiment"]: max(r["activation_bytes"].values()) for r in rows
+                if r["model"] == name}  # fmt: skip
+        base = mine["naive-1"]
+        xs = [e + index * width for e, exp in enumerate(experiments) if exp in mine]
+        axes.bar(xs, [mine[exp] / base for exp in experiments if exp in mine], width,
+                 label=name)  # fmt: skip
+    axes.set_xticks([e + 0.4 - width / 2 for e in range(len(experiments))], experiments)
+    axes.set_ylabel("peak activation memory / naive-1")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 if __name__ == "__main__":
