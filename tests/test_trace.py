@@ -150,3 +150,42 @@ def test_timeline_picture(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "timeline.png"
     trace.draw(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_backward_spans_of_a_partition_whose_input_needs_no_grad() -> None:
+    # Token ids need no gradient: the span ends when the partition's parameters have
+    # theirs, and tracing does not make the input need one (no extra work).
+    model = GPipe(
+        nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)), [1, 1], chunks=2, checkpoint="never"
+    )
+    ids = torch.randint(10, (4, 3))
+    with model.trace() as trace:
+        model(ids).sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    assert set(backward) == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    for i in range(2):
+        assert backward[(i, 0)].start >= backward[(i, 1)].start  # partition 1 first
+
+
+def test_trace_under_no_grad_and_after_a_failure() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ArithmeticError("boom")
+
+    model = _model("always")
+    with model.trace() as trace, torch.no_grad():
+        model(torch.randn(8, 4))
+    assert {e.kind for e in trace.events} == {"copy", "forward"}
+
+    failing = GPipe(nn.Sequential(nn.Linear(4, 4), Boom()), [1, 1], chunks=2)
+    with pytest.raises(ArithmeticError), failing.trace():
+        failing(torch.randn(4, 4))
+    assert failing._pipeline.tracer is None  # the trace ended with the block
+
+
+def test_copies_made_during_a_trace_are_not_traced() -> None:
+    model = _model("except_last")
+    with model.trace():
+        twin = copy.deepcopy(model)
+    assert twin._pipeline.tracer is None
+    twin(torch.randn(8, 4)).sum().backward()

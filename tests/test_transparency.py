@@ -295,3 +295,19 @@ def test_skips_match_the_plain_model(
     _assert_same_grads(model, plain, exact=False)
     assert x1.grad is not None
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_inplace_first_layer_on_an_input_that_needs_grad(checkpoint: str) -> None:
+    # Regression: micro-batches are views of one input; with checkpoint='never' an
+    # in-place first layer modified two views of a tensor that needs grad, and
+    # backward failed its version check ("modified by an inplace operation").
+    plain = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)
+    leaf = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    model(leaf * 1).sum().backward()
+    expected = leaf.grad.clone()  # type: ignore[union-attr]
+    leaf.grad = None
+    plain(leaf * 1).sum().backward()
+    torch.testing.assert_close(expected, leaf.grad)
+    _assert_same_grads(model, plain, exact=False)

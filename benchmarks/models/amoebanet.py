@@ -9,10 +9,11 @@ stride 2) and double ``C``.
 
 In the Sequential, a cell takes and returns the pair ``(previous, current)``, so GPipe
 can cut between any two cells. The network: a stem (3x3 convolution with stride 2 and
-batch norm, ``C = F``), three stacks of ``L`` normal cells with a reduction cell between
-them, and a head (ReLU, global average pool, linear): ``3 L + 4`` layers. The ImageNet
-network's two extra reduction cells in the stem are left out, so parameter counts are
-not those of the paper's tables; the cells are.
+batch norm, ``C = F``), three stacks of ``L / 3`` normal cells with a reduction cell
+between them, and a head (ReLU, global average pool, linear): ``L + 4`` layers. In a
+cell, state 0 is the newest input and state 1 the one before. The ImageNet network's
+two extra reduction cells in the stem are left out, so parameter counts are close to,
+not equal to, those of the paper's tables.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ def _conv_3x3(c: int, stride: int) -> nn.Module:
 
 
 def _conv_1x7_7x1(c: int, stride: int) -> nn.Module:
+    """A bottleneck: 1x1 to C/4, 1x7 then 7x1 (with the stride), 1x1 back to C."""
+    quarter = max(c // 4, 1)
     return nn.Sequential(
+        _relu_conv_bn(c, quarter),
         nn.ReLU(),
-        nn.Conv2d(c, c, (1, 7), stride=(1, stride), padding=(0, 3), bias=False),
-        nn.Conv2d(c, c, (7, 1), stride=(stride, 1), padding=(3, 0), bias=False),
-        nn.BatchNorm2d(c),
+        nn.Conv2d(quarter, quarter, (1, 7), stride=(1, stride), padding=(0, 3), bias=False),
+        nn.Conv2d(quarter, quarter, (7, 1), stride=(stride, 1), padding=(3, 0), bias=False),
+        nn.BatchNorm2d(quarter),
+        _relu_conv_bn(quarter, c),
     )
 
 
@@ -112,11 +117,12 @@ class Cell(nn.Module):
         self, c_prev_prev: int, c_prev: int, c: int, *, reduction: bool, reduction_prev: bool
     ) -> None:
         super().__init__()
-        # The previous cell's input is twice the size after a reduction: halve it too.
-        self.pre0 = (
+        # State 0 is the newest input (the previous cell's output), state 1 the one before,
+        # which is twice the size after a reduction: halve it too.
+        self.pre0 = _relu_conv_bn(c_prev, c)
+        self.pre1 = (
             _FactorizedReduce(c_prev_prev, c) if reduction_prev else _relu_conv_bn(c_prev_prev, c)
         )
-        self.pre1 = _relu_conv_bn(c_prev, c)
         genotype = REDUCTION if reduction else NORMAL
         self.reads = [state for state, _ in genotype]
         self.ops = nn.ModuleList(
@@ -128,7 +134,7 @@ class Cell(nn.Module):
     def forward(self, pair: Pair) -> Pair:
         """Return (current, this cell's output)."""
         previous, current = pair
-        states = [self.pre0(previous), self.pre1(current)]
+        states = [self.pre0(current), self.pre1(previous)]
         for node in range(len(self.ops) // 2):
             a, b = 2 * node, 2 * node + 1
             states.append(self.ops[a](states[self.reads[a]]) + self.ops[b](states[self.reads[b]]))
@@ -170,7 +176,7 @@ def amoebanetd(
             cell = Cell(c_prev_prev, c_prev, c, reduction=True, reduction_prev=reduction_prev)
             layers.append(cell)
             c_prev_prev, c_prev, reduction_prev = c_prev, cell.out_channels, True
-        for _ in range(num_layers):
+        for _ in range(num_layers // 3):
             cell = Cell(c_prev_prev, c_prev, c, reduction=False, reduction_prev=reduction_prev)
             layers.append(cell)
             c_prev_prev, c_prev, reduction_prev = c_prev, cell.out_channels, False

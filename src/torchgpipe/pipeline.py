@@ -41,7 +41,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
 from torchgpipe.checkpoint import checkpoint
 from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import flatten
+from torchgpipe.microbatch import flatten, map_tensors
 from torchgpipe.rng import CellRandomness, draw_seed, generator_key
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.skippable import SkipKey, Skippable
@@ -156,9 +156,11 @@ class Pipeline:
         self._lock = threading.Lock()  # one run at a time on the workers
 
     def __getstate__(self) -> dict[str, Any]:
-        # Threads and locks are not copied: a copy starts workers of its own.
+        # Threads and locks are not copied: a copy starts workers of its own. Nor is a
+        # trace in progress: it belongs to the original.
         state = self.__dict__.copy()
         del state["_pool"], state["_lock"]
+        state["tracer"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -342,11 +344,19 @@ class Pipeline:
                 guard=self._guards[j],
                 record=None if run.trace is None else partial(run.trace.record, j, i),
             )
+        if j == 0 and run.state.grad_enabled:
+            # Micro-batches are views of one input: when it needs grad, a layer that
+            # works in place (ReLU(inplace=True)) on two of them would break autograd's
+            # version checks, which the whole batch in one piece does not. Checkpointed
+            # cells copy their input anyway.
+            value = map_tensors(
+                lambda x: x.clone() if x.requires_grad and x._is_view() else x, value
+            )
         value = join(value, phony)
         backward = None
         if run.trace is not None and run.state.grad_enabled:
             backward = BackwardSpan(run.trace, j, i)
-            value = backward.mark_input(value, device)
+            value = backward.mark_input(value, list(self.partitions[j].parameters()))
         if seed is not None:
             with randomness.forward():
                 output = function(value)

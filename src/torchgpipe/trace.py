@@ -127,6 +127,9 @@ class Trace:
     def summary(self) -> TraceSummary:
         """Busy time per partition and the bubble fraction of the traced work.
 
+        Meant for a trace of one step: time between traced steps counts as idle, and
+        ``m`` is that of the largest traced forward.
+
         Raises:
             ValueError: nothing was recorded.
         """
@@ -226,38 +229,60 @@ class BackwardSpan:
     """Records the backward of a cell that is not checkpointed.
 
     The cell's first floating-point output is marked so that the arrival of its
-    gradient starts the span, and its first floating-point input so that the departure
-    of the input's gradient ends it. An input that needs no gradient is made to need one
-    (through an empty tensor that does), so that the end is always seen.
+    gradient starts the span. The span ends when the gradient leaves through the cell's
+    first floating-point input, if that input needs one; otherwise (the first
+    partition's input, token ids) when the last of the partition's parameters has
+    received its gradient for this micro-batch. Nothing is made to need a gradient that
+    did not: tracing must not add work to what it measures.
     """
 
     def __init__(self, trace: Trace, j: int, i: int) -> None:
         self._trace, self._j, self._i = trace, j, i
         self._start: float | None = None
+        self._done = False
+        self._waiting = 0
+        self._handles: list[Any] = []
 
-    def mark_input(self, value: Any, device: torch.device) -> Any:
+    def mark_input(self, value: Any, parameters: list[Tensor]) -> Any:
         """``value`` with its first float tensor marked as the end of the span."""
-        anchor = torch.empty(0, device=device, requires_grad=True)
-        return _mark_first(value, anchor, self._end)
+        value, marked = _mark_first(value, self._end)
+        if not marked:
+            watched = [p for p in parameters if p.requires_grad]
+            self._waiting = len(watched)
+            self._handles = [
+                p.register_post_accumulate_grad_hook(self._accumulated) for p in watched
+            ]
+        return value
 
     def mark_output(self, value: Any) -> Any:
         """``value`` with its first float tensor marked as the start of the span."""
-        return _mark_first(value, None, self._begin)
+        return _mark_first(value, self._begin)[0]
 
     def _begin(self) -> None:
         self._start = time.perf_counter()
 
+    def _accumulated(self, parameter: Tensor) -> None:
+        if self._start is None:  # another micro-batch's gradient, before this one's
+            return
+        self._waiting -= 1
+        if self._waiting == 0:
+            self._end()
+
     def _end(self) -> None:
-        if self._start is not None:
+        if self._start is not None and not self._done:
+            self._done = True
             self._trace.record(self._j, self._i, "backward", self._start, time.perf_counter())
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
 
 
-def _mark_first(value: Any, anchor: Tensor | None, callback: Callable[[], None]) -> Any:
+def _mark_first(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
+    """``value`` with ``callback`` stamped on its first float tensor that needs a grad."""
     leaves, spec = flatten(value)
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            if anchor is None:
-                anchor = torch.empty(0, device=leaf.device)
+        if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+            anchor = torch.empty(0, device=leaf.device)
             leaves[index] = _Stamp.apply(leaf, anchor, callback)  # type: ignore[no-untyped-call]  # apply is unannotated
-            break
-    return unflatten(leaves, spec)
+            return unflatten(leaves, spec), True
+    return value, False
