@@ -75,3 +75,29 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
     """Write ``results`` as indented JSON to ``path``, making its folder if needed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+class Progress:
+    """A one-line progress bar on stderr: ``tick(label)`` before each of ``total`` items."""
+
+    def __init__(self, total: int) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+
+    def tick(self, label: str) -> None:
+        """Show the bar with ``label`` as the item now starting."""
+        self._show(label)
+        self.done += 1
+
+    def finish(self) -> None:
+        """Show the full bar and end its line."""
+        self.done = self.total
+        self._show("done")
+        print(file=sys.stderr)
+
+    def _show(self, label: str) -> None:
+        filled = round(20 * min(self.done, self.total) / self.total)
+        bar = "#" * filled + "." * (20 - filled)
+        print(
+            f"\r[{bar}] {self.done}/{self.total} {label:<30}", end="", file=sys.stderr, flush=True
+        )

@@ -41,7 +41,7 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import Progress, environment, write_json  # benchmarks/common.py
 from models import MODELS, build
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -105,13 +105,6 @@ def measure(model: nn.Module, x: torch.Tensor, devices: list[torch.device]) -> d
         step()
         return {str(d): torch.cuda.max_memory_allocated(d) - before[d] for d in unique}
     return {"cpu": peak_cpu_bytes(step)}
-
-
-def progress(done: int, total: int, label: str) -> None:
-    """A one-line progress bar on stderr."""
-    filled = round(20 * done / total)
-    bar = "#" * filled + "." * (20 - filled)
-    print(f"\r[{bar}] {done}/{total} {label:<28}", end="", file=sys.stderr, flush=True)
 
 
 def run_model(
@@ -202,16 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"validation: known allocations peak at {expected:,} bytes; measured {measured:,}")
     rows: list[dict[str, Any]] = []
     total = len(args.models) * (1 + len(args.partitions))
-    done = [0]
-
-    def tick(label: str) -> None:
-        progress(done[0], total, label)
-        done[0] += 1
+    bar = Progress(total)
 
     for name in args.models:
-        run_model(name, args, rows, tick)
-    progress(total, total, "done")
-    print(file=sys.stderr)
+        run_model(name, args, rows, bar.tick)
+    bar.finish()
     print(table(rows, args), flush=True)
     parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_json(args.out, {"environment": environment(), "parameters": parameters,

@@ -34,7 +34,7 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import Progress, environment, write_json  # benchmarks/common.py
 from models import MODELS, build
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -64,13 +64,6 @@ def step_time(model: nn.Module, x: torch.Tensor, loss_of: Any, warmup: int, step
         if index >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def progress(done: int, total: int, label: str) -> None:
-    """A one-line progress bar on stderr."""
-    filled = round(20 * done / total)
-    print(f"\r[{'#' * filled}{'.' * (20 - filled)}] {done}/{total} {label:<30}", end="",
-          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def measure(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tick: Any) -> None:
@@ -201,16 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     grid = len(args.grid_partitions) * len(args.grid_micro_batches)
     total = len(args.models) * (1 + len(args.partitions)) + grid * ("amoebanetd" in args.models)
-    done = [0]
-
-    def tick(label: str) -> None:
-        progress(done[0], total, label)
-        done[0] += 1
+    bar = Progress(total)
 
     for name in args.models:
-        measure(name, args, rows, tick)
-    progress(total, total, "done")
-    print(file=sys.stderr)
+        measure(name, args, rows, bar.tick)
+    bar.finish()
     print(table(rows, args), flush=True)
     parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_json(args.out, {"environment": env, "parameters": parameters, "rows": rows})

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchgpipe import GPipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import Progress, environment, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 MODES = ("always", "except_last", "never")
@@ -122,14 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[tuple[str, Any]] = [("plain", None)]
     runs += [(f"chunks={m} {mode}", (m, mode)) for m in args.chunks for mode in MODES]
     curves: dict[str, list[float]] = {}
-    for index, (name, setting) in enumerate(runs):
-        print(f"\r[{index}/{len(runs)}] {name:<24}", end="", file=sys.stderr, flush=True)
+    bar = Progress(len(runs))
+    for name, setting in runs:
+        bar.tick(name)
         model: nn.Module = copy.deepcopy(initial)
         if setting is not None:
             chunks, mode = setting
             model = GPipe(model, [4, 3], devices=["cpu", "cpu"], chunks=chunks, checkpoint=mode)
         curves[name] = train(model, batches, args.steps)
-    print(f"\r[{len(runs)}/{len(runs)}] done{' ' * 24}", file=sys.stderr)
+    bar.finish()
 
     plain = curves["plain"]
     lines = [
