@@ -1,0 +1,131 @@
+"""Schedules as data: text form, validation with a dry run, simulation, grid."""
+
+import pytest
+
+from torchgpipe.schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    simulate,
+    zero_bubble_h1,
+)
+
+SIZES = [(1, 1), (2, 4), (4, 8), (4, 32), (8, 8), (8, 32)]
+
+
+def test_action_text_round_trip() -> None:
+    assert str(Action(1, "F", 3)) == "1F3"
+    assert Action.parse(" 12W30 ") == Action(12, "W", 30)
+    with pytest.raises(ValueError, match=r"'1X3' is not an action"):
+        Action.parse("1X3")
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b, zero_bubble_h1])
+@pytest.mark.parametrize(("n", "m"), SIZES)
+def test_schedules_validate_and_read_back(make, n: int, m: int) -> None:  # type: ignore[no-untyped-def]
+    schedule = make(n, m)
+    steps = schedule.validate()
+    assert sum(a is not None for row in steps for a in row) == sum(map(len, schedule.ranks))
+    again = Schedule.parse(schedule.text(), stages=n, micro_batches=m)
+    assert again == schedule
+
+
+@pytest.mark.parametrize(("n", "m"), SIZES)
+def test_gpipe_and_1f1b_bubble_is_the_textbook_one(n: int, m: int) -> None:
+    ideal = (n - 1) / (m + n - 1)
+    for make in (gpipe, one_f_one_b):
+        assert simulate(make(n, m), {"F": 1, "B": 2}).bubble == pytest.approx(ideal)
+
+
+@pytest.mark.parametrize(("n", "m"), SIZES)
+def test_1f1b_holds_at_most_n_micro_batches_and_gpipe_holds_m(n: int, m: int) -> None:
+    assert simulate(gpipe(n, m), {"F": 1, "B": 2}).holding == (m,) * n
+    holding = simulate(one_f_one_b(n, m), {"F": 1, "B": 2}).holding
+    assert holding == tuple(min(n - s, m) for s in range(n))
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 8), (4, 32), (8, 32)])
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaving_divides_the_bubble_by_v(n: int, m: int, v: int) -> None:
+    # v virtual stages per rank, each costing 1/v of a whole stage's work.
+    schedule = interleaved_one_f_one_b(n, m, v)
+    assert schedule.stages == n * v
+    assert schedule.placement == tuple(s % n for s in range(n * v))
+    bubble = simulate(schedule, {"F": 1 / v, "B": 2 / v}).bubble
+    assert bubble == pytest.approx((n - 1) / (v * m + n - 1))
+
+
+def test_interleaving_needs_groups_of_n() -> None:
+    with pytest.raises(ValueError, match="groups of n = 4; got m = 6"):
+        interleaved_one_f_one_b(4, 6, 2)
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 8), (8, 32)])
+def test_zero_bubble_splits_backward_and_beats_1f1b(n: int, m: int) -> None:
+    schedule = zero_bubble_h1(n, m)
+    assert schedule.splits_backward
+    zb = simulate(schedule, {"F": 1, "B": 1, "W": 1})
+    reference = simulate(one_f_one_b(n, m), {"F": 1, "B": 2})  # the same work per micro-batch
+    assert zb.bubble < reference.bubble
+    assert zb.holding == reference.holding  # within 1F1B's memory
+
+
+def test_validation_lists_missing_repeated_and_misplaced_actions() -> None:
+    schedule = Schedule.parse("0F0 0F0 0B0\n1F0 0F1")
+    with pytest.raises(ScheduleError) as info:
+        schedule.validate()
+    message = str(info.value)
+    assert "0F0 appears twice" in message
+    assert "0F1 is on rank 1, but stage 0 runs on rank 0" in message
+    assert "missing: 0B1 1B0 1B1 1F1" in message
+
+
+def test_a_deadlock_names_the_step_and_shows_the_grid() -> None:
+    # Stage 1 wants micro-batch 1 first, stage 0 wants its backward of 0 before 1F... .
+    schedule = Schedule.parse("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0")
+    with pytest.raises(ScheduleError) as info:
+        schedule.validate()
+    message = str(info.value)
+    assert "deadlocks at step 1" in message
+    assert "rank 0 waits to run 0B0 for 1B0" in message
+    assert "rank 1 waits to run 1F1 for 0F1" in message
+    assert "step:" in message
+    assert "0F0" in message
+
+
+def test_grid_aligns_the_dry_run_by_step() -> None:
+    schedule = gpipe(2, 2)
+    grid = schedule.grid(steps=schedule.validate())
+    lines = grid.splitlines()
+    assert lines[0].split() == ["step:", "0", "1", "2", "3", "4", "5"]
+    assert lines[1].split() == ["rank", "0:", "0F0", "0F1", ".", ".", "0B0", "0B1"]
+    assert lines[2].split() == ["rank", "1:", ".", "1F0", "1F1", "1B0", "1B1", "."]
+
+
+def test_module_example_is_right() -> None:
+    import doctest
+
+    import torchgpipe.schedules
+
+    assert doctest.testmod(torchgpipe.schedules).failed == 0
+
+
+def test_public_names() -> None:
+    import torchgpipe.schedules
+
+    assert sorted(torchgpipe.schedules.__all__) == sorted(
+        [
+            "Action",
+            "Schedule",
+            "ScheduleError",
+            "Simulation",
+            "gpipe",
+            "interleaved_one_f_one_b",
+            "one_f_one_b",
+            "simulate",
+            "zero_bubble_h1",
+        ]
+    )
