@@ -42,7 +42,7 @@ from torchgpipe.balance import balance_by_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import Progress, environment, write_json  # benchmarks/common.py
-from models import MODELS, build
+from models import add_arguments, build, devices_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -113,8 +113,8 @@ def run_model(
     """naive-1 and every pipeline-k of one model."""
     spec = build(name, args.size)
     x = torch.randn(args.batch, *spec.sample_shape)
-    kind = "cuda" if args.devices == "cuda" else "cpu"
-    first = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
+    kind = args.devices
+    first = devices_for(kind, 1)[0]
     tick(f"{name} naive-1")
     naive = build(name, args.size).model.to(first)
     params = sum(p.numel() for p in naive.parameters())
@@ -126,11 +126,7 @@ def run_model(
             continue
         tick(f"{name} pipeline-{k}")
         balance = balance_by_size(k, model, x, chunks=args.chunks, param_scale=3.0, device=first)
-        devices = (
-            [torch.device("cuda", j % torch.cuda.device_count()) for j in range(k)]
-            if kind == "cuda"
-            else [first] * k
-        )
+        devices = devices_for(kind, k)
         pipe = GPipe(model, balance, devices=devices, chunks=args.chunks)
         peak = measure(pipe, x.to(devices[0]), devices)
         rows.append(_row(name, f"pipeline-{k}", params, pipe, peak, balance))
@@ -176,13 +172,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Validate the CPU method, measure every model, print the tables, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--devices", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    add_arguments(parser)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, help="draw the peaks to this PNG")
     parser.add_argument("--quick", action="store_true", help="small: a smoke test")

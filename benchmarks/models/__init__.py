@@ -6,6 +6,7 @@ a laptop CPU in seconds, ``"full"`` is the published size (for GPUs).
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from models.amoebanet import amoebanetd
 from models.resnet import resnet101
 from models.unet import unet
 
-__all__ = ["MODELS", "Spec", "build"]
+__all__ = ["MODELS", "Spec", "add_arguments", "build", "devices_for"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,23 @@ def build(name: str, size: str) -> Spec:
 
 
 MODELS = ("resnet101", "amoebanetd", "unet")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options the experiments share: models, size, batch, chunks, partitions, devices."""
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--devices", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+
+
+def devices_for(kind: str, k: int) -> list[torch.device]:
+    """``k`` devices of ``kind``: the GPUs in turn, or the CPU ``k`` times."""
+    if kind == "cuda":
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", j % count) for j in range(k)]
+    return [torch.device("cpu")] * k

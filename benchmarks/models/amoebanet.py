@@ -8,12 +8,13 @@ cells keep the size; reduction cells halve it (operations reading the cell's inp
 stride 2) and double ``C``.
 
 In the Sequential, a cell takes and returns the pair ``(previous, current)``, so GPipe
-can cut between any two cells. The network: a stem (3x3 convolution with stride 2 and
-batch norm, ``C = F``), three stacks of ``L / 3`` normal cells with a reduction cell
-between them, and a head (ReLU, global average pool, linear): ``L + 4`` layers. In a
-cell, state 0 is the newest input and state 1 the one before. The ImageNet network's
-two extra reduction cells in the stem are left out, so parameter counts are close to,
-not equal to, those of the paper's tables.
+can cut between any two cells. The ImageNet network: a stem (3x3 convolution with
+stride 2 and batch norm to ``F / 4`` channels, then reduction cells at ``F / 2`` and
+``F``), three stacks of ``L / 3`` normal cells with a reduction cell between them, and
+a head (ReLU, global average pool, linear): ``L + 6`` layers. In a cell, state 0 is the
+newest input and state 1 the one before. The stem's channel counts are this
+implementation's reading of the ImageNet network; (18, 256) comes to 122,458,408
+parameters.
 """
 
 from __future__ import annotations
@@ -165,20 +166,30 @@ class _Head(nn.Module):
 def amoebanetd(
     num_layers: int = 18, num_filters: int = 256, num_classes: int = 1000
 ) -> nn.Sequential:
-    """AmoebaNet-D (L = num_layers, F = num_filters) in ``3 L + 4`` layers."""
-    c = num_filters
-    layers: list[nn.Module] = [_Stem(c)]
-    c_prev_prev = c_prev = c
+    """AmoebaNet-D (L = num_layers, F = num_filters) for ImageNet-sized images.
+
+    A stem (3x3 convolution with stride 2 to ``F / 4`` channels, then two reduction
+    cells at ``F / 2`` and ``F``), ``L`` normal cells in three stacks of ``L / 3`` with a
+    reduction cell between stacks, and a head: ``L + 6`` layers.
+    """
+    layers: list[nn.Module] = [_Stem(max(num_filters // 4, 1))]
+    c_prev_prev = c_prev = max(num_filters // 4, 1)
     reduction_prev = False
+
+    def add(c: int, reduction: bool) -> None:
+        nonlocal c_prev_prev, c_prev, reduction_prev
+        cell = Cell(c_prev_prev, c_prev, c, reduction=reduction, reduction_prev=reduction_prev)
+        layers.append(cell)
+        c_prev_prev, c_prev, reduction_prev = c_prev, cell.out_channels, reduction
+
+    add(max(num_filters // 2, 1), True)  # the stem's reduction cells
+    add(num_filters, True)
+    c = num_filters
     for stack in range(3):
         if stack > 0:
             c *= 2
-            cell = Cell(c_prev_prev, c_prev, c, reduction=True, reduction_prev=reduction_prev)
-            layers.append(cell)
-            c_prev_prev, c_prev, reduction_prev = c_prev, cell.out_channels, True
+            add(c, True)
         for _ in range(num_layers // 3):
-            cell = Cell(c_prev_prev, c_prev, c, reduction=False, reduction_prev=reduction_prev)
-            layers.append(cell)
-            c_prev_prev, c_prev, reduction_prev = c_prev, cell.out_channels, False
+            add(c, False)
     layers.append(_Head(c_prev, num_classes))
     return nn.Sequential(*layers)

@@ -35,17 +35,9 @@ from torchgpipe.balance import balance_by_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import Progress, environment, write_json  # benchmarks/common.py
-from models import MODELS, build
+from models import add_arguments, build, devices_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
-
-
-def devices_for(kind: str, k: int) -> list[torch.device]:
-    """``k`` devices of ``kind``: the GPUs in turn, or the CPU ``k`` times."""
-    if kind == "cuda":
-        count = torch.cuda.device_count()
-        return [torch.device("cuda", j % count) for j in range(k)]
-    return [torch.device("cpu")] * k
 
 
 def step_time(model: nn.Module, x: torch.Tensor, loss_of: Any, warmup: int, steps: int) -> float:
@@ -161,13 +153,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Read the command line; ``--quick`` shrinks everything for a smoke test."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--devices", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    add_arguments(parser)
     parser.add_argument("--grid-partitions", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--grid-micro-batches", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--warmup", type=int, default=2)

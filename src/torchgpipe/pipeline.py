@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -293,11 +293,12 @@ class Pipeline:
         }
         if trace is not None:
             trace.record(j, i, "copy", started, time.perf_counter())
-        if outbound_keys is None:
-            return self._compute(run, i, j, self.partitions[j], value, phony)
-
-        function = partial(run_cell, self.partitions[j], outbound_keys)
-        (output, outbound), phony = self._compute(run, i, j, function, (value, inbound), phony)
+        with trace.span(j, i, "forward") if trace is not None else nullcontext():
+            if outbound_keys is None:
+                return self._compute(run, i, j, self.partitions[j], value, phony)
+            function = partial(run_cell, self.partitions[j], outbound_keys)
+            packed = (value, inbound)
+            (output, outbound), phony = self._compute(run, i, j, function, packed, phony)
         run.skips[i].update(outbound)
         return output, phony
 
@@ -311,20 +312,6 @@ class Pipeline:
         phony: Tensor | None,
     ) -> tuple[Any, Tensor | None]:
         """Run ``function(value)`` as cell (i, j): checkpointed or not, with its edges."""
-        if run.trace is None:
-            return self._forward(run, i, j, function, value, phony)
-        with run.trace.span(j, i, "forward"):
-            return self._forward(run, i, j, function, value, phony)
-
-    def _forward(
-        self,
-        run: _Run,
-        i: int,
-        j: int,
-        function: Callable[[Any], Any],
-        value: Any,
-        phony: Tensor | None,
-    ) -> tuple[Any, Tensor | None]:
         device = self.devices[j]
         seed = None
         if run.seed is not None and self.shares_device[j]:

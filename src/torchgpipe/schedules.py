@@ -176,12 +176,14 @@ class Schedule:
             row: list[Action | None] = []
             for r, rank in enumerate(self.ranks):
                 nxt = rank[position[r]] if position[r] < len(rank) else None
-                ready = nxt is not None and all(d in done for d in self._needs(nxt))
+                ready = nxt is not None and all(d in done for d in nxt.needs(self.stages))
                 row.append(nxt if ready else None)
             if all(a is None for a in row):
                 waiting = [
                     f"rank {r} waits to run {rank[position[r]]} for "
-                    + ", ".join(str(d) for d in self._needs(rank[position[r]]) if d not in done)
+                    + ", ".join(
+                        str(d) for d in rank[position[r]].needs(self.stages) if d not in done
+                    )
                     for r, rank in enumerate(self.ranks)
                     if position[r] < len(rank)
                 ]
@@ -197,9 +199,6 @@ class Schedule:
             done.update(a for a in row if a is not None)
             steps.append(row)
         return steps
-
-    def _needs(self, action: Action) -> list[Action]:
-        return action.needs(self.stages)
 
     def _membership_problems(self) -> list[str]:
         kinds: tuple[Kind, ...] = ("F", "B", "W") if self.splits_backward else ("F", "B")

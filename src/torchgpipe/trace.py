@@ -36,10 +36,9 @@ from torch import Tensor
 
 from torchgpipe.microbatch import flatten, unflatten
 
-__all__ = ["BackwardSpan", "CellEvent", "Trace", "TraceSummary"]
+__all__ = ["CellEvent", "Trace", "TraceSummary"]
 
 Kind = Literal["copy", "forward", "recompute", "backward"]
-KINDS: tuple[Kind, ...] = ("copy", "forward", "recompute", "backward")
 
 
 @dataclass(frozen=True)
@@ -119,10 +118,6 @@ class Trace:
             yield
         finally:
             self.record(j, i, kind, start, time.perf_counter())
-
-    def of(self, kind: Kind) -> list[CellEvent]:
-        """The events of one kind, by start time."""
-        return sorted((e for e in self.events if e.kind == kind), key=lambda e: e.start)
 
     def summary(self) -> TraceSummary:
         """Busy time per partition and the bubble fraction of the traced work.
@@ -215,14 +210,14 @@ class _Stamp(torch.autograd.Function):
     """Identity whose backward calls ``stamp()``: marks when a gradient passes."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, anchor: Tensor, stamp: Callable[[], None]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, stamp: Callable[[], None]) -> Tensor:
         ctx.stamp = stamp
         return x.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         ctx.stamp()
-        return grad, None, None
+        return grad, None
 
 
 class BackwardSpan:
@@ -282,7 +277,6 @@ def _mark_first(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
     leaves, spec = flatten(value)
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
-            anchor = torch.empty(0, device=leaf.device)
-            leaves[index] = _Stamp.apply(leaf, anchor, callback)  # type: ignore[no-untyped-call]  # apply is unannotated
+            leaves[index] = _Stamp.apply(leaf, callback)  # type: ignore[no-untyped-call]  # apply is unannotated
             return unflatten(leaves, spec), True
     return value, False
