@@ -45,7 +45,7 @@ def build(name: str, size: str) -> Spec:
         return Spec(resnet101(width=4 if tiny else 64, num_classes=10 if tiny else 1000),
                     (3, image, image), _classes)  # fmt: skip
     if name == "amoebanetd":
-        layers, filters, image = (6, 8, 32) if tiny else (18, 256, 224)
+        layers, filters, image = (6, 8, 64) if tiny else (18, 256, 224)
         return Spec(amoebanetd(layers, filters, num_classes=10 if tiny else 1000),
                     (3, image, image), _classes)  # fmt: skip
     if name == "unet":
