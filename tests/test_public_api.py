@@ -36,3 +36,15 @@ def test_skip_public_names() -> None:
     )
     for name in torchgpipe.skip.__all__:
         assert getattr(torchgpipe.skip, name).__doc__, name
+
+
+def test_trace_batchnorm_and_schedules_names_are_documented() -> None:
+    import torchgpipe.batchnorm
+    import torchgpipe.schedules
+    import torchgpipe.trace
+
+    assert sorted(torchgpipe.trace.__all__) == ["CellEvent", "Trace", "TraceSummary"]
+    for module in (torchgpipe.trace, torchgpipe.batchnorm, torchgpipe.schedules):
+        assert module.__doc__
+        for name in module.__all__:
+            assert getattr(module, name).__doc__, f"{module.__name__}.{name}"
