@@ -63,14 +63,24 @@ def test_interleaving_needs_groups_of_n() -> None:
         interleaved_one_f_one_b(4, 6, 2)
 
 
-@pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 8), (8, 32)])
-def test_zero_bubble_splits_backward_and_beats_1f1b(n: int, m: int) -> None:
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 4), (4, 8), (8, 8), (8, 32)])
+def test_zero_bubble_idles_a_third_of_1f1b_within_its_peak_memory(n: int, m: int) -> None:
     schedule = zero_bubble_h1(n, m)
     assert schedule.splits_backward
     zb = simulate(schedule, {"F": 1, "B": 1, "W": 1})
     reference = simulate(one_f_one_b(n, m), {"F": 1, "B": 2})  # the same work per micro-batch
+    assert zb.makespan == 3 * m + n - 1
+    assert reference.makespan == 3 * (m + n - 1)
+    # Idle time per rank: a third of 1F1B's.
+    assert zb.makespan - zb.busy[0] == pytest.approx((reference.makespan - reference.busy[0]) / 3)
+    assert max(zb.holding) == max(reference.holding) == n  # 1F1B's peak memory
+    assert all(held <= n for held in zb.holding)
+
+
+def test_zero_bubble_with_fewer_micro_batches_than_stages_still_beats_1f1b() -> None:
+    zb = simulate(zero_bubble_h1(8, 4), {"F": 1, "B": 1, "W": 1})
+    reference = simulate(one_f_one_b(8, 4), {"F": 1, "B": 2})
     assert zb.bubble < reference.bubble
-    assert zb.holding == reference.holding  # within 1F1B's memory
 
 
 def test_validation_lists_missing_repeated_and_misplaced_actions() -> None:

@@ -23,8 +23,10 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +95,53 @@ def measure_call(f: float, calls: int) -> float:
     return median_seconds(lambda: layer(x), calls)
 
 
+def bare_pipeline(n: int, m: int, f: float) -> float:
+    """The time of one forward of the same layers through threads and queues alone.
+
+    One thread per layer, a queue between neighbours, grad on, and nothing else: no
+    micro-batch objects, no checkpointing, no ordering edges, no error handling. It is
+    the floor that any thread-per-partition pipeline meets on this machine, since its
+    layers (sleep, then one multiply) are all it runs.
+    """
+    stages = layers(n, f)
+    inboxes: list[queue.SimpleQueue[Tensor]] = [queue.SimpleQueue() for _ in range(n + 1)]
+
+    def work(j: int) -> None:
+        for _ in range(m):
+            inboxes[j + 1].put(stages[j](inboxes[j].get()))
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in range(n)]
+    for thread in threads:
+        thread.start()
+    started = time.perf_counter()
+    for x in torch.randn(m, 4).tensor_split(m):
+        inboxes[0].put(x)
+    for _ in range(m):
+        inboxes[n].get()
+    elapsed = time.perf_counter() - started
+    for thread in threads:
+        thread.join()
+    return elapsed
+
+
+def measure_cold(f: float, calls: int) -> tuple[float, float]:
+    """The median time of one small multiply right after a sleep of ``f``, and without.
+
+    On a virtual machine a thread that wakes up runs its first instructions many times
+    slower than a busy one; every cell of a pipeline starts on a thread that just woke.
+    """
+    x, cold, hot = torch.randn(1, 4), [], []
+    for _ in range(calls):
+        time.sleep(f)
+        started = time.perf_counter()
+        x * 2.0
+        cold.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        x * 2.0
+        hot.append(time.perf_counter() - started)
+    return statistics.median(cold), statistics.median(hot)
+
+
 def measure_sleep(n: int, m: int, f: float, f_call: float, repeats: int) -> dict[str, Any]:
     """Time the training-mode forward, a full training step, and an inference forward.
 
@@ -113,6 +162,7 @@ def measure_sleep(n: int, m: int, f: float, f_call: float, repeats: int) -> dict
     model.eval()
     with torch.no_grad():
         inference = median_seconds(lambda: model(x), repeats)
+    bare = statistics.median(bare_pipeline(n, m, f) for _ in range(repeats))
     bound = (m + n - 1) * f
     step_bound = bound + n * (m - 1) * f
     return {
@@ -124,6 +174,8 @@ def measure_sleep(n: int, m: int, f: float, f_call: float, repeats: int) -> dict
         "efficiency_f_call": (m + n - 1) * f_call / forward,
         "no_grad_forward_s": inference,
         "no_grad_efficiency": bound / inference,
+        "bare_forward_s": bare,
+        "bare_efficiency": bound / bare,
         "step_bound_s": step_bound,
         "step_s": train_step,
         "step_efficiency": step_bound / train_step,
@@ -164,9 +216,11 @@ def sleep_table(rows: list[dict[str, Any]], f: float, f_call: float, repeats: in
         f"eff(f_call) uses one layer call as timed on the main thread: f_call = "
         f"{f_call * 1e3:.3f} ms",
         "no_grad eff: the same forward in eval mode under no_grad (no checkpointing)",
+        "bare eff: the same layers through bare threads and queues, no library code",
         "",
         f"{'n':>3} {'m':>4} {'bound ms':>9} {'forward ms':>11} {'efficiency':>11}"
-        f" {'target':>7} {'eff(f_call)':>12} {'no_grad eff':>12} {'step bound ms':>14}"
+        f" {'target':>7} {'eff(f_call)':>12} {'no_grad eff':>12} {'bare eff':>9}"
+        f" {'step bound ms':>14}"
         f" {'step ms':>9} {'step eff':>9}",
     ]
     for r in rows:
@@ -174,7 +228,7 @@ def sleep_table(rows: list[dict[str, Any]], f: float, f_call: float, repeats: in
         lines.append(
             f"{r['n']:>3} {r['m']:>4} {r['bound_s'] * 1e3:>9.1f} {r['forward_s'] * 1e3:>11.1f}"
             f" {r['efficiency']:>11.3f} {met:>7} {r['efficiency_f_call']:>12.3f}"
-            f" {r['no_grad_efficiency']:>12.3f}"
+            f" {r['no_grad_efficiency']:>12.3f} {r['bare_efficiency']:>9.3f}"
             f" {r['step_bound_s'] * 1e3:>14.1f} {r['step_s'] * 1e3:>9.1f}"
             f" {r['step_efficiency']:>9.3f}"
         )
@@ -223,6 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()  # before measuring: the source hash names the code imported
     f = args.sleep_ms / 1e3
     f_call = measure_call(f, max(20, args.repeats))
+    cold, hot = measure_cold(f, max(20, args.repeats))
+    print(
+        f"one multiply right after a {f * 1e3:g} ms sleep: {cold * 1e6:.1f} us;"
+        f" right after another multiply: {hot * 1e6:.1f} us\n",
+        flush=True,
+    )
     grid = [(n, m) for n in args.partitions for m in args.micro_batches]
     sleep = [measure_sleep(n, m, f, f_call, args.repeats) for n, m in grid]
     print(sleep_table(sleep, f, f_call, args.repeats), end="\n\n", flush=True)
@@ -235,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
         "environment": env,
         "parameters": {**parameters, "target_efficiency": TARGET, "checkpoint": "except_last"},
         "f_call_s": f_call,
+        "cold_multiply_s": cold,
+        "hot_multiply_s": hot,
         "sleep": sleep,
         "overhead": overhead,
     }

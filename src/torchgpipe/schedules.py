@@ -362,41 +362,30 @@ def zero_bubble_h1(n: int, m: int) -> Schedule:
     """ZB-H1: 1F1B with the backward split into ``B`` and ``W`` (Qi et al., 2024).
 
     ``B`` (the input gradient) is on the critical path, ``W`` (the weight gradient) is
-    not; stage ``s`` keeps 1F1B's memory bound (at most ``n - s`` micro-batches held)
-    and runs each ``W`` where it would otherwise wait.
+    not, so each stage may run its ``W`` later, where it would otherwise wait. Stage
+    ``s`` runs 1F1B's order of ``F`` and ``B``, with ``W`` of micro-batch ``i`` right
+    after the ``B`` of micro-batch ``i + s``, and its last ``s`` weight gradients at the
+    end. So the first stage runs each ``W`` at once, while the last one fills its wait
+    for the final backwards with ``n - 1`` of them.
 
-    The order comes from a greedy run in unit time: at each step every stage runs a
-    ready ``B`` if it has one, else a ready ``F`` if the memory bound allows, else a
-    pending ``W``. This first version cuts 1F1B's bubble to about 0.7 of it with F, B
-    and W of equal cost (0.73 at n = 4, m = 8; 0.71 at n = 8, m = 32), not yet to the
-    third that the paper's hand-made ZB-H1 order reaches.
+    Every stage then holds at most ``n`` micro-batches (``n - s`` in flight plus ``s``
+    waiting for their ``W``), which is 1F1B's peak (that of its first stage). With F,
+    B and W of equal cost and ``m >= n``, a stage idles ``n - 1`` units where 1F1B idles
+    ``3 (n - 1)``: a third, and the makespan is ``3 m + n - 1``.
     """
-    _check(n, m)
-    done: set[Action] = set()
-    ranks: list[list[Action]] = [[] for _ in range(n)]
-    next_f, next_b = [0] * n, [0] * n
-    pending: list[list[int]] = [[] for _ in range(n)]
-    held = [0] * n  # micro-batches past F whose W has not run
-    while any(len(rank) < 3 * m for rank in ranks):
-        step: list[Action] = []
-        for s in range(n):
-            b = Action(s, "B", next_b[s])
-            f = Action(s, "F", next_f[s])
-            if next_b[s] < m and all(d in done for d in b.needs(n)):
-                step.append(b)
-                pending[s].append(next_b[s])
-                next_b[s] += 1
-            elif next_f[s] < m and held[s] < n - s and all(d in done for d in f.needs(n)):
-                step.append(f)
-                held[s] += 1
-                next_f[s] += 1
-            elif pending[s]:
-                step.append(Action(s, "W", pending[s].pop(0)))
-                held[s] -= 1
-        for action in step:
-            ranks[action.stage].append(action)
-        done.update(step)
-    return Schedule(n, m, tuple(tuple(rank) for rank in ranks))
+    base = one_f_one_b(n, m)
+    ranks = []
+    for s, order in enumerate(base.ranks):
+        actions: list[Action] = []
+        weights = 0
+        for action in order:
+            actions.append(action)
+            if action.kind == "B" and action.i >= s:
+                actions.append(Action(s, "W", weights))
+                weights += 1
+        actions += [Action(s, "W", i) for i in range(weights, m)]
+        ranks.append(tuple(actions))
+    return Schedule(n, m, tuple(ranks))
 
 
 def _check(n: int, m: int) -> None:
