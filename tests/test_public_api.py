@@ -4,7 +4,19 @@ import torchgpipe.skip
 
 def test_public_names() -> None:
     assert sorted(torchgpipe.__all__) == sorted(
-        ["BalanceError", "GPipe", "__version__", "is_checkpointing", "is_recomputing"]
+        [
+            "BalanceError",
+            "GPipe",
+            "PipelineSchedule",
+            "Schedule1F1B",
+            "ScheduleGPipe",
+            "ScheduleInterleaved1F1B",
+            "ScheduleZeroBubble",
+            "StepResult",
+            "__version__",
+            "is_checkpointing",
+            "is_recomputing",
+        ]
     )
     for name in torchgpipe.__all__:
         assert getattr(torchgpipe, name) is not None
@@ -42,9 +54,15 @@ def test_trace_batchnorm_and_schedules_names_are_documented() -> None:
     import torchgpipe.batchnorm
     import torchgpipe.schedules
     import torchgpipe.trace
+    import torchgpipe.training
 
     assert sorted(torchgpipe.trace.__all__) == ["CellEvent", "Trace", "TraceSummary"]
-    for module in (torchgpipe.trace, torchgpipe.batchnorm, torchgpipe.schedules):
+    for module in (
+        torchgpipe.trace,
+        torchgpipe.batchnorm,
+        torchgpipe.schedules,
+        torchgpipe.training,
+    ):
         assert module.__doc__
         for name in module.__all__:
             assert getattr(module, name).__doc__, f"{module.__name__}.{name}"

@@ -2,7 +2,27 @@
 
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 from torchgpipe.gpipe import BalanceError, GPipe
+from torchgpipe.training import (
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+    StepResult,
+)
 
-__all__ = ["BalanceError", "GPipe", "__version__", "is_checkpointing", "is_recomputing"]
+__all__ = [
+    "BalanceError",
+    "GPipe",
+    "PipelineSchedule",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZeroBubble",
+    "StepResult",
+    "__version__",
+    "is_checkpointing",
+    "is_recomputing",
+]
 
 __version__ = "0.1.0.dev0"

@@ -22,6 +22,7 @@ _STYLE = {
     "forward": _Style(1.0, None, 0.8),
     "recompute": _Style(0.55, "///", 0.8),
     "backward": _Style(0.45, None, 0.8),
+    "weight": _Style(0.3, "..", 0.8),
     "copy": _Style(1.0, None, 0.2),
 }
 

@@ -15,7 +15,9 @@ While a trace is on, each cell records spans on the thread that runs them:
 - ``recompute``: a checkpointed cell's forward, again, in backward;
 - ``backward``: the cell's backward (for a checkpointed cell, the backward of the
   recomputed graph; otherwise from the moment its outputs' gradient arrives until its
-  input's gradient leaves).
+  input's gradient leaves);
+- ``weight``: with a schedule that splits the backward (zero bubble), the weight
+  gradient, when it runs apart from the input gradient (``backward``).
 
 Off, the pipeline checks one attribute per cell and records nothing.
 """
@@ -38,7 +40,7 @@ from torchgpipe.microbatch import flatten, unflatten
 
 __all__ = ["CellEvent", "Trace", "TraceSummary"]
 
-Kind = Literal["copy", "forward", "recompute", "backward"]
+Kind = Literal["copy", "forward", "recompute", "backward", "weight"]
 
 
 @dataclass(frozen=True)

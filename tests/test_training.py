@@ -1,0 +1,357 @@
+"""Training steps that follow a schedule: the same gradients as the plain model."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from helpers import PopAdd, StashLinear
+from test_transparency import MODELS, _assert_same_grads, _replay_masks
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.gpipe import Checkpoint
+from torchgpipe.schedules import Schedule, ScheduleError, simulate
+from torchgpipe.training import (
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+)
+
+Factory = Callable[..., PipelineSchedule]
+
+SCHEDULES: dict[str, Factory] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zero-bubble": ScheduleZeroBubble,
+    "interleaved": partial(ScheduleInterleaved1F1B, virtual_stages=2),
+}
+# Balances with an even number of partitions, so interleaving (v = 2) applies to all.
+CASES = [
+    ("mlp", [1, 4]),
+    ("mlp", [1, 1, 2, 1]),
+    ("convnet", [3, 5]),
+    ("convnet", [2, 2, 2, 2]),
+    ("tuple", [2, 3]),
+    ("tuple", [1, 1, 1, 2]),
+]
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+# Interleaving (v = 2) sends micro-batches in groups of the ranks (half the partitions).
+MATRIX = [
+    (schedule, name, balance, chunks)
+    for schedule in SCHEDULES
+    for name, balance in CASES
+    for chunks in (1, 2, 4)
+    if schedule != "interleaved" or chunks % (len(balance) // 2) == 0
+]
+
+
+@pytest.mark.parametrize(("schedule", "name", "balance", "chunks"), MATRIX)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_step_leaves_the_gradients_of_the_plain_model(
+    schedule: str, name: str, balance: list[int], chunks: int, checkpoint: Checkpoint
+) -> None:
+    build, make_input, _ = MODELS[name]
+    plain = build().double()
+    model = GPipe(copy.deepcopy(plain), balance, chunks=chunks, checkpoint=checkpoint)
+    x = make_input(8).double()
+    target = torch.randn_like(plain(x))
+
+    x1 = x.clone().requires_grad_()
+    result = SCHEDULES[schedule](model, _mse).step(x1, target)
+
+    _replay_masks(model, plain)
+    x2 = x.clone().requires_grad_()
+    expected = plain(x2)
+    loss = _mse(expected, target)
+    loss.backward()
+
+    torch.testing.assert_close(result.output, expected.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(result.loss, loss.detach(), rtol=1e-10, atol=1e-12)
+    assert len(result.losses) == min(chunks, 8)
+    _assert_same_grads(model, plain, exact=False)
+    assert x1.grad is not None
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_sum_reduction_and_uneven_micro_batches(schedule: str) -> None:
+    plain = MODELS["mlp"][0]().double()
+    model = GPipe(copy.deepcopy(plain), [2, 3], chunks=2)
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output, target, reduction="sum")
+
+    step = SCHEDULES[schedule](model, loss_fn, reduction="sum").step(x, y)
+    loss = loss_fn(plain(x), y)
+    loss.backward()
+    assert [int(t.numel()) for t in step.losses] == [1, 1]
+    torch.testing.assert_close(step.loss, loss.detach())
+    _assert_same_grads(model, plain, exact=False)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_optimizer_steps_give_the_same_weights(schedule: str) -> None:
+    plain = MODELS["convnet"][0]().double()
+    model = GPipe(copy.deepcopy(plain), [2, 2, 2, 2], chunks=4)
+    runner = SCHEDULES[schedule](model, nn.functional.cross_entropy)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    opt_model = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,))
+        opt_model.zero_grad()
+        runner.step(x, y)
+        opt_model.step()
+        opt_plain.zero_grad()
+        _replay_masks(model, plain)
+        nn.functional.cross_entropy(plain(x), y).backward()
+        opt_plain.step()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_skips_between_stages(schedule: str, checkpoint: Checkpoint) -> None:
+    layers = [StashLinear(), nn.Linear(4, 4), nn.Tanh(), PopAdd()]
+    plain = nn.Sequential(*copy.deepcopy(layers)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=2, checkpoint=checkpoint)
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    SCHEDULES[schedule](model, _mse).step(x, target)
+    _mse(plain(x), target).backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
+def test_deferred_batch_norm_updates_as_the_gpipe_path_does() -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4), nn.BatchNorm1d(4)
+        ).double()
+
+    stepped = GPipe(build(), [2, 3], chunks=3, deferred_batch_norm=True)
+    forwarded = GPipe(build(), [2, 3], chunks=3, deferred_batch_norm=True)
+    runner = Schedule1F1B(stepped, _mse)
+    for _ in range(2):
+        x, target = torch.randn(9, 3, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64)
+        runner.step(x, target)
+        _mse(forwarded(x), target).backward()
+    for a, b in zip(stepped.modules(), forwarded.modules(), strict=True):
+        if isinstance(a, DeferredBatchNorm):
+            assert isinstance(b, DeferredBatchNorm)
+            torch.testing.assert_close(a.running_mean, b.running_mean)
+            torch.testing.assert_close(a.running_var, b.running_var)
+            assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 2
+    _assert_same_grads(stepped, forwarded, exact=False)
+
+
+class Count(torch.autograd.Function):
+    """The identity; counts the calls of its backward."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        Count.calls += 1
+        return grad
+
+
+class Counted(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return Count.apply(x)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def test_the_weight_gradient_does_not_run_the_input_gradient_again() -> None:
+    # In the middle stage Counted sits on the way to the stage's input, between two
+    # linear layers: B must run it, and W, which only goes to weights, must not.
+    plain = nn.Sequential(
+        nn.Linear(4, 4), nn.Linear(4, 4), Counted(), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)
+    ).double()
+    model = GPipe(copy.deepcopy(plain), [1, 4, 1], chunks=3, checkpoint="never")
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    Count.calls = 0
+    ScheduleZeroBubble(model, _mse).step(x, target)
+    assert Count.calls == 3  # once per micro-batch
+    _mse(plain(x), target).backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
+def test_each_stage_runs_its_backward_on_its_own_worker() -> None:
+    seen: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
+
+    def watch(stage: int) -> nn.Module:
+        layer = nn.Linear(4, 4)
+        layer.weight.register_hook(lambda _: seen[stage].add(threading.current_thread().name))
+        return layer
+
+    model = GPipe(nn.Sequential(watch(0), watch(1), watch(2)), [1, 1, 1], chunks=2)
+    Schedule1F1B(model, _mse).step(torch.randn(4, 4), torch.randn(4, 4))
+    names = [seen[s] for s in range(3)]
+    assert all(len(n) == 1 for n in names), names
+    threads = [next(iter(n)) for n in names]
+    assert len(set(threads)) == 3
+    assert threading.current_thread().name not in threads
+
+
+@pytest.mark.parametrize(
+    ("runner", "table"),
+    [
+        (ScheduleGPipe, "gpipe"),
+        (Schedule1F1B, "one_f_one_b"),
+        (ScheduleZeroBubble, "zero_bubble_h1"),
+    ],
+)
+def test_peak_activations_held_follow_the_table(runner: Factory, table: str) -> None:
+    from torchgpipe import schedules
+
+    model = GPipe(nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))), [1, 1, 1, 1], chunks=6)
+    result = runner(model, _mse).step(torch.randn(6, 2), torch.randn(6, 2))
+    expected = simulate(getattr(schedules, table)(4, 6), {"F": 1, "B": 1, "W": 1}).holding
+    assert result.peak_held == expected
+    if table == "one_f_one_b":
+        assert result.peak_held == (4, 3, 2, 1)
+    if table == "gpipe":
+        assert result.peak_held == (6, 6, 6, 6)
+
+
+def test_a_table_of_ones_own() -> None:
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    # Backwards in the opposite micro-batch order to 1F1B's.
+    table = Schedule.parse("0F0 0F1 0B1 0B0\n1F0 1F1 1B1 1B0")
+    x, target = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    PipelineSchedule(model, _mse, table).step(x, target)
+    _mse(plain(x), target).backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
+def test_trace_records_forward_backward_and_weight_spans() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+    with model.trace() as trace:
+        ScheduleZeroBubble(model, _mse).step(torch.randn(4, 2), torch.randn(4, 2))
+    kinds = {(e.j, e.i, e.kind) for e in trace.events}
+    for j in range(2):
+        for i in range(2):
+            assert {(j, i, "forward"), (j, i, "backward"), (j, i, "weight")} <= kinds
+            assert (j, i, "recompute") in kinds or i == 1  # except_last
+    assert trace.summary().n == 2
+
+
+# Failures and bad arguments.
+
+
+class FailAt(nn.Module):
+    def __init__(self, calls: int, error: BaseException) -> None:
+        super().__init__()
+        self.calls, self.error, self.seen = calls, error, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen += 1
+        if self.seen == self.calls:
+            raise self.error
+        return x
+
+
+class BackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ArithmeticError("in backward")
+
+
+class FailsBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return BackwardFails.apply(x)  # type: ignore[no-any-return,no-untyped-call]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_a_forward_failure_reaches_the_caller_and_the_next_step_works(schedule: str) -> None:
+    failing = FailAt(2, KeyError("boom"))
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2), failing, nn.Linear(2, 2)]
+    model = GPipe(nn.Sequential(*layers), [1, 1, 1, 1], chunks=4, checkpoint="never")
+    runner = SCHEDULES[schedule](model, _mse)
+    x, target = torch.randn(4, 2), torch.randn(4, 2)
+    with pytest.raises(KeyError, match="boom") as info:
+        runner.step(x, target)
+    assert any("2F1" in note for note in getattr(info.value, "__notes__", []))
+    model.zero_grad()
+    runner.step(x, target)  # the next step works
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_a_backward_failure_reaches_the_caller(schedule: str) -> None:
+    layers = [nn.Linear(2, 2), FailsBackward(), nn.Linear(2, 2), nn.Linear(2, 2)]
+    model = GPipe(nn.Sequential(*layers), [1, 1, 1, 1], chunks=2)
+    with pytest.raises(ArithmeticError, match="in backward") as info:
+        SCHEDULES[schedule](model, _mse).step(torch.randn(4, 2), torch.randn(4, 2))
+    assert any("1B" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+
+    def per_sample(output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output, target, reduction="none")
+
+    with pytest.raises(TypeError, match="one element"):
+        Schedule1F1B(model, per_sample).step(torch.randn(4, 2), torch.randn(4, 2))
+
+
+def test_bad_arguments_are_refused_up_front() -> None:
+    model = GPipe(nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))), [1, 1, 1, 1], chunks=4)
+    with pytest.raises(TypeError, match="GPipe"):
+        Schedule1F1B(nn.Sequential(nn.Linear(2, 2)), _mse)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callable"):
+        Schedule1F1B(model, "mse")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduction"):
+        Schedule1F1B(model, _mse, reduction="max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="divisor of the 4 partitions"):
+        ScheduleInterleaved1F1B(model, _mse, virtual_stages=3)
+    odd = GPipe(nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))), [1, 1, 1, 1], chunks=3)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        ScheduleInterleaved1F1B(odd, _mse, virtual_stages=2)
+    with pytest.raises(ValueError, match="3 stages but the model 4"):
+        PipelineSchedule(model, _mse, Schedule.parse("0F0 0B0\n1F0 1B0\n2F0 2B0"))
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        PipelineSchedule(model, _mse, Schedule.parse("0B0 0F0\n1F0 1B0\n2F0 2B0\n3F0 3B0"))
+    with pytest.raises(ValueError, match="micro-batches of"):
+        Schedule1F1B(model, _mse).step(torch.randn(8, 2), torch.randn(6, 2))
+    table = PipelineSchedule(model, _mse, Schedule.parse("0F0 0B0\n1F0 1B0\n2F0 2B0\n3F0 3B0"))
+    with pytest.raises(ValueError, match="for 1 micro-batches but the batch splits into 4"):
+        table.step(torch.randn(8, 2), torch.randn(8, 2))
+
+
+def test_the_stages_of_a_rank_must_share_a_device() -> None:
+    model = GPipe(
+        nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))),
+        [1, 1, 1, 1],
+        devices=["cpu", "cpu", "cpu:0", "cpu:0"],
+        chunks=2,
+    )
+    with pytest.raises(ValueError, match="rank 0 runs stages on devices"):
+        ScheduleInterleaved1F1B(model, _mse, virtual_stages=2).step(
+            torch.randn(4, 2), torch.randn(4, 2)
+        )
