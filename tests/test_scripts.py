@@ -168,3 +168,24 @@ def test_memory_benchmark_quick_validates_its_method(tmp_path):
         naive = max(rows[(model, "naive-1")]["activation_bytes"].values())
         piped = max(rows[(model, "pipeline-1")]["activation_bytes"].values())
         assert 0 < piped < naive  # checkpointing keeps less than the plain model
+
+
+def test_schedules_benchmark_quick_measures_every_schedule_and_the_reference(tmp_path):
+    out_file = tmp_path / "results.json"
+    out = run_python("benchmarks/schedules/main.py", "--quick", "--out", str(out_file))
+    assert "simulated makespan" in out
+    rows = json.loads(out_file.read_text())["rows"]
+    names = {row["schedule"] for row in rows}
+    assert names == {
+        "GPipe",
+        "1F1B",
+        "interleaved-1F1B",
+        "ZB-H1",
+        "torch ScheduleGPipe",
+        "torch Schedule1F1B",
+    }
+    for row in rows:
+        assert row["step_s"] > 0
+        assert row["makespan_s"] > 0
+        if "peak_held" in row:
+            assert row["peak_held"] == row["simulated_held"]

@@ -355,3 +355,26 @@ def test_the_stages_of_a_rank_must_share_a_device() -> None:
         ScheduleInterleaved1F1B(model, _mse, virtual_stages=2).step(
             torch.randn(4, 2), torch.randn(4, 2)
         )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_cuda_stages_match_the_plain_model(schedule: str) -> None:
+    # Activations and gradients cross devices (or streams of one device) on copy streams.
+    count = torch.cuda.device_count()
+    devices = [torch.device("cuda", j % count) for j in range(4)]
+    if schedule == "interleaved":  # rank r runs partitions r and r + 2: one device each
+        devices = [devices[0], devices[1], devices[0], devices[1]]
+    layers = [StashLinear(), nn.Linear(4, 4), nn.Tanh(), PopAdd()]
+    plain = nn.Sequential(*copy.deepcopy(layers))
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], devices=devices, chunks=4)
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    result = SCHEDULES[schedule](model, _mse).step(x.to(devices[0]), target.to(devices[-1]))
+    expected = plain(x)
+    loss = _mse(expected, target)
+    loss.backward()
+    torch.testing.assert_close(result.loss.cpu(), loss.detach(), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None
+        assert q.grad is not None
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
