@@ -50,7 +50,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.checkpoint import _alias, _flag
+from torchgpipe.checkpoint import _alias, _differentiable, _flag
 from torchgpipe.copy import move
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import Spec, flatten, gather, scatter, unflatten
@@ -266,9 +266,10 @@ class PipelineSchedule:
         m = len(batches)
         targets = scatter(target, m)
         sizes = [_batch_size(b) for b in batches]
-        if [_batch_size(t) for t in targets] != sizes:
+        target_sizes = [_batch_size(t) for t in targets]
+        if target_sizes != sizes:
             raise ValueError(
-                f"the target splits into micro-batches of {[_batch_size(t) for t in targets]} "
+                f"the target splits into micro-batches of {target_sizes} "
                 f"samples but the input into {sizes}; give them the same batch size"
             )
         table = self.table(m)
@@ -460,6 +461,10 @@ class _Run:
         self.inbound = pipeline._inbound
         self.outbound = pipeline._outbound
         self.guards = pipeline._guards
+        self.popped_by = {r.key: r.pop_partition for r in model.skip_layout.routes}
+        self.trainable = [
+            any(p.requires_grad for p in part.parameters()) for part in pipeline.partitions
+        ]
         self.n = len(self.partitions)
         m = len(batches)
         self.step = _Step(self.n, m)
@@ -534,11 +539,8 @@ class _Run:
             for key, skip in outbound.items():
                 step.put(("S", key, i), _detached(skip))
             return
-        target = move(
-            self.targets[i], device, source=self.source, copy=self.copy[r], target=self.compute[r]
-        )
         with self.state.apply(grad_enabled=not cell.checkpointed):
-            loss = self._loss(output, target)
+            loss = self._loss(output, self._target(s, i))
         step.losses[i] = loss.detach()
         step.outputs[i] = _detached(output)
         if not cell.checkpointed:
@@ -568,7 +570,6 @@ class _Run:
         if self.seed is not None and self.shares_device[s]:
             seed = (self.seed + 1_000_003 * s + i) % 2**63
         needs = [x.requires_grad for x in leaves if isinstance(x, Tensor)]
-        upstream = [x for x in leaves if isinstance(x, Tensor)] if s == 0 else []
         cell = _Cell(
             checkpointed=checkpointed,
             randomness=CellRandomness(self.devices[s], seed),
@@ -579,7 +580,10 @@ class _Run:
             skip_tensors=[
                 sum(isinstance(x, Tensor) for x in flatten(skip)[0]) for skip in inbound.values()
             ],
-            upstream=[x for x, need in zip(upstream, needs, strict=False) if need],
+            # The first stage hands its input gradients on into the caller's graph.
+            upstream=[x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
+            if s == 0
+            else [],
         )
         if checkpointed:
             # Keep a copy: a first layer may modify its input in place.
@@ -594,7 +598,7 @@ class _Run:
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)
-            wants = any(needs) or any(p.requires_grad for p in self.partitions[s].parameters())
+            wants = any(needs) or self.trainable[s]
             return cell, (
                 _wanting(output, wants),
                 {k: _wanting(v, wants) for k, v in outbound.items()},
@@ -659,12 +663,11 @@ class _Run:
         source = self._stream(s + 1)
         grads = move(grads, device, source=source, copy=self.copy[r], target=self.compute[r])
         for key in self.outbound[s] or ():
-            route = next(rt for rt in self.owner.model.skip_layout.routes if rt.key == key)
             skip_grads = step.take(("SG", key, i))
             grads += move(
                 skip_grads,
                 device,
-                source=self._stream(route.pop_partition),
+                source=self._stream(self.popped_by[key]),
                 copy=self.copy[r],
                 target=self.compute[r],
             )
@@ -768,10 +771,6 @@ def _wanting(value: Any, wants: bool) -> Any:
         ],
         spec,
     )
-
-
-def _differentiable(x: Tensor) -> bool:
-    return x.is_floating_point() or x.is_complex()
 
 
 def _detach_all(leaves: list[Any]) -> list[Any]:
