@@ -64,9 +64,11 @@ from torchgpipe.schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
+from torchgpipe.skip.layout import SkipRoute
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
 from torchgpipe.stream import AnyStream, current_stream, new_stream, use_device, use_stream
+from torchgpipe.trace import Trace
 from torchgpipe.worker import ThreadState, WorkerPool
 
 __all__ = [
@@ -129,18 +131,19 @@ class _Cell:
     plan: _Plan = field(default_factory=list)  # W's work, left by B
 
 
-class _Step:
-    """What the workers of one step share: messages, failures, and memory counts."""
+class _Mailbox:
+    """Messages between the actions of a step, and the failures that stop it.
 
-    def __init__(self, stages: int, m: int) -> None:
+    ``put`` leaves a value under a key, ``take`` waits for the value under a key and
+    raises :class:`_Stopped` once the step is halted: by a failure here (``fail``) or
+    one reported from elsewhere (``halt``).
+    """
+
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._box: dict[tuple[Any, ...], Any] = {}
         self.failures: list[tuple[BaseException, Action]] = []
-        self.cells: dict[tuple[int, int], _Cell] = {}
-        self.held = [0] * stages
-        self.peak = [0] * stages
-        self.losses: list[Tensor | None] = [None] * m
-        self.outputs: list[Any] = [None] * m
+        self.halted = False
 
     def put(self, key: tuple[Any, ...], value: Any) -> None:
         with self._cond:
@@ -150,7 +153,7 @@ class _Step:
     def take(self, key: tuple[Any, ...]) -> Any:
         with self._cond:
             while key not in self._box:
-                if self.failures:
+                if self.halted:
                     raise _Stopped
                 self._cond.wait()
             return self._box.pop(key)
@@ -158,12 +161,70 @@ class _Step:
     def fail(self, error: BaseException, action: Action) -> None:
         with self._cond:
             self.failures.append((error, action))
+            self.halted = True
             self._cond.notify_all()
+
+    def halt(self) -> None:
+        with self._cond:
+            self.halted = True
+            self._cond.notify_all()
+
+
+class _Step(_Mailbox):
+    """What the actions of one step share: messages, failures, and memory counts."""
+
+    def __init__(self, stages: int, m: int) -> None:
+        super().__init__()
+        self.cells: dict[tuple[int, int], _Cell] = {}
+        self.held = [0] * stages
+        self.peak = [0] * stages
+        self.losses: list[Tensor | None] = [None] * m
+        self.outputs: list[Any] = [None] * m
 
     def hold(self, s: int, delta: int) -> None:
         with self._cond:
             self.held[s] += delta
             self.peak[s] = max(self.peak[s], self.held[s])
+
+
+Guard: TypeAlias = Callable[[], AbstractContextManager[None]]
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """The stages a step runs: the modules of the local ones, and every stage's skips.
+
+    In one process every stage is local. With several (:mod:`torchgpipe.distributed`)
+    ``partitions`` and ``devices`` hold only the stages of this process.
+    """
+
+    partitions: dict[int, nn.Module]
+    devices: dict[int, torch.device]
+    inbound: list[tuple[SkipRoute, ...]]  # per stage: the skips it pops from earlier ones
+    outbound: list[tuple[SkipKey, ...] | None]  # per stage; None: no skippable layers
+    routes: tuple[SkipRoute, ...]
+    guards: dict[int, Guard | None]
+    shares_device: dict[int, bool]
+    checkpoint_stop: int  # micro-batches below this are checkpointed
+    tracer: Trace | None = None
+
+    @classmethod
+    def of(cls, model: GPipe, m: int) -> _Stages:
+        """Every stage of ``model``, for a step of ``m`` micro-batches."""
+        pipeline = model._pipeline
+        n = len(pipeline.partitions)
+        stop = {"always": m, "except_last": m - 1, "never": 0}[model.checkpoint]
+        return cls(
+            partitions=dict(enumerate(pipeline.partitions)),
+            devices=dict(enumerate(pipeline.devices)),
+            inbound=list(pipeline._inbound),
+            outbound=list(pipeline._outbound),
+            routes=model.skip_layout.routes,
+            guards=dict(enumerate(pipeline._guards)),
+            shares_device={s: pipeline.shares_device[s] for s in range(n)},
+            checkpoint_stop=stop if model.training else 0,
+            tracer=pipeline.tracer,
+        )
 
 
 class PipelineSchedule:
@@ -273,14 +334,15 @@ class PipelineSchedule:
                 f"samples but the input into {sizes}; give them the same batch size"
             )
         table = self.table(m)
-        total = sum(sizes)
-        weights = [b / total if self.reduction == "mean" else 1.0 for b in sizes]
+        weights = _loss_weights(sizes, self.reduction)
         for layer in model._deferred:
             layer.expect(m)
         pipeline = model._pipeline
         if pipeline.tracer is not None:
             pipeline.tracer.m = max(pipeline.tracer.m, m)
-        run = _Run(self, table, batches, targets, weights)
+        stages = _Stages.of(model, m)
+        step = _Step(len(stages.inbound), m)
+        run = _Run(stages, self.loss_fn, table, step, batches, targets, weights)
         with self._lock:
             workers = self._workers(len(table.ranks))
             done = [threading.Event() for _ in table.ranks]
@@ -290,27 +352,21 @@ class PipelineSchedule:
                 for event in done:
                     event.wait()
             except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
-                run.step.fail(KeyboardInterrupt(), table.ranks[0][0])
+                step.fail(KeyboardInterrupt(), table.ranks[0][0])
                 for event in done:
                     event.wait()
                 raise
-        real = [(e, a) for e, a in run.step.failures if not isinstance(e, _Stopped)]
+        real = _real_failures(step)
         if real:
             error, action = real[0]
-            device = model.devices[action.stage]
-            _add_note(
-                error,
-                f"torchgpipe: raised in {action} (stage {action.stage} on {device}, "
-                f"{_KIND_NAMES[action.kind]} of micro-batch {action.i} of {m})",
-            )
+            _add_note(error, _where(action, f"on {model.devices[action.stage]}", m))
             raise error
-        losses = [x for x in run.step.losses if x is not None]
-        loss = torch.stack([w * x for w, x in zip(weights, losses, strict=True)]).sum()
+        losses = [x for x in step.losses if x is not None]
         return StepResult(
-            loss=loss,
+            loss=_weighted(weights, losses),
             losses=losses,
-            output=gather(run.step.outputs),
-            peak_held=tuple(run.step.peak),
+            output=gather(step.outputs),
+            peak_held=tuple(step.peak),
         )
 
     def _workers(self, ranks: int) -> WorkerPool:
@@ -421,6 +477,29 @@ def _stages(model: GPipe) -> int:
 _KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 
 
+def _where(action: Action, place: str, m: int) -> str:
+    """The note on an error raised in ``action``, ``place`` saying where it ran."""
+    return (
+        f"torchgpipe: raised in {action} (stage {action.stage} {place}, "
+        f"{_KIND_NAMES[action.kind]} of micro-batch {action.i} of {m})"
+    )
+
+
+def _real_failures(step: _Mailbox) -> list[tuple[BaseException, Action]]:
+    """The step's failures, less the actions that only stopped because of them."""
+    return [(e, a) for e, a in step.failures if not isinstance(e, _Stopped)]
+
+
+def _weighted(weights: Sequence[float], losses: Sequence[Tensor]) -> Tensor:
+    """The batch's loss: each micro-batch's weighed by its share (or summed)."""
+    return torch.stack([w * x for w, x in zip(weights, losses, strict=True)]).sum()
+
+
+def _loss_weights(sizes: Sequence[int], reduction: Reduction) -> list[float]:
+    total = sum(sizes)
+    return [b / total if reduction == "mean" else 1.0 for b in sizes]
+
+
 def _batch_size(value: Any) -> int:
     for leaf in flatten(value)[0]:
         if isinstance(leaf, Tensor):
@@ -439,49 +518,60 @@ def _job(run: _Run, r: int, done: threading.Event) -> Callable[[], None]:
 
 
 class _Run:
-    """One step: the actions of every rank, and the messages between them."""
+    """One step: the actions of the local ranks, and the messages between them.
+
+    ``post`` carries the messages: in one process it is ``step`` itself; across
+    processes it sends those for stages elsewhere. ``batches`` are needed where stage 0
+    runs, ``targets`` where the last stage runs.
+    """
 
     def __init__(
         self,
-        owner: PipelineSchedule,
+        stages: _Stages,
+        loss_fn: LossFn,
         table: Schedule,
+        step: _Step,
         batches: list[Any],
         targets: list[Any],
         weights: list[float],
+        *,
+        post: _Mailbox | None = None,
     ) -> None:
-        model = owner.model
-        pipeline = model._pipeline
-        self.owner = owner
+        self.loss_fn = loss_fn
         self.table = table
+        self.step = step
+        self.post: _Mailbox = post if post is not None else step
         self.batches = batches
         self.targets = targets
         self.weights = weights
-        self.partitions: list[nn.Module] = list(pipeline.partitions)
-        self.devices = list(pipeline.devices)
-        self.inbound = pipeline._inbound
-        self.outbound = pipeline._outbound
-        self.guards = pipeline._guards
-        self.popped_by = {r.key: r.pop_partition for r in model.skip_layout.routes}
-        self.trainable = [
-            any(p.requires_grad for p in part.parameters()) for part in pipeline.partitions
-        ]
-        self.n = len(self.partitions)
-        m = len(batches)
-        self.step = _Step(self.n, m)
-        self.trace = pipeline.tracer
+        self.partitions = stages.partitions
+        self.devices = stages.devices
+        self.inbound = stages.inbound
+        self.outbound = stages.outbound
+        self.guards = stages.guards
+        self.popped_by = {r.key: r.pop_partition for r in stages.routes}
+        self.trainable = {
+            s: any(p.requires_grad for p in part.parameters())
+            for s, part in stages.partitions.items()
+        }
+        self.n = len(stages.inbound)
+        self.trace = stages.tracer
         self.state = ThreadState.capture()
         self.split = table.splits_backward
-        stop = {"always": m, "except_last": m - 1, "never": 0}[model.checkpoint]
-        self.checkpoint_stop = stop if model.training else 0
-        isolate = self.checkpoint_stop > 0 and any(pipeline.shares_device)
+        self.checkpoint_stop = stages.checkpoint_stop
+        isolate = self.checkpoint_stop > 0 and any(stages.shares_device.values())
         self.seed = draw_seed() if isolate else None
-        self.shares_device = pipeline.shares_device
-        rank_device = {table.placement[s]: self.devices[s] for s in range(self.n)}
-        self.compute: list[AnyStream] = [
-            new_stream(rank_device[r]) for r in range(len(table.ranks))
-        ]
-        self.copy: list[AnyStream] = [new_stream(rank_device[r]) for r in range(len(table.ranks))]
-        self.source = current_stream(_device_of(batches[0]))
+        self.shares_device = stages.shares_device
+        rank_device = {table.placement[s]: device for s, device in stages.devices.items()}
+        self.compute = {r: new_stream(device) for r, device in rank_device.items()}
+        self.copy = {r: new_stream(device) for r, device in rank_device.items()}
+        # Where the caller's tensors come from; a message from another process arrives
+        # ready on this one's device, so any local stream will do for it.
+        given = batches or targets
+        self.source = current_stream(
+            _device_of(given[0]) if given else next(iter(rank_device.values()))
+        )
+        self._home = next(iter(self.compute.values()))
 
     # The rank's loop.
 
@@ -489,7 +579,7 @@ class _Run:
         actions = self.table.ranks[r]
         device = self.devices[actions[0].stage] if actions else torch.device("cpu")
         for action in actions:
-            if self.step.failures:
+            if self.post.halted:
                 return
             try:
                 with use_device(device), use_stream(self.compute[r]):
@@ -500,28 +590,28 @@ class _Run:
                     else:
                         self.weight(action.stage, action.i)
             except BaseException as error:
-                self.step.fail(error, action)
+                self.post.fail(error, action)
                 return
 
     def _span(self, s: int, i: int, kind: Any) -> AbstractContextManager[None]:
         return self.trace.span(s, i, kind) if self.trace is not None else nullcontext()
 
     def _stream(self, s: int) -> AnyStream:
-        return self.compute[self.table.placement[s]]
+        return self.compute.get(self.table.placement[s], self._home)
 
     # F
 
     def forward(self, s: int, i: int) -> None:
-        step, device = self.step, self.devices[s]
+        step, post, device = self.step, self.post, self.devices[s]
         r = self.table.placement[s]
         if s == 0:
             value, source = self.batches[i], self.source
         else:
-            value, source = step.take(("F", s, i)), self._stream(s - 1)
+            value, source = post.take(("F", s, i)), self._stream(s - 1)
         value = move(value, device, source=source, copy=self.copy[r], target=self.compute[r])
         inbound = {
             route.key: move(
-                step.take(("S", route.key, i)),
+                post.take(("S", route.key, i)),
                 device,
                 source=self._stream(route.stash_partition),
                 copy=self.copy[r],
@@ -535,9 +625,9 @@ class _Run:
         step.hold(s, 1)
         output, outbound = result
         if s + 1 < self.n:
-            step.put(("F", s + 1, i), _detached(output))
+            post.put(("F", s + 1, i), _detached(output))
             for key, skip in outbound.items():
-                step.put(("S", key, i), _detached(skip))
+                post.put(("S", key, i), _detached(skip))
             return
         with self.state.apply(grad_enabled=not cell.checkpointed):
             loss = self._loss(output, self._target(s, i))
@@ -549,7 +639,7 @@ class _Run:
             cell.outputs = []  # recomputed in backward
 
     def _loss(self, output: Any, target: Any) -> Tensor:
-        loss = self.owner.loss_fn(output, target)
+        loss = self.loss_fn(output, target)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"loss_fn must return a tensor with one element, got "
@@ -658,12 +748,12 @@ class _Run:
         """The gradient of each tensor the cell's forward gave out, as received."""
         if s == self.n - 1:
             return [None]
-        step, device, r = self.step, self.devices[s], self.table.placement[s]
-        grads = step.take(("G", s, i))
+        post, device, r = self.post, self.devices[s], self.table.placement[s]
+        grads = post.take(("G", s, i))
         source = self._stream(s + 1)
         grads = move(grads, device, source=source, copy=self.copy[r], target=self.compute[r])
         for key in self.outbound[s] or ():
-            skip_grads = step.take(("SG", key, i))
+            skip_grads = post.take(("SG", key, i))
             grads += move(
                 skip_grads,
                 device,
@@ -709,11 +799,11 @@ class _Run:
             if pairs:  # into the caller's graph, which produced the input
                 torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
             return
-        step = self.step
-        step.put(("G", s - 1, i), grads[: cell.value_tensors])
+        post = self.post
+        post.put(("G", s - 1, i), grads[: cell.value_tensors])
         rest = grads[cell.value_tensors :]
         for route, count in zip(self.inbound[s], cell.skip_tensors, strict=True):
-            step.put(("SG", route.key, i), rest[:count])
+            post.put(("SG", route.key, i), rest[:count])
             rest = rest[count:]
 
     def _release(self, s: int, i: int) -> None:
