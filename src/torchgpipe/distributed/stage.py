@@ -1,0 +1,343 @@
+"""A process's share of a pipeline: its stages of an ``nn.Sequential``, on its device.
+
+Every process builds the same ``nn.Sequential`` and gives the same balance; the one of
+rank ``r`` among ``R`` keeps the partitions ``r, r + R, r + 2R, ...`` (one, unless the
+balance has several partitions per process for an interleaved schedule) and moves
+their layers to its device. The others' layers stay where the caller built them.
+
+At construction the processes compare what each was given (balance, options, each
+layer's type and parameter shapes, the skips) and all refuse to start, with the same
+message, when they differ.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.distributed.exchange import Exchange, Key
+from torchgpipe.distributed.transport import ProcessGroupTransport, Transport
+from torchgpipe.gpipe import (
+    Checkpoint,
+    Device,
+    _as_device,
+    _check_balance,
+    _check_checkpoint,
+    _check_chunks,
+    _check_layers,
+)
+from torchgpipe.pipeline import _batch_norm_guard, _has_skippables
+from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.training import _Stages
+from torchgpipe.worker import WorkerPool
+
+__all__ = ["PipelineStage", "all_reduce_gradients"]
+
+
+class PipelineStage(nn.Module):
+    """This process's stages of a pipeline that runs over several processes.
+
+    Build one in every process of the pipeline, from the same ``nn.Sequential`` and the
+    same arguments, then drive it with a schedule of :mod:`torchgpipe.distributed`::
+
+        dist.init_process_group("gloo")          # under torchrun
+        stage = PipelineStage(model, balance=[2, 2, 2, 2], chunks=8)
+        schedule = Schedule1F1B(stage, nn.CrossEntropyLoss())
+        result = schedule.step(input, target)    # input on rank 0, target on the last
+        optimizer.step()                         # over stage.parameters()
+
+    The stage is a module that holds this process's layers under their names in the
+    ``nn.Sequential``, so ``stage.parameters()`` are the ones to optimize here and
+    ``stage.state_dict()`` has the keys of the plain model's.
+
+    Args:
+        module: the whole model, the same in every process; its layers are split by
+            ``balance`` into partitions, each a stage.
+        balance: how many layers each partition has. With ``R`` processes there are
+            ``R`` partitions, or ``v * R`` for ``v`` stages per process (interleaved).
+        rank: this process's rank in the pipeline, to be checked against the process
+            group; None: take it from the group.
+        device: where this process's layers run; default: CPU with gloo, the current
+            CUDA device with NCCL.
+        chunks: micro-batches per mini-batch.
+        checkpoint: which micro-batches recompute their forward in backward:
+            ``'always'``, ``'except_last'`` (the default) or ``'never'``.
+        deferred_batch_norm: batch norm statistics over the mini-batch, not each
+            micro-batch (see :class:`torchgpipe.GPipe`).
+        group: the processes of this pipeline (``torch.distributed`` process group);
+            None: every process. Several pipelines (data parallelism) each take a group.
+        transport: how messages travel; default: a
+            :class:`~torchgpipe.distributed.ProcessGroupTransport` over ``group``.
+
+    Raises:
+        TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``, or a
+            balance that does not give every process the same number of stages.
+        RuntimeError: ``torch.distributed`` is not initialized (and no transport given).
+        ValueError: the processes were given different models or arguments.
+        RemoteError: another process failed to start or died.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Iterable[int],
+        *,
+        rank: int | None = None,
+        device: Device | None = None,
+        chunks: int = 1,
+        checkpoint: Checkpoint = "except_last",
+        deferred_batch_norm: bool = False,
+        group: Any = None,
+        transport: Transport | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"PipelineStage takes an nn.Sequential, got {type(module).__name__}; put "
+                f"the layers of your model in order into nn.Sequential(...)"
+            )
+        self.balance = _check_balance(balance, len(module))
+        _check_layers(module)
+        verify_skippables(module)
+        self.chunks = _check_chunks(chunks)
+        self.checkpoint: Checkpoint = _check_checkpoint(checkpoint)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
+        self.deferred_batch_norm = deferred_batch_norm
+        wanted = None if device is None else _as_device(device)
+        if transport is None:
+            transport = ProcessGroupTransport(group, device=wanted)
+        elif wanted is not None and wanted != transport.device:
+            raise ValueError(
+                f"device is {wanted} but the transport receives on {transport.device}; "
+                f"give them the same device"
+            )
+        self.transport = transport
+        self.device = transport.device
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        if rank is not None and rank != self.rank:
+            raise ValueError(
+                f"rank={rank} was given, but this process is rank {self.rank} of the "
+                f"pipeline's {self.world_size}; pass rank=None, or the group's rank"
+            )
+        n = len(self.balance)
+        if n % self.world_size:
+            raise ValueError(
+                f"the balance has {n} partitions for {self.world_size} processes; give "
+                f"every process the same number of stages: {self.world_size} partitions, "
+                f"or a multiple of it for interleaving"
+            )
+        self.virtual_stages = n // self.world_size
+        self.stages = tuple(range(self.rank, n, self.world_size))
+        """The stages this process runs."""
+
+        self._fingerprint = _fingerprint(module, self)
+        deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
+        layers = list(module.named_children())
+        starts = [sum(self.balance[:s]) for s in range(n + 1)]
+        self.skip_layout: SkipLayout = skip_layout(module, self.balance)
+        self._has_skips = [
+            any(_has_skippables(layer) for _, layer in layers[starts[s] : starts[s + 1]])
+            for s in range(n)
+        ]
+        self.partitions: dict[int, nn.Sequential] = {}
+        for s in self.stages:
+            part = layers[starts[s] : starts[s + 1]]
+            for name, layer in part:
+                self.add_module(name, layer)
+            self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)
+        mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
+        self._deferred = [layer for layer in deferred if id(layer) in mine]
+        self._pool: WorkerPool | None = None
+        self._check_peers()
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this process runs stage 0, which takes the input."""
+        return 0 in self.stages
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this process runs the last stage, which computes the loss."""
+        return len(self.balance) - 1 in self.stages
+
+    def forward(self, *args: Any) -> Any:
+        """Not a callable model: run steps with a schedule of torchgpipe.distributed.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            "a PipelineStage runs in steps that span every process: use "
+            "torchgpipe.distributed.Schedule1F1B(stage, loss_fn).step(input, target) "
+            "(or another schedule) instead of calling the stage"
+        )
+
+    def _stages(self, m: int) -> _Stages:
+        n = len(self.balance)
+        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        return _Stages(
+            partitions=dict(self.partitions),
+            devices=dict.fromkeys(self.stages, self.device),
+            inbound=[self.skip_layout.inbound(s) for s in range(n)],
+            outbound=[
+                self.skip_layout.outbound(s) if self._has_skips[s] else None for s in range(n)
+            ],
+            routes=self.skip_layout.routes,
+            guards={s: _batch_norm_guard(self.partitions[s]) for s in self.stages},
+            shares_device=dict.fromkeys(self.stages, len(self.stages) > 1),
+            checkpoint_stop=stop if self.training else 0,
+        )
+
+    def _owner(self, stage: int) -> int:
+        return stage % self.world_size
+
+    def exchange(self) -> Exchange:
+        """A new exchange for one step (or the start), listening to every peer."""
+        routes = self.skip_layout.routes
+        index = {route.key: k for k, route in enumerate(routes)}
+
+        def owner(key: Key) -> int:
+            kind = key[0]
+            if kind in ("F", "G"):
+                return self._owner(key[1])
+            route = routes[index[key[1]]]
+            return self._owner(route.pop_partition if kind == "S" else route.stash_partition)
+
+        def wire(key: Key) -> Key:
+            return (key[0], index[key[1]], *key[2:]) if key[0] in ("S", "SG") else key
+
+        def unwire(key: Key) -> Key:
+            return (key[0], routes[key[1]].key, *key[2:]) if key[0] in ("S", "SG") else key
+
+        return Exchange(
+            self.transport,
+            self._listeners(),
+            owner=owner,
+            stages=[
+                tuple(range(r, len(self.balance), self.world_size)) for r in range(self.world_size)
+            ],
+            wire=wire,
+            unwire=unwire,
+        )
+
+    def _listeners(self) -> WorkerPool:
+        pool = self._pool
+        if pool is None or pool.pid != os.getpid():
+            peers = max(self.world_size - 1, 0)
+            pool = self._pool = WorkerPool(peers, name="torchgpipe-listener")
+        return pool
+
+    def _check_peers(self) -> None:
+        """Compare every process's model and arguments; refuse to start if they differ."""
+        exchange = self.exchange()
+        for peer in exchange.peers:
+            exchange.send(peer, ("hello", self.rank), self._fingerprint)
+        prints = {self.rank: self._fingerprint}
+        for peer in exchange.peers:
+            prints[peer] = exchange.take(("hello", peer))
+        exchange.finish({"failed": False, "error": None}, [])
+        remote = exchange.remote_failure()
+        if remote is not None:
+            raise remote
+        problems = _differences(prints)
+        if problems:
+            raise ValueError(
+                f"the {self.world_size} processes of the pipeline were not given the same "
+                f"model and arguments: {'; '.join(problems)}; build the same nn.Sequential "
+                f"and PipelineStage in every process"
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a PipelineStage belongs to its process and cannot be copied")
+
+
+def _fingerprint(module: nn.Sequential, stage: PipelineStage) -> dict[str, Any]:
+    layers = []
+    for name, layer in module.named_children():
+        params = ", ".join(
+            f"{key} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+            for key, t in [*layer.named_parameters(), *layer.named_buffers()]
+        )
+        layers.append(f"{name}: {type(layer).__qualname__}({params})")
+    return {
+        "processes": stage.world_size,
+        "balance": list(stage.balance),
+        "chunks": stage.chunks,
+        "checkpoint": stage.checkpoint,
+        "deferred_batch_norm": stage.deferred_batch_norm,
+        "layers": layers,
+    }
+
+
+def _differences(prints: dict[int, dict[str, Any]]) -> list[str]:
+    """Every way in which a rank's fingerprint differs from rank 0's, in one list."""
+    base = prints[0]
+    problems = []
+    for rank in sorted(prints):
+        if rank == 0:
+            continue
+        for field, value in prints[rank].items():
+            if value == base[field]:
+                continue
+            if field == "layers":
+                problems.append(_layer_difference(base[field], value, rank))
+            else:
+                problems.append(
+                    f"{field} is {base[field]!r} on rank 0 but {value!r} on rank {rank}"
+                )
+    return problems
+
+
+def _layer_difference(base: list[str], other: list[str], rank: int) -> str:
+    if len(base) != len(other):
+        return f"the model has {len(base)} layers on rank 0 but {len(other)} on rank {rank}"
+    k = next(k for k, (a, b) in enumerate(zip(base, other, strict=True)) if a != b)
+    return f"layer {k} is {base[k]} on rank 0 but {other[k]} on rank {rank}"
+
+
+def all_reduce_gradients(
+    module: nn.Module, group: Any, *, op: Literal["mean", "sum"] = "mean"
+) -> None:
+    """Average (or sum) ``module``'s gradients over a data-parallel ``group``.
+
+    For pipelines replicated over data-parallel groups: after each step, every replica
+    of a stage calls this with the group of its replicas, then steps its optimizer. A
+    parameter without a gradient counts as a zero gradient, so replicas that did not all
+    reach a parameter still agree. Gradients of one dtype and device travel together.
+
+    Raises:
+        ValueError: an unknown ``op``.
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+    import torch.distributed as dist
+
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    params = [p for p in module.parameters() if p.requires_grad]
+    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        buckets.setdefault((p.dtype, p.device), []).append(p)
+    size = dist.get_world_size(group)
+    for bucket in buckets.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if op == "mean":
+            flat /= size
+        offset = 0
+        for p, g in zip(bucket, grads, strict=True):
+            part: Tensor = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+            if p.grad is None:
+                p.grad = part.clone()
+            else:
+                p.grad.copy_(part)

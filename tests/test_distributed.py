@@ -1,0 +1,416 @@
+"""Pipelines over processes, on gloo over loopback: the same gradients, and failures.
+
+Each test starts its processes once and runs several cases in them (starting 4
+processes costs seconds); the checks run here, in the parent, on what ranks returned.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_helpers import (
+    DIED,
+    bn_net,
+    mlp,
+    record_net,
+    skip_net,
+    spawn,
+)
+from torch import Tensor, nn
+
+import torchgpipe.training as single
+from torchgpipe import GPipe
+from torchgpipe.distributed import (
+    PipelineSchedule,
+    PipelineStage,
+    ProcessGroupTransport,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+    all_reduce_gradients,
+)
+
+pytestmark = pytest.mark.distributed
+
+SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zero-bubble": ScheduleZeroBubble,
+}
+SINGLE: dict[str, Callable[..., single.PipelineSchedule]] = {
+    "gpipe": single.ScheduleGPipe,
+    "1f1b": single.Schedule1F1B,
+    "zero-bubble": single.ScheduleZeroBubble,
+    "interleaved": single.ScheduleInterleaved1F1B,
+}
+CHECKPOINTS = ("always", "except_last", "never")
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _batch(seed: int, *shape: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(module: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _step(schedule: PipelineSchedule, x: Any, y: Any) -> Any:
+    stage = schedule.stage
+    return schedule.step(x if stage.is_first else None, y if stage.is_last else None)
+
+
+# What each rank runs.
+
+
+def _transparency_rank(rank: int, world: int) -> dict[str, Any]:
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    out: dict[str, Any] = {}
+    for name, factory in SCHEDULES.items():
+        for checkpoint in CHECKPOINTS:
+            stage = PipelineStage(mlp(), [8 // world] * world, chunks=4, checkpoint=checkpoint)
+            result = _step(factory(stage, _mse), x, y)
+            out[f"mlp/{name}/{checkpoint}"] = (result.loss, _grads(stage), result.output)
+    stage = PipelineStage(mlp(), [4 // world] * 2 * world, chunks=4)
+    result = _step(ScheduleInterleaved1F1B(stage, _mse), x, y)
+    out["mlp/interleaved/except_last"] = (result.loss, _grads(stage), result.output)
+
+    # A skip from stage 0 to the last stage, counting what each rank sends.
+    stage = PipelineStage(skip_net(), [8 // world] * world, chunks=4, transport=_Counting())
+    result = _step(Schedule1F1B(stage, _mse), x, y)
+    out["skip/1f1b/except_last"] = (result.loss, _grads(stage), result.output)
+    assert isinstance(stage.transport, _Counting)
+    out["sent"] = stage.transport.sent
+
+    # Dicts, lists, strings and masks between stages; a new sequence length each step.
+    stage = PipelineStage(record_net(), [4 // world] * world, chunks=2, checkpoint="always")
+    schedule = Schedule1F1B(stage, _mse)
+    for length in (3, 5):
+        stage.zero_grad()
+        result = _step(schedule, _batch(length, 4, length, 4), _batch(length + 1, 4, 4))
+        out[f"record/{length}"] = (result.loss, _grads(stage), result.output)
+
+    # Deferred batch norm: the statistics of the whole mini-batch, on every stage.
+    balance = [3, 2] if world == 2 else [2, 1, 1, 1]
+    stage = PipelineStage(bn_net(), balance, chunks=4, deferred_batch_norm=True)
+    result = _step(ScheduleZeroBubble(stage, _mse), x, y)
+    out["bn"] = (result.loss, _grads(stage), result.output, stage.state_dict())
+    return out
+
+
+class _Counting(ProcessGroupTransport):
+    """Records the key of every message this rank sends, and to whom."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[int, Any]] = []
+
+    def send(self, peer: int, header: Any, tensors: Any) -> None:
+        self.sent.append((peer, header[1] if header[0] == "data" else header[0]))
+        super().send(peer, header, tensors)
+
+
+def _reference(model: nn.Sequential, x: Any, y: Tensor) -> tuple[Tensor, dict[str, Tensor], Any]:
+    model = copy.deepcopy(model)
+    output = model(x)
+    loss = _mse(output, y)
+    loss.backward()
+    return loss.detach(), _grads(model), output.detach()
+
+
+def _merged(results: list[dict[str, Any]], key: str) -> dict[str, Tensor]:
+    grads: dict[str, Tensor] = {}
+    for out in results:
+        assert not set(grads) & set(out[key][1]), "two ranks hold the same parameter"
+        grads.update(out[key][1])
+    return grads
+
+
+def _assert_close(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _single_process(kind: str, balance: list[int], checkpoint: str) -> dict[str, Tensor]:
+    model = GPipe(mlp(), balance, chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    extra = {"virtual_stages": 2} if kind == "interleaved" else {}
+    SINGLE[kind](model, _mse, **extra).step(_batch(1, 8, 4), _batch(2, 8, 4))
+    return _grads(model)
+
+
+@functools.cache
+def _transparency(world: int) -> list[dict[str, Any]]:
+    return spawn(_transparency_rank, world)  # shared by the tests that read it
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_steps_across_processes_match_the_plain_model_and_one_process(world: int) -> None:
+    results = _transparency(world)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    loss, grads, output = _reference(mlp(), x, y)
+    for key in results[0]:
+        if not key.startswith("mlp/"):
+            continue
+        _, kind, checkpoint = key.split("/")
+        merged = _merged(results, key)
+        _assert_close(merged, grads)
+        per_rank = 2 if kind == "interleaved" else 1
+        balance = [8 // (world * per_rank)] * world * per_rank
+        _assert_close(merged, _single_process(kind, balance, checkpoint))
+        for out in results:  # every rank knows the loss; the last has the output
+            torch.testing.assert_close(out[key][0], loss)
+        torch.testing.assert_close(results[-1][key][2], output)
+        assert all(out[key][2] is None for out in results[:-1])
+
+    loss, grads, _ = _reference(skip_net(), x, y)
+    _assert_close(_merged(results, "skip/1f1b/except_last"), grads)
+    torch.testing.assert_close(results[0]["skip/1f1b/except_last"][0], loss)
+
+    for length in (3, 5):
+        key = f"record/{length}"
+        loss, grads, output = _reference(
+            record_net(), _batch(length, 4, length, 4), _batch(length + 1, 4, 4)
+        )
+        _assert_close(_merged(results, key), grads)
+        torch.testing.assert_close(results[-1][key][2], output)
+
+    # Each micro-batch is normalized by its own statistics, as in one process, and the
+    # running statistics gather the whole mini-batch's.
+    balance = [3, 2] if world == 2 else [2, 1, 1, 1]
+    model = GPipe(bn_net(), balance, chunks=4, deferred_batch_norm=True)
+    single.ScheduleZeroBubble(model, _mse).step(x, y)
+    _assert_close(_merged(results, "bn"), _grads(model))
+    plain = bn_net()
+    plain(x)
+    for out in results:
+        for name, value in out["bn"][3].items():
+            torch.testing.assert_close(value, model.state_dict()[name], msg=name)
+    first = results[0]["bn"][3]  # the first batch norm sees the same inputs as the plain one
+    for name in ("1.running_mean", "1.running_var"):
+        torch.testing.assert_close(first[name], plain.state_dict()[name], msg=name)
+
+
+def test_a_skip_travels_from_the_stashing_rank_straight_to_the_popping_one() -> None:
+    results = _transparency(4)
+    sent = [out["sent"] for out in results]
+    skips = [(rank, peer, key) for rank in range(4) for peer, key in sent[rank] if key[0] == "S"]
+    assert sorted(skips) == [(0, 3, ("S", 0, i)) for i in range(4)]
+    skip_grads = [
+        (rank, peer, key) for rank in range(4) for peer, key in sent[rank] if key[0] == "SG"
+    ]
+    assert sorted(skip_grads) == [(3, 0, ("SG", 0, i)) for i in range(4)]
+    # The activations go one hop at a time.
+    hops = {(rank, peer) for rank in range(4) for peer, key in sent[rank] if key[0] == "F"}
+    assert hops == {(0, 1), (1, 2), (2, 3)}
+
+
+# Failures
+
+
+class _Armed(nn.Module):
+    """The identity, which raises on its ``on``-th forward call while ``armed``."""
+
+    def __init__(self, on: int) -> None:
+        super().__init__()
+        self.on, self.calls, self.armed = on, 0, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torchgpipe import is_recomputing
+
+        if not is_recomputing():
+            self.calls += 1
+            if self.armed and self.calls == self.on:
+                raise ZeroDivisionError(f"boom on call {self.calls}")
+        return x
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise KeyError("no gradient today")
+
+
+class _BackwardBomb(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _FailingBackward.apply(x) if self.armed else x
+
+
+def _outcome(call: Callable[[], Any]) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        call()
+    except BaseException as error:
+        return {
+            "type": type(error).__name__,
+            "text": str(error),
+            "notes": getattr(error, "__notes__", []),
+            "rank": getattr(error, "rank", None),
+            "stages": getattr(error, "stages", None),
+            "action": getattr(error, "action", None),
+            "seconds": time.monotonic() - start,
+        }
+    return {"type": None, "seconds": time.monotonic() - start}
+
+
+def _faults_rank(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    x, y = _batch(1, 4, 4), _batch(2, 4, 4)
+    model = mlp()
+    model[2] = _Armed(on=3)  # stage 1's first layer: its third forward, micro-batch 2
+    model[4] = _BackwardBomb()  # stage 2
+    stage = PipelineStage(model, [2, 2, 2, 2], chunks=4)
+    schedule = ScheduleGPipe(stage, _mse)
+    if rank == 1:
+        model[2].armed = True
+    out["forward"] = _outcome(lambda: _step(schedule, x, y))
+    if rank == 1:
+        model[2].armed = False
+    out["after"] = _outcome(lambda: _step(schedule, x, y))
+
+    if rank == 2:
+        model[4].armed = True
+    out["backward"] = _outcome(lambda: _step(Schedule1F1B(stage, _mse), x, y))
+    if rank == 2:
+        model[4].armed = False
+
+    def bad_loss(output: Tensor, target: Tensor) -> Tensor:
+        raise ValueError("the loss refuses")
+
+    out["loss"] = _outcome(lambda: _step(ScheduleZeroBubble(stage, bad_loss), x, y))
+    out["no input"] = _outcome(lambda: ScheduleGPipe(stage, _mse).step(None, y))
+
+    # Different balances, then different layers: every rank refuses to start.
+    balance = [2, 2, 3, 1] if rank == 2 else [2, 2, 2, 2]
+    out["balance"] = _outcome(lambda: PipelineStage(mlp(), balance, chunks=4))
+    other = mlp()
+    if rank == 1:
+        other[4] = nn.Linear(8, 8, bias=False)
+    out["layers"] = _outcome(lambda: PipelineStage(other, [2, 2, 2, 2], chunks=4))
+    out["last"] = _outcome(lambda: _step(ScheduleGPipe(stage, _mse), x, y))
+    return out
+
+
+def test_a_failure_on_one_rank_fails_every_rank_and_names_it() -> None:
+    results = spawn(_faults_rank, 4)
+    forward = [out["forward"] for out in results]
+    assert forward[1]["type"] == "ZeroDivisionError"
+    assert any("raised in 1F2 (stage 1 on rank 1" in note for note in forward[1]["notes"])
+    for rank in (0, 2, 3):
+        assert forward[rank]["type"] == "RemoteError"
+        assert (forward[rank]["rank"], forward[rank]["stages"]) == (1, (1,))
+        assert forward[rank]["action"] == "1F2"
+        text = forward[rank]["text"]
+        assert "rank 1 (stages [1]) raised ZeroDivisionError: boom on call 3" in text
+        assert "Traceback on rank 1" in forward[rank]["text"]
+    assert all(out["after"]["type"] is None for out in results)  # the stages go on
+
+    backward = [out["backward"] for out in results]
+    assert backward[2]["type"] == "KeyError"
+    assert all(backward[r]["type"] == "RemoteError" for r in (0, 1, 3))
+    assert all(backward[r]["action"].startswith("2B") for r in (0, 1, 3))
+
+    loss = [out["loss"] for out in results]
+    assert loss[3]["type"] == "ValueError"
+    assert all(loss[r]["type"] == "RemoteError" and loss[r]["rank"] == 3 for r in (0, 1, 2))
+
+    no_input = [out["no input"] for out in results]
+    assert no_input[0]["type"] == "ValueError"
+    assert "needs the input" in no_input[0]["text"]
+    assert all(no_input[r]["rank"] == 0 for r in (1, 2, 3))
+
+    texts = {out["balance"]["text"] for out in results}
+    assert len(texts) == 1  # the same message everywhere
+    assert all(out["balance"]["type"] == "ValueError" for out in results)
+    assert "balance is [2, 2, 2, 2] on rank 0 but [2, 2, 3, 1] on rank 2" in texts.pop()
+    layers = results[0]["layers"]
+    assert layers["type"] == "ValueError"
+    assert (
+        "layer 4 is 4: Linear(weight (8, 8) float32, bias (8,) float32) on rank 0"
+        in (layers["text"])
+    )
+    assert all(out["last"]["type"] is None for out in results)
+
+
+def _death_rank(rank: int, world: int) -> dict[str, Any]:
+    model = mlp()
+    model[2] = _Armed(on=2)
+    stage = PipelineStage(model, [2] * 4, chunks=4)
+    if rank == 1:
+        original = model[2].forward
+
+        def die(x: Tensor) -> Tensor:
+            if model[2].calls == 1:
+                os._exit(7)  # a rank that dies in the middle of a step
+            return original(x)
+
+        model[2].forward = die  # type: ignore[method-assign]
+    return _outcome(lambda: _step(Schedule1F1B(stage, _mse), _batch(1, 4, 4), _batch(2, 4, 4)))
+
+
+def test_a_rank_that_dies_is_reported_by_every_other_before_any_timeout() -> None:
+    timeout = 60.0
+    results = spawn(_death_rank, 4, timeout=timeout, dies=1)
+    assert results[1] == DIED
+    for rank in (0, 2, 3):
+        out = results[rank]
+        assert out["type"] == "RemoteError", out
+        assert out["rank"] == 1
+        assert "rank 1 (stages [1]) died or cannot be reached" in out["text"]
+        assert out["seconds"] < timeout / 2  # seen by the transport, not by a timeout
+
+
+# Data parallelism: each stage replicated over a group of its own.
+
+
+def _data_parallel_rank(rank: int, world: int) -> dict[str, Any]:
+    # Ranks 0 and 1 are one pipeline, 2 and 3 the other; 0 and 2 replicate stage 0.
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, position = divmod(rank, 2)
+    stage = PipelineStage(mlp(), [4, 4], chunks=2, group=pipelines[replica])
+    assert stage.rank == position
+    schedule = Schedule1F1B(stage, _mse)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    half = slice(4 * replica, 4 * replica + 4)
+    _step(schedule, x[half], y[half])
+    all_reduce_gradients(stage, replicas[position])
+    grads = _grads(stage)
+    optimizer.step()
+    return {"grads": grads, "weights": stage.state_dict()}
+
+
+def test_data_parallel_replicas_of_each_stage_match_the_plain_model() -> None:
+    results = spawn(_data_parallel_rank, 4)
+    plain = mlp()
+    _, grads, _ = _reference(plain, _batch(1, 8, 4), _batch(2, 8, 4))
+    for replica in (0, 1):
+        merged = {**results[2 * replica]["grads"], **results[2 * replica + 1]["grads"]}
+        _assert_close(merged, grads)
+    for name, p in plain.named_parameters():
+        p.grad = grads[name]
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    for out in results:
+        for name, value in out["weights"].items():
+            torch.testing.assert_close(value, plain.state_dict()[name], msg=name)
