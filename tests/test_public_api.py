@@ -66,3 +66,37 @@ def test_trace_batchnorm_and_schedules_names_are_documented() -> None:
         assert module.__doc__
         for name in module.__all__:
             assert getattr(module, name).__doc__, f"{module.__name__}.{name}"
+
+
+def test_distributed_public_names_are_documented() -> None:
+    import torchgpipe.distributed
+
+    assert sorted(torchgpipe.distributed.__all__) == [
+        "LocalTransport",
+        "PipelineSchedule",
+        "PipelineStage",
+        "ProcessGroupTransport",
+        "RemoteError",
+        "Schedule1F1B",
+        "ScheduleGPipe",
+        "ScheduleInterleaved1F1B",
+        "ScheduleZeroBubble",
+        "StepResult",
+        "Transport",
+        "TransportError",
+        "all_reduce_gradients",
+    ]
+    for name in torchgpipe.distributed.__all__:
+        assert getattr(torchgpipe.distributed, name).__doc__, name
+
+
+def test_the_single_process_core_does_not_import_torch_distributed() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torchgpipe, torchgpipe.training, torchgpipe.skip, torchgpipe.balance; "
+        "print(sorted(m for m in sys.modules if m.startswith('torchgpipe.distributed')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

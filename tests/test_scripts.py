@@ -189,3 +189,30 @@ def test_schedules_benchmark_quick_measures_every_schedule_and_the_reference(tmp
         assert row["makespan_s"] > 0
         if "peak_held" in row:
             assert row["peak_held"] == row["simulated_held"]
+
+
+@pytest.mark.distributed
+def test_distributed_example_trains_on_two_processes():
+    out = run_python("examples/train_distributed.py", "--processes", "2", "--steps", "10")
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 2  # printed by rank 0 only, every 5 steps
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.distributed
+def test_distributed_benchmark_quick_measures_every_schedule_and_the_reference(tmp_path):
+    out_file = tmp_path / "results.json"
+    out = run_python("benchmarks/distributed/main.py", "--quick", "--out", str(out_file))
+    assert "simulated makespan" in out
+    rows = json.loads(out_file.read_text())["rows"]
+    assert {row["schedule"] for row in rows} == {
+        "GPipe",
+        "1F1B",
+        "interleaved-1F1B",
+        "ZB-H1",
+        "torch ScheduleGPipe",
+        "torch Schedule1F1B",
+    }
+    for row in rows:
+        assert row["step_s"] > 0
+        assert row["ratio"] == pytest.approx(row["step_s"] / row["makespan_s"])

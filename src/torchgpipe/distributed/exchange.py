@@ -216,6 +216,10 @@ class Exchange(_Mailbox):
                 self.transport.send(peer, ("end", status), tensors)
             except TransportError as error:
                 self._lose(peer, _unreachable(error))
+        try:
+            self.transport.flush()
+        except TransportError as error:
+            self.lost.setdefault(error.peer, _unreachable(error))
         for peer in self.peers:
             self._listening[peer].wait()
 

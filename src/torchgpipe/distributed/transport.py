@@ -32,7 +32,18 @@ Message = tuple[Any, list[Tensor]]
 
 
 class TransportError(ConnectionError):
-    """A peer cannot be reached: it died, closed its transport, or did not answer in time."""
+    """A peer cannot be reached: it died, closed its transport, or did not answer in time.
+
+    Attributes:
+        peer: the rank that cannot be reached.
+    """
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.peer))
 
 
 class Transport(ABC):
@@ -65,6 +76,13 @@ class Transport(ABC):
 
         Raises:
             TransportError: ``peer`` cannot be reached, or sent nothing in time.
+        """
+
+    def flush(self) -> None:  # noqa: B027  # a no-op for transports whose send waits
+        """Wait until every message sent so far has left.
+
+        Raises:
+            TransportError: a message could not be delivered.
         """
 
 
@@ -136,11 +154,11 @@ class LocalTransport(Transport):
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     raise TransportError(
-                        f"rank {peer} sent nothing to rank {self.rank} in {self.timeout} s"
+                        f"rank {peer} sent nothing to rank {self.rank} in {self.timeout} s", peer
                     ) from None
                 continue
             if isinstance(item, _Closed):
-                raise TransportError(f"rank {peer} closed its transport")
+                raise TransportError(f"rank {peer} closed its transport", peer)
             return item
 
     def close(self) -> None:
@@ -153,9 +171,9 @@ class LocalTransport(Transport):
 
     def _check_open(self, peer: int | None) -> None:
         if self.rank in self._mesh.closed:
-            raise TransportError(f"rank {self.rank} closed its transport")
+            raise TransportError(f"rank {self.rank} closed its transport", self.rank)
         if peer is not None and peer in self._mesh.closed:
-            raise TransportError(f"rank {peer} closed its transport")
+            raise TransportError(f"rank {peer} closed its transport", peer)
 
 
 # ProcessGroupTransport
@@ -206,6 +224,9 @@ class ProcessGroupTransport(Transport):
                 f"pass device=torch.device('cuda', local_rank), or use gloo for CPU stages"
             )
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        # Sends in flight, with their buffers: a send does not wait for the receiver,
+        # whose listener may be slow to take the GIL from a thread that computes.
+        self._pending: list[tuple[Any, Tensor, int]] = []
 
     def send(self, peer: int, header: Any, tensors: Sequence[Tensor]) -> None:
         """Send the message; blocks until ``peer`` receives it. See :meth:`Transport.send`."""
@@ -230,8 +251,22 @@ class ProcessGroupTransport(Transport):
                 if size:
                     data[start : start + size].copy_(_bytes(t))
             transfers.append(data)
+        self._pending = [item for item in self._pending if not item[0].is_completed()]
         for buffer in transfers:
-            self._transfer("send", buffer.to(self.device), peer)
+            buffer = buffer.to(self.device)
+            work = self._transfer("send", buffer, peer)
+            self._pending.append((work, buffer, peer))
+
+    def flush(self) -> None:
+        """Wait for the sends in flight; see :meth:`Transport.flush`."""
+        pending, self._pending = self._pending, []
+        for work, _, peer in pending:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise TransportError(
+                    f"rank {self.rank} could not send to rank {peer}: {error}", peer
+                ) from error
 
     def recv(self, peer: int) -> Message:
         """Receive ``peer``'s next message onto this device; see :meth:`Transport.recv`."""
@@ -261,19 +296,19 @@ class ProcessGroupTransport(Transport):
                 tensors.append(data[start : start + size].view(dtype).view(shape))
         return header, tensors
 
-    def _transfer(self, op: str, buffer: Tensor, peer: int) -> None:
+    def _transfer(self, op: str, buffer: Tensor, peer: int) -> Any:
         dist = self._dist
         try:
             if op == "send":
-                dist.send(buffer, self._global[peer], group=self.group, tag=_TAG)
-            else:
-                dist.recv(buffer, self._global[peer], group=self.group, tag=_TAG)
-                if buffer.is_cuda:  # ready before another thread's stream reads it
-                    torch.cuda.current_stream(buffer.device).synchronize()
+                return dist.isend(buffer, self._global[peer], group=self.group, tag=_TAG)
+            dist.recv(buffer, self._global[peer], group=self.group, tag=_TAG)
+            if buffer.is_cuda:  # ready before another thread's stream reads it
+                torch.cuda.current_stream(buffer.device).synchronize()
+            return None
         except RuntimeError as error:  # gloo and NCCL report a lost peer this way
             direction = "to" if op == "send" else "from"
             raise TransportError(
-                f"rank {self.rank} could not {op} {direction} rank {peer}: {error}"
+                f"rank {self.rank} could not {op} {direction} rank {peer}: {error}", peer
             ) from error
 
 
