@@ -277,7 +277,7 @@ class ScheduleGPipe(PipelineSchedule):
     def __init__(
         self, stage: PipelineStage, loss_fn: LossFn, *, reduction: Reduction = "mean"
     ) -> None:
-        n = _check_stage(stage).world_size
+        n = _one_stage_per_rank(stage, "ScheduleGPipe")
         super().__init__(stage, loss_fn, lambda m: gpipe(n, m), reduction=reduction)
 
 
@@ -287,7 +287,7 @@ class Schedule1F1B(PipelineSchedule):
     def __init__(
         self, stage: PipelineStage, loss_fn: LossFn, *, reduction: Reduction = "mean"
     ) -> None:
-        n = _check_stage(stage).world_size
+        n = _one_stage_per_rank(stage, "Schedule1F1B")
         super().__init__(stage, loss_fn, lambda m: one_f_one_b(n, m), reduction=reduction)
 
 
@@ -325,8 +325,20 @@ class ScheduleZeroBubble(PipelineSchedule):
     def __init__(
         self, stage: PipelineStage, loss_fn: LossFn, *, reduction: Reduction = "mean"
     ) -> None:
-        n = _check_stage(stage).world_size
+        n = _one_stage_per_rank(stage, "ScheduleZeroBubble")
         super().__init__(stage, loss_fn, lambda m: zero_bubble_h1(n, m), reduction=reduction)
+
+
+def _one_stage_per_rank(given: Any, name: str) -> int:
+    """The number of stages, which must be the number of processes."""
+    stage = _check_stage(given)
+    if stage.virtual_stages != 1:
+        raise ValueError(
+            f"{name} runs one stage per process, but the balance gives each of the "
+            f"{stage.world_size} processes {stage.virtual_stages}; use "
+            f"ScheduleInterleaved1F1B, or a balance of {stage.world_size} partitions"
+        )
+    return stage.world_size
 
 
 def _check_stage(stage: Any) -> PipelineStage:

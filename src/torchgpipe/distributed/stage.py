@@ -33,7 +33,7 @@ from torchgpipe.gpipe import (
 )
 from torchgpipe.pipeline import _batch_norm_guard, _has_skippables
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.training import _Stages
+from torchgpipe.training import _Stages, _Stopped
 from torchgpipe.worker import WorkerPool
 
 __all__ = ["PipelineStage", "all_reduce_gradients"]
@@ -237,12 +237,15 @@ class PipelineStage(nn.Module):
     def _check_peers(self) -> None:
         """Compare every process's model and arguments; refuse to start if they differ."""
         exchange = self.exchange()
-        for peer in exchange.peers:
-            exchange.send(peer, ("hello", self.rank), self._fingerprint)
         prints = {self.rank: self._fingerprint}
-        for peer in exchange.peers:
-            prints[peer] = exchange.take(("hello", peer))
-        exchange.finish({"failed": False, "error": None}, [])
+        try:
+            for peer in exchange.peers:
+                exchange.send(peer, ("hello", self.rank), self._fingerprint)
+            for peer in exchange.peers:
+                prints[peer] = exchange.take(("hello", peer))
+        except _Stopped:  # a peer is lost; remote_failure() names it
+            pass
+        exchange.finish({"failed": exchange.halted, "error": None}, [])
         remote = exchange.remote_failure()
         if remote is not None:
             raise remote

@@ -129,10 +129,12 @@ class LocalTransport(Transport):
         Raises:
             ValueError: ``world_size`` is not positive or ``timeout`` not positive.
         """
-        if not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if not timeout > 0 or timeout == float("inf"):
+            raise ValueError(
+                f"timeout must be a finite positive number of seconds, got {timeout!r}"
+            )
         shared = _Mesh(world_size)
         return [cls(shared, r, world_size, timeout=timeout) for r in range(world_size)]
 
@@ -152,6 +154,7 @@ class LocalTransport(Transport):
             try:
                 item = source.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
+                self._check_open(peer)  # closed meanwhile, here or there
                 if time.monotonic() >= deadline:
                     raise TransportError(
                         f"rank {peer} sent nothing to rank {self.rank} in {self.timeout} s", peer

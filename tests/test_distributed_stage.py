@@ -1,0 +1,535 @@
+"""PipelineStage and the schedules over it, with threads on a LocalTransport mesh.
+
+Each thread plays one rank: it builds its PipelineStage on its own transport and runs
+the same steps as a process would. The models are built here, before the threads
+start, one per rank from the same seed: ``torch.manual_seed`` is global to the
+process, so threads building them at once would draw each other's numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from distributed_helpers import mlp, run_threads, skip_net
+from torch import Tensor, nn
+
+from torchgpipe import BalanceError, GPipe
+from torchgpipe.distributed import (
+    LocalTransport,
+    PipelineSchedule,
+    PipelineStage,
+    RemoteError,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+    StepResult,
+    Transport,
+)
+from torchgpipe.schedules import Schedule, one_f_one_b, simulate
+
+Body = Callable[[PipelineStage], Any]
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _mse_sum(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target, reduction="sum")
+
+
+def _batch(seed: int, *shape: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(module: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _merged(grads: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    merged: dict[str, Tensor] = {}
+    for part in grads:
+        assert not set(merged) & set(part), "two ranks hold the same parameter"
+        merged.update(part)
+    return merged
+
+
+def _reference(
+    model: nn.Sequential, x: Tensor, y: Tensor, loss_fn: Callable[..., Tensor] = _mse
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    model = copy.deepcopy(model)
+    output = model(x)
+    loss = loss_fn(output, y)
+    loss.backward()
+    return loss.detach(), _grads(model), output.detach()
+
+
+def _assert_grads(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _step(schedule: PipelineSchedule, x: Any, y: Any) -> StepResult:
+    stage = schedule.stage
+    return schedule.step(x if stage.is_first else None, y if stage.is_last else None)
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
+    """What ``call`` returned, or the exception it raised."""
+    try:
+        return call()
+    except BaseException as error:
+        return error
+
+
+def _on_ranks(
+    world: int,
+    balance: list[int],
+    body: Body,
+    *,
+    models: list[nn.Sequential] | None = None,
+    timeout: float = 10.0,
+    **options: Any,
+) -> list[Any]:
+    """``body(stage)`` on ``world`` threads, each with its stage of ``mlp()`` (or of
+    ``models[rank]``); each rank's value, or what it raised."""
+    models = models if models is not None else [mlp() for _ in range(world)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, **options)
+        return body(stage)
+
+    return run_threads(rank, world, timeout=timeout)
+
+
+def _stages(world: int, balance: list[int], **options: Any) -> list[PipelineStage]:
+    stages = _on_ranks(world, balance, lambda stage: stage, **options)
+    assert all(isinstance(stage, PipelineStage) for stage in stages), stages
+    return stages
+
+
+# Arguments
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"module": nn.Linear(4, 4)}, TypeError, "takes an nn.Sequential, got Linear"),
+        ({"balance": [3, 3, 2]}, ValueError, "the balance has 3 partitions for 2 processes"),
+        ({"balance": [4, 3]}, BalanceError, "balance sums to 7"),
+        ({"rank": 1}, ValueError, "rank=1 was given, but this process is rank 0"),
+        ({"device": "meta"}, ValueError, "device is meta but the transport receives on cpu"),
+        ({"chunks": 0}, ValueError, "chunks must be a positive number"),
+        ({"chunks": 2.0}, TypeError, "chunks must be an int"),
+        ({"checkpoint": "sometimes"}, ValueError, "unknown checkpoint mode 'sometimes'"),
+        ({"deferred_batch_norm": 1}, TypeError, "deferred_batch_norm must be a bool"),
+    ],
+)
+def test_stage_rejects_bad_arguments_before_talking_to_peers(
+    change: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    # Rank 0 of two, alone: a stage that got past its own checks would wait for rank 1.
+    transport = LocalTransport.mesh(2, timeout=0.5)[0]
+    arguments: dict[str, Any] = {"module": mlp(), "balance": [4, 4], "chunks": 2}
+    arguments.update(change)
+    with pytest.raises(error, match=match):
+        PipelineStage(
+            arguments.pop("module"), arguments.pop("balance"), transport=transport, **arguments
+        )
+
+
+def test_stage_reports_a_peer_that_never_starts_as_a_remote_error() -> None:
+    def rank(transport: Transport) -> Any:
+        if transport.rank == 1:
+            assert isinstance(transport, LocalTransport)
+            transport.close()  # as a process that dies before building its stage
+            return None
+        return _outcome(lambda: PipelineStage(mlp(), [4, 4], transport=transport))
+
+    out = run_threads(rank, 2, timeout=10.0)
+    assert isinstance(out[0], RemoteError), repr(out[0])
+    assert out[0].rank == 1
+
+
+# What a rank holds
+
+
+@pytest.mark.parametrize(
+    ("balance", "held"),
+    [([4, 4], [(0,), (1,)]), ([2, 2, 2, 2], [(0, 2), (1, 3)])],
+)
+def test_stage_holds_its_partitions_under_the_models_names(
+    balance: list[int], held: list[tuple[int, ...]]
+) -> None:
+    models = [mlp() for _ in range(2)]
+    stages = _stages(2, balance, models=models, chunks=2)
+    plain = mlp().state_dict()
+    starts = [sum(balance[:s]) for s in range(len(balance) + 1)]
+    for r, stage in enumerate(stages):
+        assert stage.rank == r
+        assert stage.world_size == 2
+        assert stage.stages == held[r]
+        assert stage.virtual_stages == len(balance) // 2
+        assert stage.is_first == (r == 0)
+        assert stage.is_last == (r == 1)
+        layers = [k for s in held[r] for k in range(starts[s], starts[s + 1])]
+        assert list(stage.partitions) == list(held[r])
+        assert [name for name, _ in stage.named_children()] == [str(k) for k in layers]
+        mine = {key for key in plain if int(key.split(".")[0]) in layers}
+        assert set(stage.state_dict()) == mine
+        for key, value in stage.state_dict().items():
+            assert torch.equal(value, plain[key]), key
+        # The stage holds the caller's own layers, not copies.
+        assert all(stage.get_submodule(str(k)) is models[r][k] for k in layers)
+
+
+def test_stage_moves_its_layers_to_the_transports_device_and_no_others() -> None:
+    models = [mlp() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        transport.device = torch.device("meta")  # where this rank receives, so computes
+        return PipelineStage(models[transport.rank], [2, 2, 2, 2], transport=transport)
+
+    stages = run_threads(rank, 2, timeout=10.0)
+    for r, stage in enumerate(stages):
+        assert isinstance(stage, PipelineStage), stage
+        assert stage.device == torch.device("meta")
+        assert all(p.is_meta for p in stage.parameters())
+        mine = {name for name, _ in stage.named_children()}
+        for name, layer in models[r].named_children():
+            for p in layer.parameters():
+                assert p.is_meta == (name in mine), name
+
+
+def test_stage_is_not_called_nor_copied() -> None:
+    (stage,) = _stages(1, [8])
+    with pytest.raises(TypeError, match="runs in steps that span every process"):
+        stage(torch.randn(2, 4))
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(stage)
+
+
+@pytest.mark.parametrize(
+    ("balance", "factory"),
+    [
+        ([8], Schedule1F1B),
+        ([8], ScheduleGPipe),
+        ([8], ScheduleZeroBubble),
+        ([4, 4], ScheduleInterleaved1F1B),
+    ],
+)
+def test_stage_of_a_single_rank_matches_the_plain_model(
+    balance: list[int], factory: Callable[..., PipelineSchedule]
+) -> None:
+    (transport,) = LocalTransport.mesh(1, timeout=5.0)
+    stage = PipelineStage(mlp(), balance, chunks=4, transport=transport)
+    assert stage.stages == tuple(range(len(balance)))
+    assert stage.is_first
+    assert stage.is_last
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    result = factory(stage, _mse).step(x, y)
+    loss, grads, output = _reference(mlp(), x, y)
+    _assert_grads(_grads(stage), grads)
+    torch.testing.assert_close(result.loss, loss)
+    torch.testing.assert_close(result.output, output)
+
+
+# Schedules: arguments
+
+
+def test_schedules_reject_what_is_not_a_stage() -> None:
+    model = GPipe(mlp(), [4, 4], chunks=2)
+    match = "stage must be a torchgpipe.distributed.PipelineStage, got GPipe"
+    for factory in (Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble, ScheduleInterleaved1F1B):
+        with pytest.raises(TypeError, match=match):
+            factory(model, _mse)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=match):
+        PipelineSchedule(model, _mse, one_f_one_b(2, 2))  # type: ignore[arg-type]
+
+
+def test_schedules_reject_a_bad_loss_or_reduction() -> None:
+    stage = _stages(2, [4, 4], chunks=2)[0]
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        Schedule1F1B(stage, "mse")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'avg'"):
+        Schedule1F1B(stage, _mse, reduction="avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        PipelineSchedule(stage, _mse, one_f_one_b(2, 2), reduction="none")  # type: ignore[arg-type]
+
+
+def test_interleaved_schedule_needs_chunks_a_multiple_of_the_ranks() -> None:
+    stage = _stages(2, [2, 2, 2, 2], chunks=3)[0]
+    with pytest.raises(ValueError, match="use chunks a multiple of 2, got 3"):
+        ScheduleInterleaved1F1B(stage, _mse)
+
+
+def test_schedule_table_must_fit_the_stages() -> None:
+    stage = _stages(2, [2, 2, 2, 2], chunks=1)[0]
+    # Rank 0 runs stages 0 and 1, rank 1 stages 2 and 3: a valid table, but stage s
+    # runs on rank s % 2.
+    blocks = Schedule.parse("0F0 1F0 1B0 0B0\n2F0 3F0 3B0 2B0")
+    blocks = Schedule(blocks.stages, blocks.micro_batches, blocks.ranks, placement=(0, 0, 1, 1))
+    blocks.validate()
+    with pytest.raises(ValueError, match=r"puts stages \[1, 2\] on ranks \[0, 1\]"):
+        PipelineSchedule(stage, _mse, blocks)
+    with pytest.raises(
+        ValueError,
+        match="runs on 4 ranks but the pipeline has 2 processes; with 2 stages per process "
+        "use ScheduleInterleaved1F1B",
+    ):
+        PipelineSchedule(stage, _mse, one_f_one_b(4, 1))
+    with pytest.raises(ValueError, match="the schedule has 2 stages but the balance 4"):
+        PipelineSchedule(stage, _mse, one_f_one_b(2, 1))
+
+
+@pytest.mark.parametrize("factory", [Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble])
+def test_one_stage_per_rank_schedules_point_to_interleaving(
+    factory: Callable[..., PipelineSchedule],
+) -> None:
+    x, y = _batch(1, 4, 4), _batch(2, 4, 4)
+    out = _on_ranks(2, [2, 2, 2, 2], lambda stage: _step(factory(stage, _mse), x, y), chunks=4)
+    assert isinstance(out[0], ValueError), repr(out[0])
+    assert "ScheduleInterleaved1F1B" in str(out[0])
+
+
+# Failures
+
+
+class _Faulty(nn.Module):
+    """The identity, which calls ``fault`` (if set) on its first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fault: Callable[[], None] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        fault, self.fault = self.fault, None
+        if fault is not None:
+            fault()
+        return x
+
+
+def _faulty_models(world: int, index: int) -> list[nn.Sequential]:
+    models = [mlp() for _ in range(world)]
+    for model in models:  # in every rank's model: the ranks compare their layers' types
+        model[index] = _Faulty()
+    return models
+
+
+def _boom() -> None:
+    raise ZeroDivisionError("boom")
+
+
+def test_a_layer_failing_on_one_rank_fails_every_rank_and_the_next_step_works() -> None:
+    models = _faulty_models(3, 3)  # layer 3: the first of stage 1, on rank 1
+    models[1][3].fault = _boom
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        failed = _outcome(lambda: _step(schedule, x, y))
+        stage.zero_grad()
+        result = _step(schedule, x, y)
+        return failed, result, _grads(stage)
+
+    out = _on_ranks(3, [3, 3, 2], body, models=models, chunks=4)
+    assert all(isinstance(o, tuple) for o in out), out
+    raised = out[1][0]
+    assert isinstance(raised, ZeroDivisionError)
+    assert str(raised) == "boom"
+    notes = getattr(raised, "__notes__", [])
+    assert any("raised in 1F0 (stage 1 on rank 1" in note for note in notes), notes
+    for r in (0, 2):
+        remote = out[r][0]
+        assert isinstance(remote, RemoteError), repr(remote)
+        assert (remote.rank, remote.stages, remote.action) == (1, (1,), "1F0")
+        assert "rank 1 (stages [1]) raised ZeroDivisionError: boom" in str(remote)
+        assert remote.remote_traceback is not None
+        assert "ZeroDivisionError: boom" in remote.remote_traceback
+    # The same stages step again, as if nothing had happened.
+    loss, grads, _ = _reference(_faulty_models(1, 3)[0], x, y)
+    _assert_grads(_merged([o[2] for o in out]), grads)
+    for o in out:
+        torch.testing.assert_close(o[1].loss, loss)
+
+
+def test_a_rank_that_closes_its_transport_mid_step_is_named_by_the_others() -> None:
+    models = _faulty_models(3, 3)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    timeout = 2.0
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        _step(schedule, x, y)  # warm: the first step of a process pays for lazy imports
+        if stage.rank == 1:
+            transport = stage.transport
+            assert isinstance(transport, LocalTransport)
+
+            def die() -> None:
+                transport.close()
+                raise RuntimeError("gone")
+
+            models[1][3].fault = die
+        start = time.monotonic()
+        return _outcome(lambda: _step(schedule, x, y)), time.monotonic() - start
+
+    out = _on_ranks(3, [3, 3, 2], body, models=models, chunks=4, timeout=2 * timeout)
+    assert isinstance(out[1][0], RuntimeError)
+    assert str(out[1][0]) == "gone"
+    for r in (0, 2):
+        remote, seconds = out[r]
+        assert isinstance(remote, RemoteError), repr(remote)
+        assert remote.rank == 1
+        assert remote.stages == (1,)
+        assert "rank 1 (stages [1]) died or cannot be reached" in str(remote)
+        assert "rank 1 closed its transport" in str(remote)
+        assert seconds < timeout / 4  # seen by the transport, not by a timeout
+
+
+def test_a_target_of_another_batch_size_fails_on_the_last_rank() -> None:
+    x, y = _batch(1, 8, 4), _batch(2, 6, 4)
+    out = _on_ranks(2, [4, 4], lambda stage: _step(Schedule1F1B(stage, _mse), x, y), chunks=4)
+    assert isinstance(out[1], ValueError), repr(out[1])
+    expected = "the target splits into micro-batches of [2, 2, 1, 1] samples but the input into"
+    assert f"{expected} [2, 2, 2, 2]; give them the same batch size" == str(out[1])
+    assert isinstance(out[0], RemoteError), repr(out[0])
+    assert out[0].rank == 1
+    assert out[0].action is None
+    assert "raised ValueError: the target splits" in str(out[0])
+
+
+def test_ranks_that_follow_different_schedules_refuse_the_step() -> None:
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        factory = ScheduleGPipe if stage.rank == 0 else Schedule1F1B
+        return _step(factory(stage, _mse), x, y)
+
+    out = _on_ranks(2, [4, 4], body, chunks=4)
+    assert isinstance(out[1], ValueError), repr(out[1])
+    assert "rank 1 follows a different schedule from rank 0 (for 4 micro-batches)" in (str(out[1]))
+    assert isinstance(out[0], RemoteError), repr(out[0])
+    assert out[0].rank == 1
+    assert "different schedule" in str(out[0])
+
+
+def test_a_missing_input_or_target_fails_where_it_is_missing() -> None:
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        no_input = _outcome(lambda: schedule.step(None, y))
+        no_target = _outcome(lambda: schedule.step(x, None))
+        return no_input, no_target
+
+    out = _on_ranks(2, [4, 4], body, chunks=4)
+    (no_input, _), (remote_input, _) = out
+    assert isinstance(no_input, ValueError), repr(no_input)
+    assert "rank 0 runs stage 0 and needs the input" in str(no_input)
+    assert isinstance(remote_input, RemoteError)
+    assert remote_input.rank == 0
+    (_, remote_target), (_, no_target) = out
+    assert isinstance(no_target, ValueError), repr(no_target)
+    assert "rank 1 runs the last stage and needs the target" in str(no_target)
+    assert isinstance(remote_target, RemoteError)
+    assert remote_target.rank == 1
+
+
+# Steps
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_uneven_micro_batches_match_the_plain_model(reduction: str) -> None:
+    loss_fn = _mse_sum if reduction == "sum" else _mse
+    x, y = _batch(1, 5, 4), _batch(2, 5, 4)  # micro-batches of 3 and 2
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, loss_fn, reduction=reduction)  # type: ignore[arg-type]
+        result = _step(schedule, x, y)
+        return result, _grads(stage)
+
+    out = _on_ranks(2, [4, 4], body, chunks=2)
+    loss, grads, output = _reference(mlp(), x, y, loss_fn)
+    _assert_grads(_merged([grads for _, grads in out]), grads)
+    for result, _ in out:
+        assert [tuple(loss.shape) for loss in result.losses] == [(), ()]
+        torch.testing.assert_close(result.loss, loss)
+    torch.testing.assert_close(out[1][0].output, output)
+
+
+def test_steps_may_change_the_batch_size() -> None:
+    def body(stage: PipelineStage) -> Any:
+        schedule = ScheduleZeroBubble(stage, _mse)
+        grads = []
+        for size in (8, 5, 2):
+            stage.zero_grad()
+            _step(schedule, _batch(size, size, 4), _batch(size + 1, size, 4))
+            grads.append(_grads(stage))
+        return grads
+
+    out = _on_ranks(2, [4, 4], body, chunks=4)
+    for k, size in enumerate((8, 5, 2)):
+        _, grads, _ = _reference(mlp(), _batch(size, size, 4), _batch(size + 1, size, 4))
+        _assert_grads(_merged([o[k] for o in out]), grads)
+
+
+def test_a_skip_between_ranks_matches_the_plain_model() -> None:
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        _step(Schedule1F1B(stage, _mse), x, y)
+        return _grads(stage)
+
+    out = _on_ranks(4, [2, 2, 2, 2], body, models=[skip_net() for _ in range(4)], chunks=4)
+    _, grads, _ = _reference(skip_net(), x, y)
+    _assert_grads(_merged(out), grads)
+
+
+@pytest.mark.parametrize(
+    ("factory", "balance"),
+    [
+        (ScheduleGPipe, [4, 4]),
+        (Schedule1F1B, [4, 4]),
+        (ScheduleZeroBubble, [4, 4]),
+        (ScheduleInterleaved1F1B, [2, 2, 2, 2]),
+    ],
+)
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_step_result_is_the_same_on_every_rank_but_the_output(
+    factory: Callable[..., PipelineSchedule], balance: list[int], checkpoint: str
+) -> None:
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = factory(stage, _mse)
+        return _step(schedule, x, y), _grads(stage), schedule.table(4)
+
+    out = _on_ranks(2, balance, body, chunks=4, checkpoint=checkpoint)
+    results: list[StepResult] = [result for result, _, _ in out]
+    loss, grads, output = _reference(mlp(), x, y)
+    _assert_grads(_merged([grads for _, grads, _ in out]), grads)
+    for result in results:
+        assert torch.equal(result.loss, results[-1].loss)
+        assert len(result.losses) == 4
+        assert all(
+            torch.equal(a, b) for a, b in zip(result.losses, results[-1].losses, strict=True)
+        )
+        assert result.peak_held == results[-1].peak_held
+    torch.testing.assert_close(results[-1].loss, loss)
+    assert results[0].output is None
+    torch.testing.assert_close(results[-1].output, output)
+    table = out[0][2]
+    assert table.text() == out[1][2].text()
+    expected = simulate(table, {"F": 1, "B": 1, "W": 1}).holding
+    assert results[0].peak_held == expected
+    if factory is ScheduleGPipe:
+        assert expected == (4, 4)
+    if factory is Schedule1F1B:
+        assert expected == (2, 1)

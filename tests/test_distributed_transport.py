@@ -1,0 +1,277 @@
+"""Transports: LocalTransport between threads, ProcessGroupTransport between processes.
+
+The LocalTransport tests run in this process, most of them on one thread: a send never
+waits for its receiver. One test starts two processes joined by gloo, to send messages
+of every shape over ProcessGroupTransport.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_helpers import run_threads, spawn
+from torch import Tensor
+
+from torchgpipe.distributed import LocalTransport, ProcessGroupTransport, TransportError
+
+# LocalTransport
+
+
+def test_local_transport_keeps_the_order_of_each_peers_messages() -> None:
+    def rank(transport: LocalTransport) -> Any:
+        if transport.rank < 2:  # ranks 0 and 1 both send to rank 2, in turns
+            for k in range(20):
+                transport.send(2, (transport.rank, k), [torch.tensor([transport.rank, k])])
+            transport.send(1 - transport.rank, "between 0 and 1", [])
+            return transport.recv(1 - transport.rank)
+        # Rank 1's messages first, although rank 0's may have come in between.
+        return [transport.recv(1) for _ in range(20)], [transport.recv(0) for _ in range(20)]
+
+    out = run_threads(rank, 3, timeout=10.0)
+    assert out[0] == ("between 0 and 1", [])
+    assert out[1] == ("between 0 and 1", [])
+    for sender, messages in zip((1, 0), out[2], strict=True):
+        assert [header for header, _ in messages] == [(sender, k) for k in range(20)]
+        for k, (_, tensors) in enumerate(messages):
+            assert len(tensors) == 1
+            assert torch.equal(tensors[0], torch.tensor([sender, k]))
+
+
+def test_local_transport_copies_tensors_on_the_way() -> None:
+    t0, t1 = LocalTransport.mesh(2)
+    sent = torch.ones(2, 3, requires_grad=True)
+    view = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    t0.send(1, "copies", [sent, view])
+    with torch.no_grad():
+        sent.mul_(5)
+    view.zero_()
+    header, (a, b) = t1.recv(0)
+    assert header == "copies"
+    assert torch.equal(a, torch.ones(2, 3))
+    assert torch.equal(b, torch.arange(12.0).reshape(3, 4).t())
+    assert not a.requires_grad
+    assert a.grad_fn is None
+    assert a.untyped_storage().data_ptr() != sent.untyped_storage().data_ptr()
+    b.fill_(7)  # and the receiver's copy is its own
+    assert view.sum() == 0
+
+
+def test_local_transport_round_trips_a_nested_header_of_plain_values() -> None:
+    t0, t1 = LocalTransport.mesh(2)
+    header = {
+        "key": ("F", 3, 1),
+        "leaves": [None, 2.5, "text", b"bytes", True, -7],
+        "nested": {"deep": [{"range": range(3), "slice": slice(1, None, 2)}]},
+        "dtype": torch.bfloat16,
+        "shape": torch.Size([2, 0, 3]),
+        "set": frozenset({1, 2}),
+    }
+    t0.send(1, header, [])
+    t0.send(1, None, [torch.zeros(())])
+    assert t1.recv(0) == (header, [])
+    received, tensors = t1.recv(0)
+    assert received is None
+    assert len(tensors) == 1
+    assert tensors[0].shape == ()
+
+
+def test_local_transport_refuses_a_header_that_could_not_cross_processes() -> None:
+    t0, t1 = LocalTransport.mesh(2, timeout=0.05)
+    with pytest.raises(TypeError, match="pickle"):
+        t0.send(1, {"lock": threading.Lock()}, [])
+    with pytest.raises(TransportError):  # nothing was queued
+        t1.recv(0)
+
+
+def test_local_transport_close_makes_the_peers_fail_to_reach_the_rank() -> None:
+    t0, t1, t2 = LocalTransport.mesh(3, timeout=10.0)
+    t1.send(0, "last words", [torch.ones(1)])
+    t1.close()
+    header, tensors = t0.recv(1)  # what was sent before closing still arrives first
+    assert header == "last words"
+    assert torch.equal(tensors[0], torch.ones(1))
+    with pytest.raises(TransportError, match="rank 1 closed its transport"):
+        t0.recv(1)
+    with pytest.raises(TransportError, match="rank 1 closed its transport"):
+        t0.send(1, "anyone?", [])
+    with pytest.raises(TransportError, match="rank 1 closed its transport"):
+        t1.send(2, "from beyond", [])
+    with pytest.raises(TransportError, match="rank 1 closed its transport"):
+        t1.recv(2)
+    t2.send(0, "the others go on", [])
+    assert t0.recv(2) == ("the others go on", [])
+
+
+def test_local_transport_close_wakes_a_peer_waiting_in_recv() -> None:
+    t0, t1 = LocalTransport.mesh(2, timeout=10.0)
+    caught: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            t0.recv(1)
+        except BaseException as error:
+            caught.append(error)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    start = time.monotonic()
+    waiter.start()
+    t1.close()
+    waiter.join(timeout=10.0)
+    assert not waiter.is_alive()
+    assert len(caught) == 1
+    assert isinstance(caught[0], TransportError)
+    assert "rank 1 closed its transport" in str(caught[0])
+    assert time.monotonic() - start < 5.0  # woken by the close, not by the timeout
+
+
+def test_local_transport_recv_from_a_closed_peer_fails_at_once_every_time() -> None:
+    t0, t1 = LocalTransport.mesh(2, timeout=0.2)
+    t1.close()
+    for _ in range(2):
+        with pytest.raises(TransportError, match="rank 1 closed its transport"):
+            t0.recv(1)
+
+
+def test_local_transport_close_wakes_the_closing_ranks_own_recv() -> None:
+    t0, _ = LocalTransport.mesh(2, timeout=0.5)
+    caught: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            t0.recv(1)
+        except BaseException as error:
+            caught.append(error)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    t0.close()
+    waiter.join(timeout=5.0)
+    assert len(caught) == 1
+    assert "rank 0 closed its transport" in str(caught[0])
+
+
+def test_local_transport_recv_times_out_naming_both_ranks() -> None:
+    _, t1, _ = LocalTransport.mesh(3, timeout=0.05)
+    start = time.monotonic()
+    with pytest.raises(TransportError, match=r"rank 2 sent nothing to rank 1 in 0\.05 s"):
+        t1.recv(2)
+    assert time.monotonic() - start < 5.0
+
+
+def test_local_transport_mesh_gives_one_connected_transport_per_rank() -> None:
+    transports = LocalTransport.mesh(4, timeout=1.5)
+    assert [t.rank for t in transports] == [0, 1, 2, 3]
+    assert all(t.world_size == 4 for t in transports)
+    assert all(t.device == torch.device("cpu") for t in transports)
+    assert all(t.timeout == 1.5 for t in transports)
+    (single,) = LocalTransport.mesh(1)
+    assert (single.rank, single.world_size) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "world_size",
+    [
+        0,
+        -2,
+        1.5,
+        "2",
+        None,
+        True,
+    ],
+)
+def test_local_transport_mesh_rejects_a_bad_world_size(world_size: Any) -> None:
+    with pytest.raises(ValueError, match="world_size must be a positive int, got"):
+        LocalTransport.mesh(world_size)
+
+
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        0,
+        -1.0,
+        float("nan"),
+    ],
+)
+def test_local_transport_mesh_rejects_a_bad_timeout(timeout: float) -> None:
+    with pytest.raises(
+        ValueError, match="timeout must be a finite positive number of seconds, got"
+    ):
+        LocalTransport.mesh(2, timeout=timeout)
+
+
+# ProcessGroupTransport, between two processes
+
+
+def _messages() -> list[tuple[Any, list[Tensor]]]:
+    """What rank 0 sends rank 1, built the same in both processes."""
+    g = torch.Generator().manual_seed(0)
+    big = {
+        "name": "a header that does not fit in the first transfer " * 10,
+        "numbers": list(range(100)),
+        "nested": {"deep": [("x", 1.5, None)] * 5},
+    }
+    tensors = [
+        torch.randn(3, 5, generator=g),
+        torch.randn(2, 2, generator=g, dtype=torch.float64),
+        torch.randint(-(2**40), 2**40, (7,), generator=g),
+        torch.randn(3, 3, generator=g) > 0,
+        torch.randn(5, generator=g).to(torch.bfloat16),  # 10 bytes: the next is unaligned
+        torch.tensor(3.25),  # 0-dim
+        torch.empty(0, 3),
+        torch.arange(24.0).reshape(4, 6)[:, ::2].t(),  # not contiguous, offset strides
+        torch.randint(0, 255, (3,), generator=g, dtype=torch.uint8),
+    ]
+    messages: list[tuple[Any, list[Tensor]]] = [
+        (big, tensors),
+        ("no tensors", []),
+        (("only empty ones",), [torch.empty(0), torch.empty(2, 0, dtype=torch.int64)]),
+        (None, [torch.tensor(True)]),
+    ]
+    # Headers of every size around the first transfer's 512 bytes (with what else it
+    # carries, the pickled header crosses the limit at k = 453 or so).
+    messages += [("x" * k, [torch.full((1,), float(k))]) for k in range(430, 480)]
+    return messages
+
+
+def _round_trip_rank(rank: int, world: int) -> list[Any]:
+    transport = ProcessGroupTransport()
+    out: list[Any] = [[transport.rank, transport.world_size, str(transport.device)]]
+    if rank == 0:
+        for header, tensors in _messages():
+            transport.send(1, header, tensors)
+    else:
+        received = [transport.recv(0) for _ in _messages()]
+        out.append([[t.is_contiguous() for t in tensors] for _, tensors in received])
+        # A message's tensors are views of one byte buffer, as different dtypes, which
+        # torch.save refuses to write together: send back copies.
+        out.append([(header, [t.clone() for t in tensors]) for header, tensors in received])
+    # A gloo send returns before its receiver has read it, and a rank leaves with
+    # os._exit: without this, rank 0 may be gone before rank 1 read its last messages.
+    dist.barrier()
+    return out
+
+
+@pytest.mark.distributed
+def test_process_group_transport_round_trips_headers_and_tensors_of_every_kind() -> None:
+    results = spawn(_round_trip_rank, 2)
+    assert results[0] == [[0, 2, "cpu"]]
+    assert results[1][0] == [1, 2, "cpu"]
+    assert all(all(flags) for flags in results[1][1])  # received contiguous
+    received = results[1][2]
+    expected = _messages()
+    assert len(received) == len(expected)
+    for k, ((header, tensors), (want_header, want_tensors)) in enumerate(
+        zip(received, expected, strict=True)
+    ):
+        assert header == want_header, k
+        assert len(tensors) == len(want_tensors), k
+        for got, want in zip(tensors, want_tensors, strict=True):
+            assert got.dtype == want.dtype, (k, want.dtype)
+            assert got.shape == want.shape, (k, want.shape)
+            assert got.device == torch.device("cpu")
+            assert torch.equal(got, want), (k, want)
