@@ -15,6 +15,7 @@ process, for tests of the protocol above it without processes.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import queue
 import threading
@@ -325,7 +326,9 @@ def _bytes(t: Tensor) -> Tensor:
 
 
 def _to_bytes(t: Tensor) -> bytes:
-    return bytes(t.cpu().clone().untyped_storage())
+    """The bytes of a uint8 tensor. (``bytes(storage)`` reads them one at a time.)"""
+    t = t.cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel())
 
 
 def _numel(shape: tuple[int, ...]) -> int:
