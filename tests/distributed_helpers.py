@@ -21,9 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import PopAdd, StashLinear  # tests/helpers.py
 from torch import Tensor, nn
-
-from torchgpipe.skip import pop, skippable, stash
 
 DIED = "died"
 """The value of a rank that ended without returning (``os._exit``, say)."""
@@ -168,28 +167,6 @@ def mlp(seed: int = 0) -> nn.Sequential:
         nn.Linear(8, 4),
         nn.Identity(),
     )
-
-
-@skippable(stash=["skip"])
-class StashLinear(nn.Module):
-    """Stashes its input as 'skip' and returns a linear map of it."""
-
-    def __init__(self, width: int = 4) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash("skip", x)
-        return self.linear(x)
-
-
-@skippable(pop=["skip"])
-class PopAdd(nn.Module):
-    """Adds the popped 'skip' to its input."""
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield pop("skip")
-        return x + skip
 
 
 def skip_net(seed: int = 0) -> nn.Sequential:
