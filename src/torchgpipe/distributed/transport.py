@@ -326,7 +326,7 @@ def _bytes(t: Tensor) -> Tensor:
 
 
 def _to_bytes(t: Tensor) -> bytes:
-    """The bytes of a uint8 tensor. (``bytes(storage)`` reads them one at a time.)"""
+    """The bytes of a uint8 tensor; ``bytes(storage)`` would read them one at a time."""
     t = t.cpu().contiguous()
     return ctypes.string_at(t.data_ptr(), t.numel())
 
