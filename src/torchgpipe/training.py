@@ -227,7 +227,40 @@ class _Stages:
         )
 
 
-class PipelineSchedule:
+class _TableSteps:
+    """What the schedules of one process and of several share: the loss, the table."""
+
+    loss_fn: LossFn
+    reduction: Reduction
+    _table: Schedule | TableFor
+
+    def _adopt(self, loss_fn: LossFn, table: Schedule | TableFor, reduction: Reduction) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.loss_fn = loss_fn
+        self.reduction = reduction
+        self._table = table
+        if isinstance(table, Schedule):
+            self._check_table(table, table.micro_batches)
+
+    def table(self, m: int) -> Schedule:
+        """The schedule of a step with ``m`` micro-batches, checked against the stages.
+
+        Raises:
+            ValueError: the table does not fit the stages or ``m``.
+            ScheduleError: the table is not valid.
+        """
+        table = self._table if isinstance(self._table, Schedule) else self._table(m)
+        self._check_table(table, m)
+        return table
+
+    def _check_table(self, table: Schedule, m: int) -> None:
+        raise NotImplementedError
+
+
+class PipelineSchedule(_TableSteps):
     """Runs training steps of a :class:`~torchgpipe.GPipe` model in a schedule's order.
 
     Args:
@@ -261,29 +294,10 @@ class PipelineSchedule:
                 f"model must be a torchgpipe.GPipe, got {type(model).__name__}; wrap the "
                 f"nn.Sequential in GPipe first"
             )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         self.model = model
-        self.loss_fn = loss_fn
-        self.reduction: Reduction = reduction
-        self._table = table
-        if isinstance(table, Schedule):
-            self._check_table(table, table.micro_batches)
+        self._adopt(loss_fn, table, reduction)
         self._pool: WorkerPool | None = None
         self._lock = threading.Lock()
-
-    def table(self, m: int) -> Schedule:
-        """The schedule of a step with ``m`` micro-batches, checked against the model.
-
-        Raises:
-            ValueError: the table does not fit the model or ``m``.
-            ScheduleError: the table is not valid.
-        """
-        table = self._table if isinstance(self._table, Schedule) else self._table(m)
-        self._check_table(table, m)
-        return table
 
     def _check_table(self, table: Schedule, m: int) -> None:
         n = len(self.model.partitions)

@@ -41,6 +41,7 @@ from torchgpipe.training import (
     _Run,
     _Step,
     _Stopped,
+    _TableSteps,
     _weighted,
     _where,
 )
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 
-class PipelineSchedule:
+class PipelineSchedule(_TableSteps):
     """Runs training steps of a pipeline over processes in a schedule's order.
 
     The counterpart of :class:`torchgpipe.PipelineSchedule` for a
@@ -84,28 +85,8 @@ class PipelineSchedule:
         *,
         reduction: Reduction = "mean",
     ) -> None:
-        _check_stage(stage)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        self.stage = stage
-        self.loss_fn = loss_fn
-        self.reduction: Reduction = reduction
-        self._table = table
-        if isinstance(table, Schedule):
-            self._check_table(table, table.micro_batches)
-
-    def table(self, m: int) -> Schedule:
-        """The schedule of a step with ``m`` micro-batches, checked against the stages.
-
-        Raises:
-            ValueError: the table does not fit the stages or ``m``.
-            ScheduleError: the table is not valid.
-        """
-        table = self._table if isinstance(self._table, Schedule) else self._table(m)
-        self._check_table(table, m)
-        return table
+        self.stage = _check_stage(stage)
+        self._adopt(loss_fn, table, reduction)
 
     def _check_table(self, table: Schedule, m: int) -> None:
         stage = self.stage
