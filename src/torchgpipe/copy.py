@@ -5,6 +5,12 @@ stream: autograd runs its backward (the copy of the gradient) on that same strea
 synchronizes with the streams around it. Forward needs two things by hand: the copy
 stream waits for the producer's stream before reading, and both ends are recorded on the
 streams that use them, so neither is freed early.
+
+A tensor already on the receiving device is not copied, but it still changes streams:
+the caching allocator gives a freed block back to the stream that allocated it, at
+once, so the producer could reuse the memory while the receiver's kernels still wait
+to read it. Recording the tensor on the receiving stream holds the block until they
+have run.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def move(
 
     ``source`` is the stream that produced the tensors, ``copy`` the stream that copies
     them and ``target`` the stream that will use the copies. Tensors already on
-    ``device`` are returned as they are.
+    ``device`` are returned as they are, recorded on ``target`` (CUDA only).
     """
     if isinstance(copy, CPUStreamType):
         # Into CPU memory: a blocking copy, issued where the tensors were produced.
@@ -43,6 +49,7 @@ def move(
 
     def one(x: Tensor) -> Tensor:
         if x.device == device:
+            record_stream(x, target)
             return x
         with use_stream(copy):
             y = x.to(device, non_blocking=True)

@@ -49,8 +49,8 @@ from torchgpipe.skip.tracker import run_cell
 from torchgpipe.stream import (
     AnyStream,
     CPUStreamType,
+    PartitionStreams,
     current_stream,
-    new_stream,
     record_stream,
     use_device,
     use_stream,
@@ -151,6 +151,7 @@ class Pipeline:
         self._guards = [_batch_norm_guard(p) for p in self.partitions]
         generators = [generator_key(d) for d in self.devices]
         self.shares_device = [generators.count(g) > 1 for g in generators]
+        self.streams = PartitionStreams(self.devices)  # kept from run to run: see stream.py
         self.tracer: Trace | None = None  # set by GPipe.trace()
         self._pool: WorkerPool | None = None  # started by the first run
         self._lock = threading.Lock()  # one run at a time on the workers
@@ -187,8 +188,8 @@ class Pipeline:
             checkpoint_stop=checkpoint_stop,
             state=ThreadState.capture(),
             seed=draw_seed() if isolate else None,
-            compute=[new_stream(d) for d in self.devices],
-            copy=[new_stream(d) for d in self.devices],
+            compute=[self.streams.compute(j) for j in range(n)],
+            copy=[self.streams.copy(j) for j in range(n)],
             source=current_stream(_device_of(batches[0])),
             abort=threading.Event(),
             skips=[{} for _ in batches],

@@ -4,13 +4,21 @@ Each partition on a CUDA device computes on a stream of its own (so two partitio
 one GPU can overlap) and copies its inputs in on a second stream (so copying overlaps
 compute). On CPU there are no streams: :data:`CPU_STREAM` stands in and every function
 here is a no-op for it, so the CPU path never touches CUDA state.
+
+A partition keeps its two streams for as long as it lives (:class:`PartitionStreams`).
+PyTorch's caching allocator hands a freed block back only to the stream that allocated
+it, and ``torch.cuda.Stream()`` deals out the streams of a pool of 32 in turn: streams
+taken afresh for every forward would find nothing of the last forward's memory in their
+caches, allocate it all again, and on a full device make the allocator give its cache
+back to the driver (which synchronizes the device) step after step. Measured on an
+H100 with ResNet-101 in one partition, fresh streams cost a tenth of the throughput.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -18,6 +26,7 @@ from torch import Tensor
 __all__ = [
     "CPU_STREAM",
     "AnyStream",
+    "PartitionStreams",
     "current_stream",
     "new_stream",
     "record_stream",
@@ -44,6 +53,35 @@ def new_stream(device: torch.device) -> AnyStream:
     if device.type != "cuda":
         return CPU_STREAM
     return torch.cuda.Stream(device)
+
+
+class PartitionStreams:
+    """A compute stream and a copy stream per partition, made on first use and kept.
+
+    Args:
+        devices: the device of each partition.
+    """
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
+        self._pairs: list[tuple[AnyStream, AnyStream]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Streams belong to the process and the model that made them: a copy makes its own.
+        return {"devices": self.devices, "_pairs": None}
+
+    def _made(self) -> list[tuple[AnyStream, AnyStream]]:
+        if self._pairs is None:
+            self._pairs = [(new_stream(d), new_stream(d)) for d in self.devices]
+        return self._pairs
+
+    def compute(self, j: int) -> AnyStream:
+        """The stream partition ``j`` computes on."""
+        return self._made()[j][0]
+
+    def copy(self, j: int) -> AnyStream:
+        """The stream partition ``j`` copies its inputs in on."""
+        return self._made()[j][1]
 
 
 def current_stream(device: torch.device) -> AnyStream:

@@ -67,7 +67,14 @@ from torchgpipe.schedules import (
 from torchgpipe.skip.layout import SkipRoute
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
-from torchgpipe.stream import AnyStream, current_stream, new_stream, use_device, use_stream
+from torchgpipe.stream import (
+    AnyStream,
+    current_stream,
+    record_stream,
+    use_device,
+    use_stream,
+    wait_stream,
+)
 from torchgpipe.trace import Trace
 from torchgpipe.worker import ThreadState, WorkerPool
 
@@ -204,6 +211,7 @@ class _Stages:
     outbound: list[tuple[SkipKey, ...] | None]  # per stage; None: no skippable layers
     routes: tuple[SkipRoute, ...]
     guards: dict[int, Guard | None]
+    streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
     shares_device: dict[int, bool]
     checkpoint_stop: int  # micro-batches below this are checkpointed
     tracer: Trace | None = None
@@ -221,6 +229,7 @@ class _Stages:
             outbound=list(pipeline._outbound),
             routes=model.skip_layout.routes,
             guards=dict(enumerate(pipeline._guards)),
+            streams={s: (pipeline.streams.compute(s), pipeline.streams.copy(s)) for s in range(n)},
             shares_device={s: pipeline.shares_device[s] for s in range(n)},
             checkpoint_stop=stop if model.training else 0,
             tracer=pipeline.tracer,
@@ -370,6 +379,7 @@ class PipelineSchedule(_TableSteps):
                 for event in done:
                     event.wait()
                 raise
+        run.hand_over()
         real = _real_failures(step)
         if real:
             error, action = real[0]
@@ -577,8 +587,12 @@ class _Run:
         self.seed = draw_seed() if isolate else None
         self.shares_device = stages.shares_device
         rank_device = {table.placement[s]: device for s, device in stages.devices.items()}
-        self.compute = {r: new_stream(device) for r, device in rank_device.items()}
-        self.copy = {r: new_stream(device) for r, device in rank_device.items()}
+        self.rank_device = rank_device
+        # A rank runs its stages on one device (checked by the schedules), and on the
+        # streams of the first of them.
+        first = {r: min(s for s in stages.devices if table.placement[s] == r) for r in rank_device}
+        self.compute = {r: stages.streams[s][0] for r, s in first.items()}
+        self.copy = {r: stages.streams[s][1] for r, s in first.items()}
         # Where the caller's tensors come from; a message from another process arrives
         # ready on this one's device, so any local stream will do for it.
         given = batches or targets
@@ -606,6 +620,21 @@ class _Run:
             except BaseException as error:
                 self.post.fail(error, action)
                 return
+
+    def hand_over(self) -> None:
+        """Make the calling thread's streams wait for the step's work (CUDA only).
+
+        The ranks computed the gradients, losses and outputs on their own compute
+        streams; the caller reads them on its current streams (an optimizer step, say),
+        which must not run ahead. The losses and outputs are recorded on those streams
+        too, so their memory is not reused before the caller's reads have run.
+        """
+        for r, device in self.rank_device.items():
+            wait_stream(current_stream(device), self.compute[r])
+        kept = [*self.step.losses, *self.step.outputs]
+        for leaf in flatten(kept)[0]:
+            if isinstance(leaf, Tensor):
+                record_stream(leaf, current_stream(leaf.device))
 
     def _span(self, s: int, i: int, kind: Any) -> AbstractContextManager[None]:
         return self.trace.span(s, i, kind) if self.trace is not None else nullcontext()

@@ -155,7 +155,10 @@ class PipelineSchedule(_TableSteps):
                 weights,
                 post=exchange,
             )
-            run.rank(stage.rank)
+            try:
+                run.rank(stage.rank)
+            finally:
+                run.hand_over()
             real = _real_failures(exchange)
             if real:
                 failure = real[0]

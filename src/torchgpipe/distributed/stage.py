@@ -33,6 +33,7 @@ from torchgpipe.gpipe import (
 )
 from torchgpipe.pipeline import _batch_norm_guard, _has_skippables
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.stream import PartitionStreams
 from torchgpipe.training import _Stages, _Stopped
 from torchgpipe.worker import WorkerPool
 
@@ -155,6 +156,7 @@ class PipelineStage(nn.Module):
         mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
         self._deferred = [layer for layer in deferred if id(layer) in mine]
         self._pool: WorkerPool | None = None
+        self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
         self._check_peers()
 
     @property
@@ -191,6 +193,7 @@ class PipelineStage(nn.Module):
             ],
             routes=self.skip_layout.routes,
             guards={s: _batch_norm_guard(self.partitions[s]) for s in self.stages},
+            streams=dict.fromkeys(self.stages, (self._streams.compute(0), self._streams.copy(0))),
             shares_device=dict.fromkeys(self.stages, len(self.stages) > 1),
             checkpoint_stop=stop if self.training else 0,
         )

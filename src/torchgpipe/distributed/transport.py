@@ -196,7 +196,9 @@ class ProcessGroupTransport(Transport):
             Call ``torch.distributed.init_process_group`` first (``torchrun`` sets its
             environment).
         device: where received tensors go. Default: CPU with gloo, the current CUDA
-            device with NCCL (which moves CUDA tensors only).
+            device with NCCL (which moves CUDA tensors only). With gloo and a CUDA
+            device, messages cross in CPU memory (gloo's point-to-point operations
+            read and write host memory only) and are copied onto the device on arrival.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not available or not initialized.
@@ -227,6 +229,8 @@ class ProcessGroupTransport(Transport):
                 f"the NCCL backend moves CUDA tensors only, but device is {self.device}; "
                 f"pass device=torch.device('cuda', local_rank), or use gloo for CPU stages"
             )
+        # Where the transfers' buffers live: NCCL moves device memory, gloo host memory.
+        self._wire = self.device if self.backend == "nccl" else torch.device("cpu")
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         # Sends in flight, with their buffers: a send does not wait for the receiver,
         # whose listener may be slow to take the GIL from a thread that computes.
@@ -249,7 +253,7 @@ class ProcessGroupTransport(Transport):
             rest = bytearray(payload[len(fits) :])
             transfers.append(torch.frombuffer(rest, dtype=torch.uint8))
         if tensors:
-            data = torch.empty(offset, dtype=torch.uint8, device=self.device)
+            data = torch.empty(offset, dtype=torch.uint8, device=self._wire)
             for t, (_, _, start) in zip(tensors, metas, strict=True):
                 size = t.numel() * t.element_size()
                 if size:
@@ -257,7 +261,7 @@ class ProcessGroupTransport(Transport):
             transfers.append(data)
         self._pending = [item for item in self._pending if not item[0].is_completed()]
         for buffer in transfers:
-            buffer = buffer.to(self.device)
+            buffer = buffer.to(self._wire)
             work = self._transfer("send", buffer, peer)
             self._pending.append((work, buffer, peer))
 
@@ -274,13 +278,13 @@ class ProcessGroupTransport(Transport):
 
     def recv(self, peer: int) -> Message:
         """Receive ``peer``'s next message onto this device; see :meth:`Transport.recv`."""
-        first = torch.empty(_HEAD, dtype=torch.uint8, device=self.device)
+        first = torch.empty(_HEAD, dtype=torch.uint8, device=self._wire)
         self._transfer("recv", first, peer)
         raw = _to_bytes(first)
         length = int.from_bytes(raw[:_LENGTH], "little")
         payload = raw[_LENGTH : _LENGTH + length]
         if length > len(payload):
-            rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self.device)
+            rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self._wire)
             self._transfer("recv", rest, peer)
             payload += _to_bytes(rest)
         header, metas = pickle.loads(payload)
@@ -289,8 +293,12 @@ class ProcessGroupTransport(Transport):
         total = max(
             start + _aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype, start in metas
         )
-        data = torch.empty(total, dtype=torch.uint8, device=self.device)
+        data = torch.empty(total, dtype=torch.uint8, device=self._wire)
         self._transfer("recv", data, peer)
+        if data.device != self.device:
+            data = data.to(self.device)
+            if data.is_cuda:  # ready before another thread's stream reads it
+                torch.cuda.current_stream(data.device).synchronize()
         tensors = []
         for shape, dtype, start in metas:
             size = _numel(shape) * _itemsize(dtype)
