@@ -5,11 +5,14 @@ settings (``torch.set_num_threads(1)``, seeds) do not leak into the other tests.
 here asserts a speed: figures belong to the benchmark's own output.
 """
 
+import importlib
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,8 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_python(*args: str) -> str:
+    # On the CPU, as the rest of the default run, also where a GPU is present: the
+    # scripts' GPU runs are benchmarks/gpu/run.sh's.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -216,3 +222,47 @@ def test_distributed_benchmark_quick_measures_every_schedule_and_the_reference(t
     for row in rows:
         assert row["step_s"] > 0
         assert row["ratio"] == pytest.approx(row["step_s"] / row["makespan_s"])
+
+
+def _benchmark_module(folder: str, name: str) -> Any:
+    """Import ``benchmarks/<folder>/<name>.py`` as the scripts themselves run it."""
+    for path in (ROOT / "benchmarks", ROOT / "benchmarks" / folder):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    return importlib.import_module(name)
+
+
+def test_gpu_timeline_counts_copy_time_under_kernels_of_other_streams(tmp_path):
+    timeline = _benchmark_module("gpu", "timeline")
+    trace = tmp_path / "trace.json"
+    copy = "Memcpy HtoD (Pinned -> Device)"
+    trace.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    {"cat": "kernel", "name": "a", "ts": 0, "dur": 100, "args": {"stream": 7}},
+                    {"cat": "kernel", "name": "b", "ts": 150, "dur": 100, "args": {"stream": 7}},
+                    {"cat": "kernel", "name": "c", "ts": 60, "dur": 20, "args": {"stream": 9}},
+                    {"cat": "kernel", "name": "d", "ts": 60, "dur": 100, "args": {"stream": 13}},
+                    {"cat": "gpu_memcpy", "name": copy, "ts": 50, "dur": 200,
+                     "args": {"stream": 13}},
+                    {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+                ]
+            }
+        )
+    )  # fmt: skip
+    events = timeline.gpu_events(trace)
+    assert [e["kind"] for e in events] == ["kernel"] * 4 + ["copy"]
+    # Copy 50-250 under kernels of streams 7 and 9: 50-100 and 150-250 (the kernel of
+    # its own stream 13 does not count, and 60-80 is counted once).
+    assert timeline.copy_overlap(events) == pytest.approx(150 / 200)
+
+
+def test_unet_has_the_sizes_of_the_papers_table():
+    unet = _benchmark_module("models", "models.unet").unet
+    import torch
+
+    for (units, channels), parameters in {(6, 72): 362_157_516, (11, 128): 2_213_834_176}.items():
+        with torch.device("meta"):
+            model = unet(units, channels)
+        assert sum(p.numel() for p in model.parameters()) == parameters

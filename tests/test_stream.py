@@ -1,9 +1,12 @@
+import copy
+
 import pytest
 import torch
 
 from torchgpipe.copy import move
 from torchgpipe.stream import (
     CPU_STREAM,
+    PartitionStreams,
     current_stream,
     new_stream,
     record_stream,
@@ -22,6 +25,24 @@ def test_cpu_streams_are_the_placeholder() -> None:
         pass
     wait_stream(CPU_STREAM, CPU_STREAM)
     record_stream(torch.zeros(1), CPU_STREAM)
+
+
+def test_partition_streams_are_kept_and_not_copied() -> None:
+    streams = PartitionStreams([CPU, CPU])
+    assert streams.compute(1) is CPU_STREAM
+    assert streams.copy(0) is CPU_STREAM
+    assert copy.deepcopy(streams).devices == [CPU, CPU]
+
+
+@pytest.mark.cuda
+def test_partition_streams_on_cuda_are_made_once() -> None:
+    device = torch.device("cuda", 0)
+    streams = PartitionStreams([device, device])
+    first = streams.compute(0)
+    assert streams.compute(0) is first
+    assert len({streams.compute(0), streams.copy(0), streams.compute(1), streams.copy(1)}) == 4
+    clone = copy.deepcopy(streams)
+    assert clone.compute(0) is not first  # a copy makes streams of its own
 
 
 def test_move_on_cpu_keeps_structure_and_grad() -> None:

@@ -171,7 +171,7 @@ class Traffic:
 def measure(kind: str, n: int, m: int, batch: int, width: int, repeats: int) -> dict[str, Any]:
     """One training step's cross-partition bytes, and the median step time."""
     torch.manual_seed(0)
-    model = GPipe(build(kind, n, width), [1] * n, chunks=m)
+    model = GPipe(build(kind, n, width), [1] * n, devices=["cpu"] * n, chunks=m)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
 
