@@ -48,9 +48,9 @@ def build(name: str, size: str) -> Spec:
         layers, filters, image = (6, 8, 64) if tiny else (18, 256, 224)
         return Spec(amoebanetd(layers, filters, num_classes=10 if tiny else 1000),
                     (3, image, image), _classes)  # fmt: skip
-    if name == "unet":
-        depth, channels, image = (3, 4, 32) if tiny else (5, 64, 192)
-        return Spec(unet(depth, channels), (3, image, image), _same)
+    if name == "unet":  # U-Net (B, C) = (5, 64), the paper's speed benchmark
+        units, channels, depth, image = (2, 4, 3, 32) if tiny else (5, 64, 5, 192)
+        return Spec(unet(units, channels, depth=depth), (3, image, image), _same)
     raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")
 
 

@@ -1,15 +1,24 @@
-"""U-Net (Ronneberger et al., 2015) as one nn.Sequential, its skips made with torchgpipe.skip.
+"""U-Net (B, C) of the torchgpipe paper as one nn.Sequential, its skips made with torchgpipe.skip.
 
-``unet(depth, channels)`` is U-Net (B, C) of the torchgpipe paper: ``depth`` (B)
-down-sampling levels below the top, and ``channels`` (C) channels at the top level,
-doubled at each level down. Each level down is two 3x3 convolutions (with batch norm and
-ReLU) whose output is stashed for the matching level up, then a 2x2 max pool; each level
-up is a 2x2 transposed convolution, the popped skip concatenated, and two convolutions
-again. A ``Namespace`` per level keeps the levels' skips apart, so the one skip name
-serves every level and GPipe sends each skip straight to the partition that pops it.
+The network of the paper's U-Net experiments (after Ronneberger et al., 2015): five
+levels (``depth``) below the input resolution, a bottleneck, and five levels back up.
+``B`` is the number of convolution units in every cell, ``C`` the channels at the top
+level, doubled at each level down. A convolution unit is a 3x3 convolution without bias,
+2-D dropout (p = 0.1), instance norm and a leaky ReLU. A level down is a cell whose
+output is stashed for the matching level up, then a 2x2 max pool; a level up doubles the
+resolution (nearest neighbour), pops the level's skip and concatenates it, then runs a
+cell. A 1x1 convolution gives one output channel. With this structure U-Net (6, 72) has
+362.2M parameters and (11, 128) 2.21B, as the paper's memory table says.
+
+Each convolution unit, each stash and pop, and each pool or upsampling is one layer of
+the Sequential, so GPipe can cut between any two. A ``Namespace`` per level keeps the
+levels' skips apart, so one skip name serves every level and GPipe sends each skip
+straight to the partition that pops it.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import Tensor, nn
@@ -19,59 +28,64 @@ from torchgpipe.skip import Namespace, pop, skippable, stash
 __all__ = ["unet"]
 
 
-def _double_conv(in_channels: int, out_channels: int) -> nn.Sequential:
+def _unit(in_channels: int, out_channels: int) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
-        nn.BatchNorm2d(out_channels),
-        nn.ReLU(inplace=True),
-        nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
-        nn.BatchNorm2d(out_channels),
-        nn.ReLU(inplace=True),
+        nn.Dropout2d(p=0.1),
+        nn.InstanceNorm2d(out_channels),
+        nn.LeakyReLU(negative_slope=0.01),
     )
 
 
-@skippable(stash=["skip"])
-class Down(nn.Module):
-    """Two convolutions, the result stashed for the level up, then a 2x2 max pool."""
+def _cell(in_channels: int, mid_channels: int, out_channels: int, units: int) -> list[nn.Module]:
+    """``units`` convolution units: ``in`` to ``mid``, ``mid`` to ``mid``, ..., to ``out``."""
+    if units == 1:
+        return [_unit(in_channels, out_channels)]
+    widths = [in_channels, *[mid_channels] * (units - 1), out_channels]
+    return [_unit(a, b) for a, b in itertools.pairwise(widths)]
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
-        super().__init__()
-        self.convs = _double_conv(in_channels, out_channels)
-        self.pool = nn.MaxPool2d(2)
+
+@skippable(stash=["skip"])
+class Keep(nn.Module):
+    """Stashes its input for the level up, and passes it on."""
 
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]  # a generator
-        """Stash the features of this level; return them pooled."""
-        features = self.convs(x)
-        yield stash("skip", features)
-        return self.pool(features)
+        """Stash ``x`` as this level's skip; return it unchanged."""
+        yield stash("skip", x)
+        return x
 
 
 @skippable(pop=["skip"])
-class Up(nn.Module):
-    """A 2x2 transposed convolution, the level's skip concatenated, two convolutions."""
-
-    def __init__(self, in_channels: int, out_channels: int) -> None:
-        super().__init__()
-        self.up = nn.ConvTranspose2d(in_channels, out_channels, 2, stride=2)
-        self.convs = _double_conv(2 * out_channels, out_channels)
+class Join(nn.Module):
+    """Concatenates the level's skip to its input, padding the input if it is smaller."""
 
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]  # a generator
-        """Up-sample, join the skip of the level down, convolve."""
+        """Pop this level's skip; return ``cat([x, skip])`` along the channels."""
         skip = yield pop("skip")
-        return self.convs(torch.cat([self.up(x), skip], dim=1))
+        dh, dw = skip.shape[-2] - x.shape[-2], skip.shape[-1] - x.shape[-1]
+        if dh or dw:
+            x = nn.functional.pad(x, [0, dw, 0, dh])
+        return torch.cat([x, skip], dim=1)
 
 
 def unet(
-    depth: int = 5, channels: int = 64, in_channels: int = 3, num_classes: int = 1
-) -> nn.Sequential:
-    """U-Net (B = depth, C = channels) in 2 * depth + 2 layers."""
+    units: int = 5, channels: int = 64, *, depth: int = 5, in_channels: int = 3,
+    out_channels: int = 1,
+) -> nn.Sequential:  # fmt: skip
+    """U-Net (B = ``units``, C = ``channels``) with ``depth`` levels down and up."""
     levels = [Namespace(f"level {k}") for k in range(depth)]
-    widths = [channels * 2**k for k in range(depth + 1)]
-    downs = [
-        Down(in_channels if k == 0 else widths[k - 1], widths[k]).isolate(levels[k])
-        for k in range(depth)
-    ]
-    middle = _double_conv(widths[depth - 1], widths[depth])
-    ups = [Up(widths[k + 1], widths[k]).isolate(levels[k]) for k in reversed(range(depth))]
-    head = nn.Conv2d(widths[0], num_classes, 1)
-    return nn.Sequential(*downs, middle, *ups, head)
+    layers: list[nn.Module] = []
+    for k in range(depth):
+        entering = in_channels if k == 0 else channels * 2 ** (k - 1)
+        width = channels * 2**k
+        layers += _cell(entering, width, width, units)
+        layers += [Keep().isolate(levels[k]), nn.MaxPool2d(2)]
+    bottom = channels * 2 ** (depth - 1)
+    layers += _cell(bottom, 2 * bottom, bottom, units)
+    for k in reversed(range(depth)):
+        # The level below gives channels * 2**k, the skip as many again.
+        leaving = channels * 2 ** (k - 1) if k > 0 else channels // 2
+        layers += [nn.Upsample(scale_factor=2), Join().isolate(levels[k])]
+        layers += _cell(channels * 2 ** (k + 1), leaving, leaving, units)
+    layers.append(nn.Conv2d(channels // 2, out_channels, 1, bias=False))
+    return nn.Sequential(*layers)

@@ -4,7 +4,11 @@ For each model (``benchmarks/models``): ``naive-1`` is the plain ``nn.Sequential
 device; ``pipeline-k`` is GPipe over ``k`` partitions, balanced by ``balance_by_time``,
 with ``--chunks`` micro-batches. A step is forward, backward and an SGD step on a
 synthetic batch; after warm-up steps, the median of the measured steps gives the
-throughput (samples/s), and the speed-up is relative to naive-1.
+throughput (samples/s), and the speed-up is relative to naive-1. The experiments take
+turns, a step each per round, so that the machine's drift hits them alike; the speed-up
+is the median over rounds of the ratio to naive-1's throughput in the same round. Each
+row may have its own batch (``--naive-batch`` for naive-1), as the seed's tables tuned
+the batch per row.
 
 ``--devices cuda`` puts partition ``j`` on GPU ``j % count``; ``--devices cpu`` (the
 default without CUDA) puts every partition on the CPU, each run by a worker thread with
@@ -40,88 +44,108 @@ from models import add_arguments, build, devices_for
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
 
-def step_time(model: nn.Module, x: torch.Tensor, loss_of: Any, warmup: int, steps: int) -> float:
-    """Median seconds of a training step (forward, backward, SGD step) after warm-up."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for index in range(warmup + steps):
-        if x.device.type == "cuda":
+class Run:
+    """One experiment: a model, its batch, its optimizer, and the seconds of its steps."""
+
+    def __init__(self, name: str, model: nn.Module, x: torch.Tensor, k: int,
+                 balance: list[int] | None) -> None:  # fmt: skip
+        self.name, self.model, self.x, self.k, self.balance = name, model, x, k, balance
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.seconds: list[float] = []
+
+    def step(self, loss_of: Any) -> float:
+        """Seconds of one training step: forward, backward and the SGD step."""
+        cuda = self.x.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        optimizer.zero_grad()
-        loss_of(model(x)).backward()
-        optimizer.step()
-        if x.device.type == "cuda":
+        self.optimizer.zero_grad()
+        loss_of(self.model(self.x)).backward()
+        self.optimizer.step()
+        if cuda:
             torch.cuda.synchronize()
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
 
 
 def measure(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tick: Any) -> None:
-    """Measure naive-1 and every pipeline-k of one model; append rows."""
+    """Measure naive-1 and every pipeline of one model, a step of each per round; add rows.
+
+    The machine's speed drifts, so the experiments take turns, round by round, and each
+    speed-up is the median over rounds of the pipeline's throughput over naive-1's in
+    the same round.
+    """
     spec = build(name, args.size)
-    x_cpu = torch.randn(args.batch, *spec.sample_shape)
+    naive_batch = args.naive_batch or args.batch
+    x_cpu = torch.randn(max(args.batch, naive_batch), *spec.sample_shape)
 
     def loss_of(out: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(out.float(), torch.zeros_like(out, dtype=torch.float))
 
     first = devices_for(args.devices, 1)[0]
     tick(f"{name} naive-1")
-    naive = build(name, args.size).model.to(first)
-    naive_s = step_time(naive, x_cpu.to(first), loss_of, args.warmup, args.steps)
-    rows.append(_row(name, "naive-1", 1, None, naive_s, args.batch, naive_s))
+    runs = [Run("naive-1", build(name, args.size).model.to(first), x_cpu[:naive_batch].to(first),
+                1, None)]  # fmt: skip
+    x = x_cpu[: args.batch]
+    sample = x[: max(1, args.batch // args.chunks)]
     for k in args.partitions:
         if k > len(spec.model):
             continue
         tick(f"{name} pipeline-{k}")
         model = build(name, args.size).model
-        sample = x_cpu[: max(1, args.batch // args.chunks)]
-        balance = balance_by_time(k, model, sample, timeout=args.balance_timeout, device=first)
+        balance = [len(model)] if k == 1 else balance_by_time(
+            k, model, sample, timeout=args.balance_timeout, device=first)  # fmt: skip
         devices = devices_for(args.devices, k)
         pipe = GPipe(model, balance, devices=devices, chunks=args.chunks)
-        seconds = step_time(pipe, x_cpu.to(devices[0]), loss_of, args.warmup, args.steps)
-        rows.append(_row(name, f"pipeline-{k}", k, balance, seconds, args.batch, naive_s))
+        runs.append(Run(f"pipeline-{k}", pipe, x.to(devices[0]), k, balance))
     if name == "amoebanetd":  # the seed's grid: n partitions x m micro-batches
         for n in args.grid_partitions:
             model = build(name, args.size).model
-            balance = balance_by_time(n, model, x_cpu[:1], timeout=args.balance_timeout,
+            balance = balance_by_time(n, model, x[:1], timeout=args.balance_timeout,
                                       device=first)  # fmt: skip
             devices = devices_for(args.devices, n)
             for m in args.grid_micro_batches:
                 tick(f"{name} n={n} m={m}")
                 pipe = GPipe(build(name, args.size).model, balance, devices=devices, chunks=m)
-                seconds = step_time(pipe, x_cpu.to(devices[0]), loss_of, args.warmup, args.steps)
-                rows.append(_row(name, f"n={n}, m={m}", n, balance, seconds, args.batch, naive_s))
-
-
-def _row(
-    name: str, experiment: str, k: int, balance: list[int] | None, seconds: float,
-    batch: int, naive_s: float,
-) -> dict[str, Any]:  # fmt: skip
-    return {
-        "model": name,
-        "experiment": experiment,
-        "k": k,
-        "balance": balance,
-        "step_s": seconds,
-        "throughput": batch / seconds,
-        "speedup": naive_s / seconds,
-    }
+                runs.append(Run(f"n={n}, m={m}", pipe, x.to(devices[0]), n, balance))
+    for _ in range(args.warmup):
+        for run in runs:
+            run.step(loss_of)
+    for _ in range(args.steps):
+        for run in runs:
+            run.seconds.append(run.step(loss_of))
+    naive = runs[0]
+    for run in runs:
+        ratios = [
+            (len(run.x) / t) / (len(naive.x) / t_naive)
+            for t, t_naive in zip(run.seconds, naive.seconds, strict=True)
+        ]
+        seconds = statistics.median(run.seconds)
+        rows.append({
+            "model": name,
+            "experiment": run.name,
+            "k": run.k,
+            "balance": run.balance,
+            "batch": len(run.x),
+            "step_s": seconds,
+            "throughput": len(run.x) / seconds,
+            "speedup": statistics.median(ratios),
+        })  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """The seed's layout: per model, experiment, throughput and speed-up."""
     lines = [
-        f"size {args.size!r}, batch {args.batch}, chunks {args.chunks}, devices "
-        f"{args.devices}; median of {args.steps} steps after {args.warmup} warm-up",
+        f"size {args.size!r}, chunks {args.chunks}, devices {args.devices}; {args.steps} "
+        f"rounds of a step each after {args.warmup} warm-up; median step time, and median "
+        f"over rounds of the throughput ratio to naive-1"
     ]
     for name in args.models:
-        lines += ["", f"{name}:", f"{'Experiment':<12} {'Throughput':>12} {'Speed-up':>9}  balance"]
+        lines += ["", f"{name}:", f"{'Experiment':<12} {'batch':>6} {'Throughput':>12} "
+                  f"{'Speed-up':>9}  balance"]  # fmt: skip
         for r in (r for r in rows if r["model"] == name):
             lines.append(
-                f"{r['experiment']:<12} {r['throughput']:>8.1f}/s  {r['speedup']:>8.3f}x"
-                f"  {r['balance'] or ''}"
+                f"{r['experiment']:<12} {r['batch']:>6} {r['throughput']:>8.1f}/s  "
+                f"{r['speedup']:>8.3f}x  {r['balance'] or ''}"
             )
     return "\n".join(lines)
 
@@ -156,8 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_arguments(parser)
     parser.add_argument("--grid-partitions", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--grid-micro-batches", type=int, nargs="+", default=[1, 4, 32])
+    parser.add_argument("--naive-batch", type=int, help="naive-1's batch (default: --batch)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="rounds of one step each")
     parser.add_argument("--balance-timeout", type=float, default=0.5)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, help="draw the speed-ups to this PNG")
