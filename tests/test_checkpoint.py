@@ -161,14 +161,6 @@ def test_recomputation_draws_the_same_dropout_mask(n: int, checkpoint: str, inde
         assert torch.equal(x.grad != 0, mask)
 
 
-def test_partitions_on_cpu_share_one_generator_whatever_the_index() -> None:
-    layers = nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity())
-    mixed = ["cpu", torch.device("cpu", 0), "cpu:1"]
-    assert GPipe(layers, [1, 1, 1], devices=mixed)._pipeline.shares_device == [True] * 3
-    alone = GPipe(nn.Sequential(nn.Identity()), [1], devices=["cpu:0"])
-    assert alone._pipeline.shares_device == [False]
-
-
 def test_random_numbers_are_reproducible_across_runs() -> None:
     def run() -> Tensor:
         torch.manual_seed(7)
@@ -182,26 +174,3 @@ def test_checkpointing_advances_the_global_generator() -> None:
     model = GPipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], chunks=2)
     x = torch.ones(4, 64, requires_grad=True)
     assert not torch.equal(model(x), model(x))  # each step draws new masks
-
-
-@pytest.mark.parametrize(("layer", "private_in_recompute"), [(nn.Linear, False), (None, True)])
-def test_recomputation_skips_the_private_stream_when_forward_drew_nothing(
-    monkeypatch: pytest.MonkeyPatch, layer: type | None, private_in_recompute: bool
-) -> None:
-    # A private stream costs a Python call per operator; when a cell's forward drew no
-    # random number, its recomputation will not either, and runs without one.
-    from torchgpipe import rng
-
-    calls = {"forward": 0, "recompute": 0}
-    real = rng._PrivateStream.__torch_dispatch__
-
-    def counting(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        calls["recompute" if is_recomputing() else "forward"] += 1
-        return real(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(rng._PrivateStream, "__torch_dispatch__", counting)
-    second = nn.Linear(4, 4) if layer is not None else nn.Dropout(0.5)
-    model = GPipe(nn.Sequential(nn.Linear(4, 4), second), [1, 1], chunks=2, checkpoint="always")
-    model(torch.randn(4, 4)).sum().backward()
-    assert calls["forward"] > 0  # partitions share the CPU: forwards run on private streams
-    assert (calls["recompute"] > 0) == private_in_recompute

@@ -480,3 +480,27 @@ def test_cuda_stages_in_two_processes_match_the_plain_model(checkpoint: str) -> 
     assert merged.keys() == expected.keys()
     for name, grad in expected.items():
         torch.testing.assert_close(merged[name], grad, msg=name)
+
+
+def test_cuda_checkpoint_modes_and_schedules_draw_the_same_masks() -> None:
+    # Cells draw from generators of their own on the GPU too: every mode and schedule
+    # gives the masks model(x) draws under one seed.
+    x, target = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    runs = []
+    for checkpoint in CHECKPOINTS:
+        for schedule in [None, *SCHEDULES]:
+            model = GPipe(dropout_net().double(), [2, 2, 2, 2], devices=LAYOUTS["mixed"],
+                          chunks=4, checkpoint=checkpoint)  # fmt: skip
+            torch.manual_seed(21)
+            if schedule is None:
+                output = model(x)
+                _mse(output, target.to(output.device)).backward()
+            else:
+                output = SCHEDULES[schedule](model, _mse).step(x, target).output
+            grads = [p.grad.cpu() for p in model.parameters() if p.grad is not None]
+            runs.append((output.detach().cpu(), grads))
+    first_out, first_grads = runs[0]
+    for out, grads in runs[1:]:
+        torch.testing.assert_close(out, first_out, rtol=0, atol=0)
+        for g, h in zip(grads, first_grads, strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-11)

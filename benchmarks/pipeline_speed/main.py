@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import GPipe
+from torchgpipe.rng import CellRandomness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import environment, write_json  # benchmarks/common.py
@@ -207,6 +209,41 @@ def measure_overhead(n: int, m: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def measure_randomness(rounds: int, cells: int = 2000) -> dict[str, float]:
+    """Microseconds a cell's own random generators add to it (``torchgpipe.rng``).
+
+    Each cell of a pipeline runs under its ``CellRandomness``. Timed here, interleaved
+    round by round against the same work without it: a cell of one ``Scaled`` layer
+    (no random function: the mode's entry and exit, and a Python call per torch
+    function), and one with a ``Dropout`` after it (the cell's generator is made and
+    seeded, and dropout draws from it instead of from the fused or default path).
+    """
+    layer, dropout = Scaled(0.0), nn.Dropout(0.5)
+    x = torch.randn(8, 4)
+
+    def cell(random: bool, with_dropout: bool) -> None:
+        for k in range(cells):
+            with CellRandomness(k).forward() if random else nullcontext():
+                y = layer(x)
+                if with_dropout:
+                    dropout(y)
+
+    figures = {}
+    with torch.no_grad():
+        for with_dropout in (False, True):
+            ratios = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                cell(False, with_dropout)
+                bare = time.perf_counter() - start
+                start = time.perf_counter()
+                cell(True, with_dropout)
+                ratios.append((time.perf_counter() - start - bare) / cells)
+            name = "dropout cell" if with_dropout else "plain cell"
+            figures[name] = statistics.median(ratios)
+    return figures
+
+
 def sleep_table(rows: list[dict[str, Any]], f: float, f_call: float, repeats: int) -> str:
     """Format the sleep-layer measurements as a fixed-width table."""
     lines = [
@@ -289,6 +326,12 @@ def main(argv: list[str] | None = None) -> None:
     grid = [(n, m) for n in args.partitions for m in args.overhead_micro_batches]
     overhead = [row for n, m in grid for row in measure_overhead(n, m, args.overhead_repeats)]
     print(overhead_table(overhead, args.overhead_repeats), flush=True)
+    randomness = measure_randomness(max(5, args.overhead_repeats // 5))
+    print(
+        "\nCell generators (rng.py), median over rounds of the time added per cell: "
+        + ", ".join(f"{name} {s * 1e6:+.1f} us" for name, s in randomness.items()),
+        flush=True,
+    )
 
     parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     results = {
@@ -299,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         "hot_multiply_s": hot,
         "sleep": sleep,
         "overhead": overhead,
+        "randomness_s_per_cell": randomness,
     }
     write_json(args.out, results)
     print(f"\nwrote {args.out}")

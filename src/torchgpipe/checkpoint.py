@@ -8,8 +8,8 @@ cell's backward returns, so recomputed activations live one cell at a time.
 
 Why not ``torch.utils.checkpoint``: a cell's input and output are any nesting of tuples,
 lists and dicts holding tensors and other values, a cell runs on a worker thread that
-must re-enter the caller's state, the random numbers need the per-cell streams of
-``rng.py`` when partitions share a device, and :func:`is_recomputing` must be visible to
+must re-enter the caller's state, the random numbers come from the cell's own generators
+(``rng.py``), and :func:`is_recomputing` must be visible to
 layers. One small autograd function does all of that in one place.
 """
 

@@ -42,7 +42,7 @@ from torchgpipe.checkpoint import checkpoint
 from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import flatten, map_tensors
-from torchgpipe.rng import CellRandomness, draw_seed, generator_key
+from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.skippable import SkipKey, Skippable
 from torchgpipe.skip.tracker import run_cell
@@ -113,7 +113,7 @@ class _Run:
     m: int
     checkpoint_stop: int  # micro-batches i < checkpoint_stop are checkpointed
     state: ThreadState
-    seed: int | None  # for the private random streams of partitions that share a device
+    seed: int  # the cells' random numbers derive from it (rng.py)
     compute: list[AnyStream]
     copy: list[AnyStream]
     source: AnyStream  # where the caller produced the input
@@ -146,11 +146,8 @@ class Pipeline:
             layout.outbound(j) if _has_skippables(p) else None
             for j, p in enumerate(self.partitions)
         ]
-        # Partitions that share a device share its random number generator: see rng.py.
         # Recomputation must not update plain batch norm's running statistics again.
         self._guards = [_batch_norm_guard(p) for p in self.partitions]
-        generators = [generator_key(d) for d in self.devices]
-        self.shares_device = [generators.count(g) > 1 for g in generators]
         self.streams = PartitionStreams(self.devices)  # kept from run to run: see stream.py
         self.tracer: Trace | None = None  # set by GPipe.trace()
         self._pool: WorkerPool | None = None  # started by the first run
@@ -182,12 +179,11 @@ class Pipeline:
                 with a note naming the partition and micro-batch.
         """
         n, m = len(self.partitions), len(batches)
-        isolate = checkpoint_stop > 0 and any(self.shares_device)
         run = _Run(
             m=m,
             checkpoint_stop=checkpoint_stop,
             state=ThreadState.capture(),
-            seed=draw_seed() if isolate else None,
+            seed=draw_seed(),
             compute=[self.streams.compute(j) for j in range(n)],
             copy=[self.streams.copy(j) for j in range(n)],
             source=current_stream(_device_of(batches[0])),
@@ -314,10 +310,7 @@ class Pipeline:
     ) -> tuple[Any, Tensor | None]:
         """Run ``function(value)`` as cell (i, j): checkpointed or not, with its edges."""
         device = self.devices[j]
-        seed = None
-        if run.seed is not None and self.shares_device[j]:
-            seed = (run.seed + 1_000_003 * j + i) % 2**63
-        randomness = CellRandomness(device, seed)
+        randomness = CellRandomness(cell_seed(run.seed, i, j))
         # A phony for the next micro-batch's cell on this partition (see dependency.py).
         wants_phony = run.state.grad_enabled and i + 1 < run.m
         if i < run.checkpoint_stop:
@@ -345,10 +338,7 @@ class Pipeline:
         if run.trace is not None and run.state.grad_enabled:
             backward = BackwardSpan(run.trace, j, i)
             value = backward.mark_input(value, list(self.partitions[j].parameters()))
-        if seed is not None:
-            with randomness.forward():
-                output = function(value)
-        else:
+        with randomness.forward():
             output = function(value)
         if backward is not None:
             output = backward.mark_output(output)

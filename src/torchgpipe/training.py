@@ -55,7 +55,7 @@ from torchgpipe.copy import move
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import Spec, flatten, gather, scatter, unflatten
 from torchgpipe.pipeline import _add_note, _device_of
-from torchgpipe.rng import CellRandomness, draw_seed
+from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import (
     Action,
     Schedule,
@@ -212,7 +212,6 @@ class _Stages:
     routes: tuple[SkipRoute, ...]
     guards: dict[int, Guard | None]
     streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
-    shares_device: dict[int, bool]
     checkpoint_stop: int  # micro-batches below this are checkpointed
     tracer: Trace | None = None
 
@@ -230,7 +229,6 @@ class _Stages:
             routes=model.skip_layout.routes,
             guards=dict(enumerate(pipeline._guards)),
             streams={s: (pipeline.streams.compute(s), pipeline.streams.copy(s)) for s in range(n)},
-            shares_device={s: pipeline.shares_device[s] for s in range(n)},
             checkpoint_stop=stop if model.training else 0,
             tracer=pipeline.tracer,
         )
@@ -583,9 +581,7 @@ class _Run:
         self.state = ThreadState.capture()
         self.split = table.splits_backward
         self.checkpoint_stop = stages.checkpoint_stop
-        isolate = self.checkpoint_stop > 0 and any(stages.shares_device.values())
-        self.seed = draw_seed() if isolate else None
-        self.shares_device = stages.shares_device
+        self.seed = draw_seed()
         rank_device = {table.placement[s]: device for s, device in stages.devices.items()}
         self.rank_device = rank_device
         # A rank runs its stages on one device (checked by the schedules), and on the
@@ -699,13 +695,10 @@ class _Run:
         packed = value if self.outbound[s] is None and not inbound else (value, inbound)
         leaves, spec = flatten(packed)
         checkpointed = i < self.checkpoint_stop
-        seed = None
-        if self.seed is not None and self.shares_device[s]:
-            seed = (self.seed + 1_000_003 * s + i) % 2**63
         needs = [x.requires_grad for x in leaves if isinstance(x, Tensor)]
         cell = _Cell(
             checkpointed=checkpointed,
-            randomness=CellRandomness(self.devices[s], seed),
+            randomness=CellRandomness(cell_seed(self.seed, i, s)),
             spec=spec,
             leaves=[],
             needs=needs,
@@ -738,10 +731,7 @@ class _Run:
             )
         cell.leaves = [_leaf(x, s == 0) if isinstance(x, Tensor) else x for x in leaves]
         cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
-        # On a shared device the other cells draw from private streams (rng.py), whose
-        # states go through the default generator; this cell must not draw beside them.
-        private = cell.randomness.forward() if seed is not None else nullcontext()
-        with self.state.apply(grad_enabled=True), private:
+        with self.state.apply(grad_enabled=True), cell.randomness.forward():
             result = self._call(s, unflatten(_aliases(cell.leaves), spec))
         cell.outputs = _tensors(result)
         return cell, result

@@ -194,7 +194,6 @@ class PipelineStage(nn.Module):
             routes=self.skip_layout.routes,
             guards={s: _batch_norm_guard(self.partitions[s]) for s in self.stages},
             streams=dict.fromkeys(self.stages, (self._streams.compute(0), self._streams.copy(0))),
-            shares_device=dict.fromkeys(self.stages, len(self.stages) > 1),
             checkpoint_stop=stop if self.training else 0,
         )
 

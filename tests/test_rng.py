@@ -1,0 +1,380 @@
+"""Random numbers: what a cell draws depends on the seed, the micro-batch and the partition.
+
+Not on the checkpoint mode, the schedule, the threads' timing or what other threads draw;
+recomputation draws what the forward drew. Each test here can fail: a cell that drew
+from the process-wide generator would break them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from torchgpipe import GPipe, pipeline
+from torchgpipe.rng import CellRandomness, cell_seed, draw_seed, random_functions
+from torchgpipe.training import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+)
+
+CHECKPOINTS = ["always", "except_last", "never"]
+
+
+def dropout_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Dropout(0.5),
+        nn.Linear(16, 16),
+        nn.Dropout(0.3),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Dropout(0.5),
+        nn.Linear(16, 4),
+    )
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(output, target)
+
+
+def _grads(model: nn.Module) -> list[Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@contextmanager
+def drawing_elsewhere() -> Iterator[None]:
+    """Another thread draws from the default generator all the while (data augmentation)."""
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            torch.rand(64)
+
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+# The bug this module fixes: recomputation drew other masks when another thread drew.
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("path", ["model(x)", "Schedule1F1B"])
+def test_rng_recomputation_draws_the_forwards_masks_while_another_thread_draws(
+    path: str, checkpoint: str
+) -> None:
+    # With x = 1 and dropout layers only, the output reveals the forward's masks and the
+    # input's gradient the recomputation's.
+    n = 3
+    model = GPipe(nn.Sequential(*[nn.Dropout(0.5) for _ in range(n)]), [1] * n, chunks=8,
+                  checkpoint=checkpoint)  # fmt: skip
+    schedule = Schedule1F1B(model, lambda out, _: out.sum(), reduction="sum")
+    with drawing_elsewhere():
+        for _ in range(10):
+            x = torch.ones(16, 256, requires_grad=True)
+            if path == "model(x)":
+                out = model(x)
+                out.sum().backward()
+            else:
+                out = schedule.step(x, torch.zeros(16)).output
+            assert x.grad is not None
+            mask = out.detach() != 0
+            assert torch.equal(x.grad * mask, mask * 2.0**n)
+            assert torch.equal(x.grad != 0, mask)
+
+
+# Reproducible in every mode, and the modes interchangeable.
+
+
+def _run(checkpoint: str, seed: int = 3, **options: Any) -> tuple[Tensor, list[Tensor]]:
+    model = GPipe(dropout_net(), [2, 2, 2, 2], chunks=4, checkpoint=checkpoint, **options)
+    return _forward_backward(model, seed)
+
+
+def _forward_backward(model: GPipe, seed: int) -> tuple[Tensor, list[Tensor]]:
+    torch.manual_seed(seed)
+    out = model(torch.randn(12, 8, generator=torch.Generator().manual_seed(1)))
+    out.sum().backward()
+    return out.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_rng_runs_repeat_under_manual_seed(checkpoint: str) -> None:
+    out1, grads1 = _run(checkpoint)
+    out2, grads2 = _run(checkpoint)
+    assert torch.equal(out1, out2)
+    for g1, g2 in zip(grads1, grads2, strict=True):
+        assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_rng_once_the_seed_is_drawn_other_threads_change_nothing(
+    checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another thread that draws moves the default generator, so it changes the seed a
+    # forward reads (that is the one draw a forward makes); given the seed, nothing else.
+    monkeypatch.setattr(pipeline, "draw_seed", lambda: 1234)
+    models = [GPipe(dropout_net(), [2, 2, 2, 2], chunks=4, checkpoint=checkpoint) for _ in "ab"]
+    out1, grads1 = _forward_backward(models[0], 3)
+    with drawing_elsewhere():
+        out2, grads2 = _forward_backward(models[1], 3)
+    assert torch.equal(out1, out2)
+    for g1, g2 in zip(grads1, grads2, strict=True):
+        assert torch.equal(g1, g2)
+
+
+def test_rng_another_seed_draws_other_masks() -> None:
+    assert not torch.equal(_run("never", seed=3)[0], _run("never", seed=4)[0])
+
+
+def test_rng_checkpoint_modes_draw_the_same_numbers() -> None:
+    out, grads = _run("never")
+    for checkpoint in ("always", "except_last"):
+        other_out, other_grads = _run(checkpoint)
+        torch.testing.assert_close(other_out, out, rtol=0, atol=0)
+        for g, h in zip(other_grads, grads, strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-6, atol=1e-7)
+
+
+def test_rng_devices_do_not_change_what_cells_draw() -> None:
+    # 'cpu:0' and 'cpu:1' are different devices to ==, and the same generator.
+    out, _ = _run("always")
+    indexed, _ = _run("always", devices=["cpu:0", "cpu:1", "cpu", "cpu:0"])
+    assert torch.equal(out, indexed)
+
+
+SCHEDULES: dict[str, Callable[..., Any]] = {
+    "ScheduleGPipe": ScheduleGPipe,
+    "Schedule1F1B": Schedule1F1B,
+    "ScheduleZeroBubble": ScheduleZeroBubble,
+    "ScheduleInterleaved1F1B": partial(ScheduleInterleaved1F1B, virtual_stages=2),
+}
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_rng_schedules_draw_what_model_x_draws(schedule: str, checkpoint: str) -> None:
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+
+    reference = GPipe(dropout_net(), [2, 2, 2, 2], chunks=4, checkpoint="never")
+    torch.manual_seed(9)
+    expected = reference(x)
+    _mse(expected, target).backward()
+
+    model = GPipe(dropout_net(), [2, 2, 2, 2], chunks=4, checkpoint=checkpoint)
+    torch.manual_seed(9)
+    result = SCHEDULES[schedule](model, _mse).step(x, target)
+    torch.testing.assert_close(result.output, expected.detach(), rtol=0, atol=0)
+    for g, h in zip(_grads(model), _grads(reference), strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-6, atol=1e-7)
+
+
+def test_rng_a_forward_reads_the_default_generator_once_and_never_sets_it() -> None:
+    model = GPipe(dropout_net(), [2, 2, 2, 2], chunks=4, checkpoint="always")
+    x = torch.randn(12, 8)
+    torch.manual_seed(5)
+    out = model(x)
+    after_forward = torch.get_rng_state()
+    torch.manual_seed(5)
+    draw_seed()
+    assert torch.equal(torch.get_rng_state(), after_forward)  # one draw: the seed
+    out.sum().backward()  # recomputation draws from the cells' own generators
+    assert torch.equal(torch.get_rng_state(), after_forward)
+
+
+# The cells' generators, and the functions that draw from them.
+
+
+def test_rng_cell_seeds_differ_between_cells_and_runs() -> None:
+    seeds = {cell_seed(seed, i, j) for seed in (0, 1) for i in range(32) for j in range(8)}
+    assert len(seeds) == 2 * 32 * 8
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def _twice(fn: Callable[[], Any], seed: int = 11) -> tuple[Any, Any]:
+    """``fn()`` in a cell's forward and in its replay."""
+    randomness = CellRandomness(seed)
+    with randomness.forward():
+        first = fn()
+    torch.rand(100)  # the default generator moves on in between
+    with randomness.replay():
+        second = fn()
+    return first, second
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor):
+        return torch.equal(a, b)
+    return all(_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def x8() -> Tensor:
+    return torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(0))
+
+
+CALLS: dict[str, Callable[[], Any]] = {
+    "rand": lambda: torch.rand(5),
+    "randn": lambda: torch.randn(2, 3, dtype=torch.float64),
+    "randint": lambda: torch.randint(0, 100, (7,)),
+    "randperm": lambda: torch.randperm(10),
+    "normal": lambda: torch.normal(torch.zeros(5), torch.ones(5)),
+    "normal floats": lambda: torch.normal(0.0, 1.0, (5,)),
+    "bernoulli": lambda: torch.bernoulli(torch.full((9,), 0.5)),
+    "multinomial": lambda: torch.multinomial(torch.ones(10), 4),
+    "poisson": lambda: torch.poisson(torch.full((6,), 3.0)),
+    "Tensor.uniform_": lambda: torch.empty(5).uniform_(-1, 1),
+    "Tensor.normal_": lambda: torch.empty(5).normal_(),
+    "Tensor.bernoulli_": lambda: torch.empty(5).bernoulli_(0.5),
+    "Tensor.random_": lambda: torch.empty(5).random_(0, 10),
+    "Tensor.exponential_": lambda: torch.empty(5).exponential_(),
+    "rand_like": lambda: torch.rand_like(torch.empty(3, 2)),
+    "randn_like": lambda: torch.randn_like(torch.empty(3, 2, dtype=torch.float64)),
+    "randint_like": lambda: torch.randint_like(torch.empty(4), 3, 9),
+    "init": lambda: nn.init.kaiming_uniform_(torch.empty(4, 4)),
+    "dropout": lambda: F.dropout(torch.ones(64), 0.5),
+    "nn.Dropout": lambda: nn.Dropout(0.2)(torch.ones(64)),
+    "dropout2d": lambda: F.dropout2d(x8(), 0.5),
+    "alpha_dropout": lambda: F.alpha_dropout(torch.ones(64), 0.5, training=True),
+    "torch.dropout": lambda: torch.dropout(torch.ones(64), 0.5, True),
+    "rrelu": lambda: F.rrelu(-torch.ones(64), training=True),
+    "gumbel_softmax": lambda: F.gumbel_softmax(torch.zeros(4, 5), hard=True),
+    "fractional_max_pool2d": lambda: F.fractional_max_pool2d(x8(), 2, output_size=4),
+    "attention dropout": lambda: F.scaled_dot_product_attention(
+        x8()[:, :2, :, :4], x8()[:, :2, :, :4], x8()[:, :2, :, :4], dropout_p=0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_rng_each_random_function_draws_from_the_cell(name: str) -> None:
+    first, second = _twice(CALLS[name])
+    assert _equal(first, second)  # the replay draws what the forward drew
+    other, _ = _twice(CALLS[name], seed=12)
+    assert not _equal(first, other)  # and the cell's seed decides it
+
+
+def test_rng_a_generator_given_explicitly_is_kept() -> None:
+    def draw() -> Tensor:
+        return torch.rand(5, generator=torch.Generator().manual_seed(1))
+
+    first, _ = _twice(draw, seed=1)
+    other, _ = _twice(draw, seed=2)
+    assert torch.equal(first, other)
+    assert torch.equal(first, torch.rand(5, generator=torch.Generator().manual_seed(1)))
+
+
+def test_rng_random_functions_are_listed() -> None:
+    names = random_functions()
+    for name in ("torch.rand", "Tensor.bernoulli_", "torch.nn.functional.dropout",
+                 "torch.nn.functional.scaled_dot_product_attention"):  # fmt: skip
+        assert name in names
+
+
+# The dropout family, rewritten on generators, keeps torch's semantics.
+
+
+def _in_cell(fn: Callable[[], Any]) -> Any:
+    with CellRandomness(5).forward():
+        return fn()
+
+
+def test_rng_dropout_scales_the_kept_and_zeroes_the_rest() -> None:
+    out = _in_cell(lambda: F.dropout(torch.ones(10_000), 0.25))
+    kept = out != 0
+    assert torch.equal(out[kept], torch.full_like(out[kept], 1 / 0.75))
+    assert 0.7 < kept.double().mean().item() < 0.8
+
+
+def test_rng_dropout_edge_cases() -> None:
+    x = torch.randn(3, 4)
+    assert _in_cell(lambda: F.dropout(x, 0.5, training=False)) is x
+    assert torch.equal(_in_cell(lambda: F.dropout(x, 0.0)), x)
+    assert torch.equal(_in_cell(lambda: F.dropout(x, 1.0)), torch.zeros_like(x))
+    with pytest.raises(ValueError, match=r"between 0 and 1, but got 1\.5"):
+        _in_cell(lambda: F.dropout(x, 1.5))
+    y = torch.ones(100)
+    out = _in_cell(lambda: F.dropout(y, 0.5, inplace=True))
+    assert out is y
+
+
+def test_rng_feature_dropout_drops_whole_channels() -> None:
+    out = _in_cell(lambda: F.dropout2d(torch.ones(8, 16, 5, 5), 0.5))
+    per_channel = out.flatten(2)
+    assert torch.equal(per_channel.amin(-1), per_channel.amax(-1))  # a channel all alike
+    unbatched = _in_cell(lambda: F.dropout1d(torch.ones(16, 7), 0.5))
+    assert unbatched.shape == (16, 7)
+    assert torch.equal(unbatched.amin(-1), unbatched.amax(-1))
+
+
+def test_rng_alpha_dropout_keeps_mean_and_variance() -> None:
+    x = torch.randn(200_000, dtype=torch.float64)
+    out = _in_cell(lambda: F.alpha_dropout(x, 0.2, training=True))
+    assert abs(out.mean().item()) < 0.02
+    assert abs(out.var().item() - 1) < 0.03
+
+
+def test_rng_dropout_gradients_follow_the_mask() -> None:
+    x = torch.ones(1000, requires_grad=True)
+    out = _in_cell(lambda: F.dropout(x, 0.5))
+    out.sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, out.detach())
+
+
+def test_rng_attention_dropout_matches_the_plain_formula() -> None:
+    q, k, v = (
+        torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)
+    )
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+
+    def ours() -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3)
+
+    def by_hand() -> Tensor:
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(4)).masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        return F.dropout(weights, 0.3) @ v  # the same draws, in the same order
+
+    torch.testing.assert_close(_in_cell(ours), _in_cell(by_hand))
+    without = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(_in_cell(lambda: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask)), without)  # fmt: skip
+
+
+def test_rng_gumbel_softmax_hard_is_one_hot_with_soft_gradients() -> None:
+    logits = torch.randn(6, 5, requires_grad=True)
+    out = _in_cell(lambda: F.gumbel_softmax(logits, tau=0.5, hard=True))
+    assert torch.equal(out.detach().sum(-1), torch.ones(6))
+    assert set(out.detach().unique().tolist()) <= {0.0, 1.0}
+    out[:, 0].sum().backward()
+    assert logits.grad is not None
+    assert logits.grad.abs().sum() > 0
+
+
+def test_rng_models_copied_draw_alike() -> None:
+    model = GPipe(dropout_net(), [4, 4], chunks=2)
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    torch.manual_seed(1)
+    a = model(x)
+    torch.manual_seed(1)
+    b = twin(x)
+    assert torch.equal(a, b)
