@@ -27,6 +27,7 @@ def test_signature_matches_torchgpipe() -> None:
     ]
     keyword_only = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert [p.name for p in keyword_only] == list(params)[2:]
+    assert params["balance"].default is None  # GPipe(module) raises BalanceError
     assert params["chunks"].default == 1
     assert params["checkpoint"].default == "except_last"
     assert params["devices"].default is None
@@ -40,6 +41,26 @@ def test_attributes() -> None:
     assert model.chunks == 3
     assert model.checkpoint == "except_last"
     assert [len(p) for p in model.partitions] == [1, 3]
+
+
+def test_partitions_are_a_module_list_that_adds_no_state() -> None:
+    model = GPipe(_mlp(), [1, 3])
+    assert isinstance(model.partitions, nn.ModuleList)
+    assert model.partitions[1][0] is model[1]
+    assert list(model.state_dict()) == list(_mlp().state_dict())
+
+
+def test_balance_left_out_points_to_automatic_balancing() -> None:
+    with pytest.raises(BalanceError, match=r"balance is required.*torchgpipe\.balance"):
+        GPipe(_mlp())
+
+
+def test_numpy_integers_are_accepted_for_chunks_and_balance() -> None:
+    np = pytest.importorskip("numpy")
+    model = GPipe(_mlp(), np.array([2, 2]), chunks=np.int64(3))
+    assert model.chunks == 3
+    assert type(model.chunks) is int
+    assert model(torch.randn(6, 4)).shape == (6, 4)
 
 
 def test_default_devices_without_cuda_are_cpu() -> None:
@@ -157,6 +178,12 @@ def test_cuda_device_without_cuda_rejected() -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         GPipe(_mlp(), [2, 2], devices=["cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("chunks", [2.0, "2", True])
+def test_chunks_that_are_not_integers_rejected(chunks: object) -> None:
+    with pytest.raises(TypeError, match="chunks must be an int"):
+        GPipe(_mlp(), [4], chunks=chunks)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("chunks", [0, -2])

@@ -1,5 +1,9 @@
 """@skippable, stash, pop, Namespace: on their own and in a plain nn.Sequential."""
 
+import copy
+import functools
+import pickle
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -86,19 +90,71 @@ def test_none_is_a_skip_value() -> None:
 
 def test_namespaces_compare_by_identity() -> None:
     assert Namespace() != Namespace()
+
+
+def test_a_copy_of_a_namespace_equals_it() -> None:
+    ns = Namespace("level")
+    for twin in (copy.deepcopy(ns), copy.copy(ns), pickle.loads(pickle.dumps(ns))):
+        assert twin == ns
+        assert hash(twin) == hash(ns)
+        assert SkipKey(twin, "x") == SkipKey(ns, "x")
+    assert copy.deepcopy(GLOBAL_NAMESPACE) is GLOBAL_NAMESPACE
+
+
+def test_layers_isolated_together_and_copied_one_by_one_still_match() -> None:
+    ns = Namespace()
+    layers = [copy.deepcopy(layer) for layer in (Stash().isolate(ns), Pop().isolate(ns))]
+    torch.testing.assert_close(nn.Sequential(*layers)(torch.ones(1)), torch.tensor([3.0]))
     ns = Namespace("level 1")
     assert SkipKey(ns, "x") == SkipKey(ns, "x")
     assert "level 1" in str(SkipKey(ns, "x"))
     assert str(SkipKey(GLOBAL_NAMESPACE, "x")) == "'x'"
 
 
-def test_forward_must_be_a_generator() -> None:
+def test_forward_must_give_a_generator() -> None:
     class Plain(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             return x
 
-    with pytest.raises(TypeError, match=r"Plain.forward to be a generator.*has no yield"):
-        skippable(stash=["skip"])(Plain)
+    layer = skippable(stash=["skip"])(Plain)()
+    with pytest.raises(TypeError, match=r"Plain.forward returned Tensor, not a generator"):
+        layer(torch.ones(1))
+
+
+def test_a_forward_wrapped_by_a_decorator_is_driven() -> None:
+    # torchgpipe 0.0.7 users decorate forward (for logging, say) with functools.wraps.
+    def logged(forward):  # type: ignore[no-untyped-def]
+        @functools.wraps(forward)
+        def wrapper(self, *args):  # type: ignore[no-untyped-def]
+            return forward(self, *args)
+
+        return wrapper
+
+    @skippable(stash=["skip"])
+    class Logged(nn.Module):
+        @logged
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x * 2)
+            return x
+
+    ns = Namespace()
+    model = nn.Sequential(Logged().isolate(ns), Pop().isolate(ns))
+    torch.testing.assert_close(model(torch.ones(1)), torch.tensor([3.0]))
+
+
+def test_a_forward_that_returns_a_helpers_generator_is_driven() -> None:
+    @skippable(pop=["skip"])
+    class Helped(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            return self._add(x)
+
+        def _add(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            return x + skip
+
+    ns = Namespace()
+    model = nn.Sequential(Stash().isolate(ns), Helped().isolate(ns))
+    assert torch.equal(model(torch.ones(1)), torch.tensor([3.0]))  # 2 from Stash, 1 popped
 
 
 def test_skippable_decorates_module_classes_only() -> None:
@@ -223,13 +279,12 @@ def test_a_subclass_may_be_decorated_again_with_other_names() -> None:
 
 
 def test_a_subclass_cannot_make_forward_a_plain_function() -> None:
-    with pytest.raises(
-        TypeError, match=r"Plain.forward must be a generator, as Plain is a skippable"
-    ):
+    class Plain(Stash):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            return x
 
-        class Plain(Stash):
-            def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-                return x
+    with pytest.raises(TypeError, match=r"Plain.forward returned Tensor, not a generator"):
+        Plain()(torch.ones(1))
 
 
 def test_a_failing_layer_takes_back_its_stash() -> None:

@@ -98,7 +98,7 @@ class GPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Iterable[int] | None,
+        balance: Iterable[int] | None = None,
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
@@ -147,9 +147,13 @@ class GPipe(nn.Module):
         self._pipeline = Pipeline(partitions, self.devices, self.skip_layout)
 
     @property
-    def partitions(self) -> list[nn.Sequential]:
-        """The partitions, in order, each an ``nn.Sequential`` on its device."""
-        return list(self._pipeline.partitions)  # type: ignore[arg-type]
+    def partitions(self) -> nn.ModuleList:
+        """The partitions, in order, each an ``nn.Sequential`` on its device.
+
+        A new ``nn.ModuleList`` over the partitions at each access, not registered as a
+        child: the layers are the model's children once, under their own names.
+        """
+        return nn.ModuleList(self._pipeline.partitions)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -369,8 +373,12 @@ def _as_device(device: Device) -> torch.device:
 
 
 def _check_chunks(chunks: int) -> int:
-    if isinstance(chunks, bool) or not isinstance(chunks, int):
-        raise TypeError(f"chunks must be an int, got {chunks!r}")
+    try:
+        if isinstance(chunks, bool):
+            raise TypeError
+        chunks = operator.index(chunks)  # an int, or a NumPy integer
+    except TypeError:
+        raise TypeError(f"chunks must be an int, got {chunks!r}") from None
     if chunks <= 0:
         raise ValueError(
             f"chunks must be a positive number of micro-batches, got {chunks}; pass "

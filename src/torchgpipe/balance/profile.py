@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe.microbatch import flatten, map_tensors, scatter
-from torchgpipe.skip.skippable import SkipKey, Skippable
+from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import SkipTracker, use_tracker
 
 __all__ = ["layerwise_size", "layerwise_time"]
@@ -52,16 +52,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
-    # Namespaces are kept, not copied: each layer is copied on its own, and a stashing
-    # layer's copy and the popping layer's copy must still name their skip alike.
-    namespaces = {
-        id(ns): ns
-        for layer in module.modules()
-        if isinstance(layer, Skippable)
-        for ns in layer._skip_namespaces().values()
-    }
+    # Each layer is copied on its own; a stashing layer's copy and the popping layer's
+    # copy still name their skip alike, since a copy of a Namespace equals it.
     for layer in module:
-        yield copy.deepcopy(layer, dict(namespaces)).to(device).train()
+        yield copy.deepcopy(layer).to(device).train()
 
 
 @contextmanager

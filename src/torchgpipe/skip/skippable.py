@@ -27,7 +27,7 @@ without their skips colliding. Names no namespace was given live in a global one
 
 from __future__ import annotations
 
-import inspect
+import uuid
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -42,7 +42,9 @@ __all__ = ["Namespace", "SkipKey", "Skippable", "pop", "skippable", "stash"]
 class Namespace:
     """A scope for skip names, so that one skippable class can be used many times.
 
-    Namespaces compare by identity: two ``Namespace()`` are always different.
+    Two ``Namespace()`` are always different. A copy of one (``copy.deepcopy``, pickle,
+    ``torch.save``) equals it, as in torchgpipe 0.0.7: layers isolated in one namespace
+    and copied one by one still find each other's skips.
 
     Example::
 
@@ -53,16 +55,28 @@ class Namespace:
 
     def __init__(self, label: str | None = None) -> None:
         self.label = label
+        self._id = uuid.uuid4()
 
     def __repr__(self) -> str:
-        return f"Namespace({self.label!r})" if self.label else f"<Namespace at {id(self):#x}>"
+        return f"Namespace({self.label!r})" if self.label else f"<Namespace {self._id.hex[:8]}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Namespace) and other._id == self._id
+
+    def __hash__(self) -> int:
+        return hash(self._id)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # deepcopy and pickle: a copied model's layers and its layout must still agree on
-        # the one global namespace; other namespaces are copied once per copy of a model.
+        # deepcopy and pickle keep the identity; the global namespace stays the one object.
         if self is GLOBAL_NAMESPACE:
             return (_global_namespace, ())
-        return (Namespace, (self.label,))
+        return (_restore_namespace, (self.label, self._id))
+
+
+def _restore_namespace(label: str | None, id: uuid.UUID) -> Namespace:
+    namespace = Namespace(label)
+    namespace._id = id
+    return namespace
 
 
 def _global_namespace() -> Namespace:
@@ -124,13 +138,10 @@ class Skippable(nn.Module):
         forward = cls.__dict__.get("forward")
         if forward is None:
             return
-        if not inspect.isgeneratorfunction(forward):
-            raise TypeError(
-                f"{cls.__name__}.forward must be a generator, as {cls.__name__} is a "
-                f"skippable module: it yields stash(name, tensor) and pop(name), then "
-                f"returns its output"
-            )
-        # The generator is kept aside and forward drives it (see Skippable.forward).
+        # The generator function is kept aside and forward drives it (Skippable.forward).
+        # Whether it gives a generator is checked when it is called: a forward wrapped by
+        # a decorator, or one that returns a helper's generator, is a generator function
+        # only by what it returns.
         cls._generator_forward = forward
         cls.forward = Skippable.forward  # type: ignore[method-assign]  # the driver
 
@@ -184,6 +195,13 @@ class Skippable(nn.Module):
                 was not stashed or popped by the time ``forward`` returned.
         """
         generator = self._generator_forward(*args, **kwargs)
+        if not isinstance(generator, Generator):
+            raise TypeError(
+                f"{self._where()} returned {type(generator).__name__}, not a generator; "
+                f"{type(self).__name__} is a skippable module: its forward yields "
+                f"stash(name, tensor) and pop(name), then returns its output (or returns "
+                f"a generator that does)"
+            )
         tracker = current_tracker()
         stashed: set[str] = set()
         popped: set[str] = set()
@@ -259,9 +277,13 @@ def skippable(
     and of :class:`Skippable`, with the same name; it works in a plain ``nn.Sequential``
     as well as in GPipe.
 
+    ``forward`` is a generator function, or any callable that returns a generator (a
+    generator function wrapped by ``functools.wraps``, or a ``forward`` that returns a
+    helper's generator); calling the module raises ``TypeError`` if it returns
+    something else.
+
     Raises:
-        TypeError: the decorated object is not an ``nn.Module`` class, or its
-            ``forward`` is not a generator function.
+        TypeError: the decorated object is not an ``nn.Module`` class.
         ValueError: a name is declared twice, or both stashed and popped.
     """
     stash_names, pop_names = _names(stash, "stash"), _names(pop, "pop")
@@ -280,12 +302,6 @@ def skippable(
         forward: Callable[..., Any] = cls.forward
         if issubclass(cls, Skippable):
             forward = cls._generator_forward
-        if not inspect.isgeneratorfunction(forward):
-            raise TypeError(
-                f"@skippable needs {cls.__name__}.forward to be a generator: it yields "
-                f"stash(name, tensor) and pop(name), then returns its output; "
-                f"{cls.__name__}.forward has no yield"
-            )
         namespace = {
             "stash_names": stash_names,
             "pop_names": pop_names,
