@@ -1,7 +1,9 @@
 """The trace of every cell: recorded order, summary, Chrome export and timeline."""
 
 import copy
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -167,6 +169,22 @@ def test_backward_spans_of_a_partition_whose_input_needs_no_grad() -> None:
         assert backward[(i, 0)].start >= backward[(i, 1)].start  # partition 1 first
 
 
+def test_a_traced_forward_without_backward_leaves_no_hook_and_frees_the_trace() -> None:
+    # The first partition's input needs no gradient, so its parameters get hooks that end
+    # its backward spans; with no backward, they must go with the graph.
+    model = GPipe(
+        nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)), [1, 1], chunks=2, checkpoint="never"
+    )
+    with model.trace() as trace:
+        out = model(torch.randint(10, (4, 3)))
+    assert model[0].weight._post_accumulate_grad_hooks  # the hooks are on, meanwhile
+    alive = weakref.ref(trace)
+    del trace, out
+    gc.collect()
+    assert alive() is None
+    assert not model[0].weight._post_accumulate_grad_hooks
+
+
 def test_trace_under_no_grad_and_after_a_failure() -> None:
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,3 +207,25 @@ def test_copies_made_during_a_trace_are_not_traced() -> None:
         twin = copy.deepcopy(model)
     assert twin._pipeline.tracer is None
     twin(torch.randn(8, 4)).sum().backward()
+
+
+def test_actions_show_in_torch_profiler_by_name() -> None:
+    # torch.profiler records threads other than its own only with profile_all_threads.
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import profile
+
+    from torchgpipe.training import Schedule1F1B
+
+    try:
+        config = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        pytest.skip("this torch's profiler cannot record all threads")
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2,
+                  checkpoint="always")  # fmt: skip
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    with profile(experimental_config=config) as prof:
+        model(x).sum().backward()  # forward cells, and the checkpointed cells' backward
+        Schedule1F1B(model, nn.functional.mse_loss).step(x, y)
+    names = {event.name for event in prof.events()}
+    cells = {f"{j}{kind}{i}" for j in range(2) for kind in "FB" for i in range(2)}
+    assert cells <= names

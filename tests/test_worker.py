@@ -1,6 +1,7 @@
 import gc
 import threading
 
+import pytest
 import torch
 
 from torchgpipe.worker import ThreadState, WorkerPool
@@ -20,7 +21,7 @@ def _in_thread(state: ThreadState) -> tuple[bool, bool, torch.dtype]:
             )
 
     pool = WorkerPool(1, name="test")
-    pool.submit(0, job)
+    pool.submit(0, job, _unexpected)
     pool.close()
     pool.threads[0].join(timeout=10)
     return seen[0]
@@ -46,23 +47,66 @@ def test_apply_overrides_grad_mode() -> None:
         assert not torch.is_grad_enabled()
 
 
-def test_pool_runs_jobs_in_order_per_worker_and_survives_a_raising_job() -> None:
+def _unexpected(error: BaseException) -> None:
+    raise AssertionError(f"a job raised {error!r}")
+
+
+def test_pool_runs_jobs_in_order_per_worker_and_hands_on_what_a_job_raises() -> None:
     pool = WorkerPool(2, name="test")
     done: list[tuple[int, int]] = []
+    raised: list[BaseException] = []
 
     def fail() -> None:
-        raise ZeroDivisionError
+        raise ZeroDivisionError("could not report")
 
     for k in range(3):
         for j in range(2):
-            pool.submit(j, lambda j=j, k=k: done.append((j, k)))
-        pool.submit(0, fail)
+            pool.submit(j, lambda j=j, k=k: done.append((j, k)), _unexpected)
+        pool.submit(0, fail, raised.append)
     pool.close()
     for thread in pool.threads:
         thread.join(timeout=10)
         assert not thread.is_alive()
     assert [k for j, k in done if j == 0] == [0, 1, 2]
     assert [k for j, k in done if j == 1] == [0, 1, 2]
+    assert [str(e) for e in raised] == ["could not report"] * 3
+
+
+def test_a_failure_of_on_failure_is_printed_not_lost(capsys: pytest.CaptureFixture[str]) -> None:
+    pool = WorkerPool(1, name="test")
+
+    def fail() -> None:
+        raise ZeroDivisionError("the job")
+
+    def worse(error: BaseException) -> None:
+        raise KeyError("the handler")
+
+    pool.submit(0, fail, worse)
+    pool.close()
+    pool.threads[0].join(timeout=10)
+    assert "KeyError: 'the handler'" in capsys.readouterr().err
+
+
+def test_a_pipeline_worker_that_cannot_report_fails_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, the worker swallowed this and the caller waited for an output forever.
+    from torch import nn
+
+    from torchgpipe import GPipe, pipeline
+
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+    real = pipeline._Outputs.put
+
+    def broken(self: pipeline._Outputs, item: object) -> None:
+        raise MemoryError("while reporting")
+
+    monkeypatch.setattr(pipeline._Outputs, "put", broken)
+    with pytest.raises(MemoryError, match="while reporting") as info:
+        model(torch.randn(4, 2))
+    assert any("failed while reporting" in note for note in info.value.__notes__)
+    monkeypatch.setattr(pipeline._Outputs, "put", real)
+    assert model(torch.randn(4, 2)).shape == (4, 2)  # fresh workers serve the next call
 
 
 def test_pool_threads_exit_when_the_pool_is_collected() -> None:
@@ -74,3 +118,26 @@ def test_pool_threads_exit_when_the_pool_is_collected() -> None:
     for thread in threads:
         thread.join(timeout=10)
         assert not thread.is_alive()
+
+
+def test_a_schedule_worker_that_cannot_report_fails_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch import nn
+
+    from torchgpipe import GPipe, training
+
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("in a layer")
+
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), Fails()), [1, 1], chunks=2)
+    schedule = training.Schedule1F1B(model, nn.functional.mse_loss)
+
+    def broken(self: training._Step, error: BaseException, action: object) -> None:
+        raise MemoryError("while reporting")
+
+    monkeypatch.setattr(training._Step, "fail", broken)
+    with pytest.raises(MemoryError, match="while reporting") as info:
+        schedule.step(torch.randn(4, 2), torch.randn(4, 2))
+    assert any("failed while reporting" in note for note in info.value.__notes__)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from torchgpipe.microbatch import Spec, flatten, unflatten
 from torchgpipe.rng import CellRandomness
+from torchgpipe.trace import profiled
 from torchgpipe.worker import ThreadState
 
 __all__ = ["checkpoint", "is_checkpointing", "is_recomputing"]
@@ -95,6 +96,7 @@ class _Cell:
         self.guard: Callable[[], AbstractContextManager[None]] = nullcontext
         # With a trace on: record(kind, start, end) for the recomputation and backward.
         self.record: Callable[[str, float, float], None] | None = None
+        self.name = "B"  # in torch.profiler traces
 
     def call(self, tensors: tuple[Tensor, ...]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
@@ -137,7 +139,7 @@ class _Checkpointed(torch.autograd.Function):
         # The layers get non-leaf aliases, which they may modify in place as they could
         # in forward; the leaves collect the gradients. The guard holds until the
         # recomputed graph is through: what it restores may be saved in that graph.
-        with cell.guard():
+        with profiled(cell.name), cell.guard():
             started = time.perf_counter()
             with (
                 cell.state.apply(grad_enabled=True),
@@ -207,6 +209,7 @@ def checkpoint(
     fork: bool = False,
     guard: Callable[[], AbstractContextManager[None]] | None = None,
     record: Callable[[str, float, float], None] | None = None,
+    name: str = "B",
 ) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
@@ -220,7 +223,8 @@ def checkpoint(
 
     ``guard``, when given, is entered around the recomputation (the pipeline uses it
     to keep batch norm's running statistics from being updated a second time), and
-    ``record``, when given, is told the spans of the recomputation and the backward.
+    ``record``, when given, is told the spans of the recomputation and the backward;
+    ``name`` names the recomputation and backward in ``torch.profiler`` traces.
     """
     leaves, spec = flatten(value)
     cell = _Cell(function, spec, leaves, state, randomness)
@@ -228,6 +232,7 @@ def checkpoint(
     if guard is not None:
         cell.guard = guard
     cell.record = record
+    cell.name = name
     tensors = tuple(x for x in leaves if isinstance(x, Tensor))
     # The parameters are not inputs of the autograd function, so an input that needs no
     # grad would make its outputs need none either: a phony that requires grad says they

@@ -56,7 +56,7 @@ from torchgpipe.stream import (
     use_stream,
     wait_stream,
 )
-from torchgpipe.trace import BackwardSpan, Trace
+from torchgpipe.trace import BackwardSpan, Trace, profiled
 from torchgpipe.worker import ThreadState, WorkerPool
 
 __all__ = ["Pipeline", "clock_cycles"]
@@ -92,6 +92,7 @@ class _Outputs:
 
     def __init__(self, m: int) -> None:
         self.items: list[Any] = []
+        self.lost: BaseException | None = None  # a worker that could not report
         self._m = m
         self._done = threading.Event()
 
@@ -101,8 +102,13 @@ class _Outputs:
         if len(self.items) == self._m:
             self._done.set()
 
+    def abandon(self, error: BaseException) -> None:
+        """A worker failed to report ``error``: wake the caller to raise it."""
+        self.lost = error
+        self._done.set()
+
     def wait(self) -> None:
-        """Block until all m outputs are in."""
+        """Block until all m outputs are in, or a worker could not report."""
         self._done.wait()
 
 
@@ -202,13 +208,21 @@ class Pipeline:
             workers = self._workers()
             for j in range(n):
                 outbox = queues[j + 1] if j + 1 < n else outputs
-                workers.submit(j, partial(self._work, run, j, queues[j], outbox))
+                job = partial(self._work, run, j, queues[j], outbox)
+                workers.submit(j, job, partial(_lost, run, outputs))
             try:
                 outputs.wait()
             except BaseException:  # e.g. KeyboardInterrupt: stop the cells, let them finish
                 run.abort.set()
                 outputs.wait()
                 raise
+            if outputs.lost is not None:
+                # The pipeline's items may be short: the other workers could wait on
+                # them forever. Leave those threads, and start fresh ones next time.
+                workers.close()
+                self._pool = None
+                _add_note(outputs.lost, "torchgpipe: a worker failed while reporting a result")
+                raise outputs.lost
 
         failures = [x for x in outputs.items if isinstance(x, _Failure) and x.error is not None]
         if failures:
@@ -290,7 +304,10 @@ class Pipeline:
         }
         if trace is not None:
             trace.record(j, i, "copy", started, time.perf_counter())
-        with trace.span(j, i, "forward") if trace is not None else nullcontext():
+        with (
+            profiled(f"{j}F{i}"),
+            trace.span(j, i, "forward") if trace is not None else nullcontext(),
+        ):
             if outbound_keys is None:
                 return self._compute(run, i, j, self.partitions[j], value, phony)
             function = partial(run_cell, self.partitions[j], outbound_keys)
@@ -324,6 +341,7 @@ class Pipeline:
                 fork=wants_phony,
                 guard=self._guards[j],
                 record=None if run.trace is None else partial(run.trace.record, j, i),
+                name=f"{j}B{i}",
             )
         if j == 0 and run.state.grad_enabled:
             # Micro-batches are views of one input: when it needs grad, a layer that
@@ -343,6 +361,11 @@ class Pipeline:
         if backward is not None:
             output = backward.mark_output(output)
         return fork(output) if wants_phony else (output, None)
+
+
+def _lost(run: _Run, outputs: _Outputs, error: BaseException) -> None:
+    run.abort.set()
+    outputs.abandon(error)
 
 
 def _batch_norm_guard(partition: nn.Module) -> Callable[[], AbstractContextManager[None]] | None:

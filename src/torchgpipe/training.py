@@ -45,6 +45,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -75,7 +76,7 @@ from torchgpipe.stream import (
     use_stream,
     wait_stream,
 )
-from torchgpipe.trace import Trace
+from torchgpipe.trace import Trace, profiled
 from torchgpipe.worker import ThreadState, WorkerPool
 
 __all__ = [
@@ -367,8 +368,9 @@ class PipelineSchedule(_TableSteps):
         with self._lock:
             workers = self._workers(len(table.ranks))
             done = [threading.Event() for _ in table.ranks]
+            lost: list[BaseException] = []  # what a worker raised while reporting
             for r in range(len(table.ranks)):
-                workers.submit(r, _job(run, r, done[r]))
+                workers.submit(r, _job(run, r, done[r]), partial(_lost, lost, step, done[r]))
             try:
                 for event in done:
                     event.wait()
@@ -378,6 +380,9 @@ class PipelineSchedule(_TableSteps):
                     event.wait()
                 raise
         run.hand_over()
+        if lost:
+            _add_note(lost[0], "torchgpipe: a worker failed while reporting a result")
+            raise lost[0]
         real = _real_failures(step)
         if real:
             error, action = real[0]
@@ -529,6 +534,17 @@ def _batch_size(value: Any) -> int:
     raise TypeError("a micro-batch without tensors")  # scatter() rejects such batches
 
 
+def _lost(
+    lost: list[BaseException], step: _Step, done: threading.Event, error: BaseException
+) -> None:
+    """A rank's worker raised ``error`` while reporting: stop the step; the caller raises it."""
+    lost.append(error)
+    try:
+        step.halt()  # the other ranks stop waiting for what this one will not send
+    finally:
+        done.set()
+
+
 def _job(run: _Run, r: int, done: threading.Event) -> Callable[[], None]:
     def job() -> None:
         try:
@@ -606,7 +622,7 @@ class _Run:
             if self.post.halted:
                 return
             try:
-                with use_device(device), use_stream(self.compute[r]):
+                with profiled(str(action)), use_device(device), use_stream(self.compute[r]):
                     if action.kind == "F":
                         self.forward(action.stage, action.i)
                     elif action.kind == "B":

@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -71,18 +72,23 @@ class ThreadState:
 
 
 Job = Callable[[], None]
+OnFailure = Callable[[BaseException], None]
 
 
 class WorkerPool:
     """Threads that each run, in order, the jobs submitted to them.
 
-    Jobs must catch their own exceptions and report them through their own channels;
-    one that raises anyway is dropped, and the worker goes on with the next.
+    A job reports its own failures through its own channels (a cell's failure travels
+    down the pipeline). If it raises anyway, its reporting failed, and someone is still
+    waiting for it: the worker hands the exception to the job's ``on_failure``, which
+    must wake that caller, and goes on with the next job.
     """
 
     def __init__(self, n: int, *, name: str = "torchgpipe") -> None:
         self.pid = os.getpid()
-        self._queues: list[queue.SimpleQueue[Job | None]] = [queue.SimpleQueue() for _ in range(n)]
+        self._queues: list[queue.SimpleQueue[tuple[Job, OnFailure] | None]] = [
+            queue.SimpleQueue() for _ in range(n)
+        ]
         self.threads = [
             threading.Thread(target=_serve, args=(q,), name=f"{name}-worker-{j}", daemon=True)
             for j, q in enumerate(self._queues)
@@ -92,25 +98,34 @@ class WorkerPool:
         # Stop the threads when the pool is collected; the threads do not refer to it.
         self._finalizer = weakref.finalize(self, _stop, self._queues)
 
-    def submit(self, j: int, job: Job) -> None:
-        """Run ``job`` on worker ``j`` after the jobs submitted to it before."""
-        self._queues[j].put(job)
+    def submit(self, j: int, job: Job, on_failure: OnFailure) -> None:
+        """Run ``job`` on worker ``j`` after the jobs submitted to it before.
+
+        ``on_failure(error)`` runs on the worker if ``job`` raises ``error``.
+        """
+        self._queues[j].put((job, on_failure))
 
     def close(self) -> None:
         """Tell every worker to exit once its queued jobs are done."""
         self._finalizer()
 
 
-def _stop(queues: list[queue.SimpleQueue[Job | None]]) -> None:
+def _stop(queues: list[queue.SimpleQueue[tuple[Job, OnFailure] | None]]) -> None:
     for q in queues:
         q.put(None)
 
 
-def _serve(jobs: queue.SimpleQueue[Job | None]) -> None:
+def _serve(jobs: queue.SimpleQueue[tuple[Job, OnFailure] | None]) -> None:
     while True:
-        job = jobs.get()
-        if job is None:
+        item = jobs.get()
+        if item is None:
             return
-        with suppress(BaseException):  # a job reports its own failures
+        job, on_failure = item
+        try:
             job()
-        del job  # hold nothing of the pipeline between jobs
+        except BaseException as error:  # the job could not report it: its caller must hear
+            try:
+                on_failure(error)
+            except BaseException:  # nobody left to tell: print it rather than lose it
+                traceback.print_exc()
+        del item, job, on_failure  # hold nothing of the pipeline between jobs

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -130,7 +131,7 @@ class Exchange(_Mailbox):
         self.lost: dict[int, str] = {}
         self._listening = {p: threading.Event() for p in self.peers}
         for k, peer in enumerate(self.peers):
-            pool.submit(k, self._listener(peer))
+            pool.submit(k, self._listener(peer), partial(self._listener_failed, peer))
 
     # Messages
 
@@ -195,6 +196,11 @@ class Exchange(_Mailbox):
         except BaseException as error:  # keep listening: the peer goes on sending
             self._lose(peer, f"sent a message that could not be read: {error!r}")
         return True
+
+    def _listener_failed(self, peer: int, error: BaseException) -> None:
+        self.lost.setdefault(peer, f"could not be listened to: {error!r}")
+        self._listening[peer].set()
+        self.halt()
 
     def _lose(self, peer: int, reason: str) -> None:
         self.lost.setdefault(peer, reason)
