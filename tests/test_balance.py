@@ -2,7 +2,6 @@
 
 import copy
 import itertools
-import time
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torch import Tensor, nn
 
 import torchgpipe.balance
 from torchgpipe import GPipe
-from torchgpipe.balance import balance_by_size, balance_by_time
+from torchgpipe.balance import balance_by_size, balance_by_time, profile
 from torchgpipe.balance.blockpartition import solve
 from torchgpipe.skip import Namespace
 
@@ -114,8 +113,21 @@ def test_solve_rejects_bad_input(costs: list[float], k: int, match: str) -> None
         solve(costs, k)
 
 
-class Sleep(nn.Module):
-    """Sleeps a known time in forward and again in backward."""
+class Clock:
+    """A clock that moves only when a layer says it spent time: timings without noise."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+CLOCK = Clock()  # module-wide: the profiler's copies of the layers move this one
+
+
+class Costly(nn.Module):
+    """Takes a known time in forward and again in backward, on CLOCK."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__()
@@ -123,11 +135,11 @@ class Sleep(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: Tensor) -> Tensor:
-        time.sleep(self.seconds)
-        return _SleepBackward.apply(x * self.scale, self.seconds)
+        CLOCK.now += self.seconds
+        return _CostlyBackward.apply(x * self.scale, self.seconds)
 
 
-class _SleepBackward(torch.autograd.Function):
+class _CostlyBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, x: Tensor, seconds: float) -> Tensor:
         ctx.seconds = seconds  # type: ignore[attr-defined]
@@ -135,16 +147,17 @@ class _SleepBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
-        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+        CLOCK.now += ctx.seconds  # type: ignore[attr-defined]
         return grad, None
 
 
-def test_balance_by_time_finds_the_optimal_split() -> None:
-    # Known costs (forward and backward each sleep this long); the best split into 3 has
-    # bottleneck 24 ms, and every other split is at least 4 ms (a sleep's whole
-    # overshoot many times over) slower.
+def test_balance_by_time_finds_the_optimal_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Known costs (forward and backward each take this long on the profiler's clock);
+    # the best split into 3 has bottleneck 24 ms. The clock is the layers' own, so the
+    # machine's load cannot change what the profiler measures.
+    monkeypatch.setattr(profile, "time", CLOCK)
     ms = [4, 4, 12, 8, 16, 4, 4, 8, 4]
-    model = nn.Sequential(*[Sleep(t / 1e3) for t in ms])
+    model = nn.Sequential(*[Costly(t / 1e3) for t in ms])
     balance = balance_by_time(3, model, torch.ones(2, 2), timeout=0.01, device="cpu")
     assert _largest(ms, balance) == _brute_force(ms, 3) == 24
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from torchgpipe import GPipe, pipeline
+from torchgpipe import GPipe, is_recomputing, pipeline
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed, random_functions
 from torchgpipe.training import (
     Schedule1F1B,
@@ -378,3 +378,143 @@ def test_rng_models_copied_draw_alike() -> None:
     torch.manual_seed(1)
     b = twin(x)
     assert torch.equal(a, b)
+
+
+# Layers whose random draws happen inside C++ code, and calls of every shape.
+
+
+class Recorder(nn.Module):
+    """Records its layer's output in forward and in recomputation."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.seen: dict[str, list[Tensor]] = {"forward": [], "recompute": []}
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        self.seen["recompute" if is_recomputing() else "forward"].append(y.detach().clone())
+        return y
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+        self.need_weights = need_weights
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attention(x, x, x, need_weights=self.need_weights)[0]
+
+
+LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "MultiheadAttention": lambda: SelfAttention(need_weights=False),
+    "MultiheadAttention with weights": lambda: SelfAttention(need_weights=True),
+    "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(16, 2, 32, 0.5, batch_first=True),
+    "LSTM": lambda: nn.LSTM(16, 16, 2, dropout=0.5, batch_first=True),
+    "GRU": lambda: nn.GRU(16, 16, 3, dropout=0.5, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rng_layers_that_draw_inside_cpp_recompute_their_forwards_draws(name: str) -> None:
+    torch.manual_seed(0)
+    recorder = Recorder(LAYERS[name]())
+    model = GPipe(nn.Sequential(recorder, nn.Linear(16, 1)), [1, 1], chunks=2,
+                  checkpoint="always")  # fmt: skip
+    with drawing_elsewhere():
+        model(torch.randn(4, 5, 16)).sum().backward()
+    forward, recomputed = recorder.seen["forward"], recorder.seen["recompute"]
+    assert len(recomputed) == 2
+    for again in recomputed:  # recomputed with grad on, which may round differently
+        assert any(torch.allclose(again, first, rtol=1e-5, atol=1e-6) for first in forward)
+    torch.manual_seed(1)
+    other = Recorder(LAYERS[name]())
+    other.load_state_dict(recorder.state_dict())
+    with CellRandomness(1).forward():
+        a = other(torch.ones(2, 5, 16))
+    with CellRandomness(2).forward():
+        b = other(torch.ones(2, 5, 16))
+    assert not torch.equal(a, b)  # the seed decides the dropout
+
+
+def test_rng_generators_given_positionally_are_kept() -> None:
+    def draw() -> Tensor:
+        return torch.poisson(torch.full((5,), 4.0), torch.Generator().manual_seed(3))
+
+    first, _ = _twice(draw, seed=1)
+    other, _ = _twice(draw, seed=2)
+    assert torch.equal(first, other)
+
+
+def test_rng_tensors_given_by_keyword() -> None:
+    first, second = _twice(lambda: torch.multinomial(num_samples=3, input=torch.ones(10)))
+    assert torch.equal(first, second)
+    first, second = _twice(lambda: torch.bernoulli(p=0.5, input=torch.ones(20)))
+    assert torch.equal(first, second)
+
+
+def test_rng_distributions_sample_from_the_cell() -> None:
+    from torch.distributions import Beta, Binomial, Dirichlet, Gamma
+
+    for make in (
+        lambda: Gamma(torch.full((4,), 2.0), torch.ones(4)),
+        lambda: Beta(torch.full((4,), 2.0), torch.full((4,), 3.0)),
+        lambda: Dirichlet(torch.ones(4)),
+        lambda: Binomial(10, torch.full((4,), 0.3)),
+    ):
+        first, second = _twice(lambda make=make: make().sample())
+        assert torch.equal(first, second)
+
+
+def test_rng_meta_tensors_draw_nothing_and_keep_their_shape() -> None:
+    with CellRandomness(1).forward():
+        assert torch.rand(5, device="meta").shape == (5,)
+        assert F.dropout(torch.empty(3, 4, device="meta"), 0.5).shape == (3, 4)
+
+
+def test_rng_the_loss_of_a_schedule_draws_alike_in_forward_and_recomputation() -> None:
+    drawn: list[tuple[bool, Tensor]] = []
+
+    def noisy_loss(output: Tensor, target: Tensor) -> Tensor:
+        loss = F.mse_loss(F.dropout(output, 0.5), target)
+        drawn.append((is_recomputing(), loss.detach()))
+        return loss
+
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2,
+                  checkpoint="always")  # fmt: skip
+    ScheduleGPipe(model, noisy_loss).step(torch.randn(4, 4), torch.randn(4, 4))
+    forward = [loss for again, loss in drawn if not again]
+    recomputed = [loss for again, loss in drawn if again]
+    assert len(recomputed) == 2
+    for loss in recomputed:
+        assert any(torch.equal(loss, first) for first in forward)
+
+
+def test_rng_dropout_family_shapes_and_errors_follow_torch() -> None:
+    with pytest.raises(RuntimeError, match="dropout1d: Expected 2D or 3D input"):
+        _in_cell(lambda: F.dropout1d(torch.ones(2, 3, 4, 5), 0.5))
+    x = torch.ones(8, 6)
+    assert _in_cell(lambda: F.dropout1d(x, 0.5, inplace=True)) is x  # unbatched, in place
+    # dropout3d adds a batch dimension to anything but 5-D: whole slices of dim 0 drop.
+    out = _in_cell(lambda: F.dropout3d(torch.ones(6, 5, 4), 0.5))
+    assert torch.equal(out.flatten(1).amin(1), out.flatten(1).amax(1))
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        _in_cell(lambda: torch.dropout(torch.ones(3), 1.5, True))
+
+
+def test_rng_attention_dropout_keeps_torch_semantics_at_the_edges() -> None:
+    q = torch.randn(1, 2, 3, 4)
+    masked = torch.zeros(3, 3, dtype=torch.bool)
+    out = _in_cell(lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=masked,
+                                                          dropout_p=0.5))  # fmt: skip
+    assert torch.equal(out, torch.zeros_like(out))  # a row masked whole gives zeros
+    with pytest.raises(RuntimeError, match="should not be given when is_causal"):
+        _in_cell(lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=masked,
+                                                        dropout_p=0.5, is_causal=True))  # fmt: skip
+    half = q.half()
+    out = _in_cell(lambda: F.scaled_dot_product_attention(half, half, half,
+                                                          attn_mask=torch.zeros(3, 3),
+                                                          dropout_p=0.5))  # fmt: skip
+    assert out.dtype == torch.float16

@@ -684,7 +684,9 @@ class _Run:
             for key, skip in outbound.items():
                 post.put(("S", key, i), _detached(skip))
             return
-        with self.state.apply(grad_enabled=not cell.checkpointed):
+        # The loss is part of the last stage's cell: it draws on from the cell's generators
+        # in forward, as in the recomputation.
+        with self.state.apply(grad_enabled=not cell.checkpointed), cell.randomness.forward():
             loss = self._loss(output, self._target(s, i))
         step.losses[i] = loss.detach()
         step.outputs[i] = _detached(output)
