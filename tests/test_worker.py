@@ -125,7 +125,7 @@ def test_a_schedule_worker_that_cannot_report_fails_the_step(
 ) -> None:
     from torch import nn
 
-    from torchgpipe import GPipe, training
+    from torchgpipe import GPipe, executor, training
 
     class Fails(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,10 +134,10 @@ def test_a_schedule_worker_that_cannot_report_fails_the_step(
     model = GPipe(nn.Sequential(nn.Linear(2, 2), Fails()), [1, 1], chunks=2)
     schedule = training.Schedule1F1B(model, nn.functional.mse_loss)
 
-    def broken(self: training._Step, error: BaseException, action: object) -> None:
+    def broken(self: executor.Step, error: BaseException, action: object) -> None:
         raise MemoryError("while reporting")
 
-    monkeypatch.setattr(training._Step, "fail", broken)
+    monkeypatch.setattr(executor.Step, "fail", broken)
     with pytest.raises(MemoryError, match="while reporting") as info:
         schedule.step(torch.randn(4, 2), torch.randn(4, 2))
     assert any("failed while reporting" in note for note in info.value.__notes__)

@@ -63,7 +63,7 @@ def is_recomputing() -> bool:
 
 
 @contextmanager
-def _flag(name: str) -> Iterator[None]:
+def set_flag(name: str) -> Iterator[None]:
     previous = getattr(_flags, name, False)
     setattr(_flags, name, True)
     try:
@@ -121,7 +121,7 @@ class _Checkpointed(torch.autograd.Function):
         # detach(): an input returned as it is would otherwise become a view made by a
         # custom function, which later in-place layers may not modify.
         outputs = tuple(x.detach() for x in out_leaves if isinstance(x, Tensor))
-        ctx.mark_non_differentiable(*(x for x in outputs if not _differentiable(x)))
+        ctx.mark_non_differentiable(*(x for x in outputs if not differentiable(x)))
         if cell.fork:
             outputs += (torch.empty(0, device=phony.device),)
         return outputs
@@ -143,10 +143,10 @@ class _Checkpointed(torch.autograd.Function):
             started = time.perf_counter()
             with (
                 cell.state.apply(grad_enabled=True),
-                _flag("recomputing"),
+                set_flag("recomputing"),
                 cell.randomness.replay(),
             ):
-                aliases = tuple(_alias(x) if x.requires_grad else x for x in inputs)
+                aliases = tuple(alias(x) if x.requires_grad else x for x in inputs)
                 output = cell.call(aliases)
             recomputed = time.perf_counter()
             outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
@@ -174,7 +174,7 @@ class _Alias(torch.autograd.Function):
         return grad
 
 
-def _alias(x: Tensor) -> Tensor:
+def alias(x: Tensor) -> Tensor:
     return _Alias.apply(x)  # type: ignore[no-any-return,no-untyped-call]  # apply is unannotated
 
 
@@ -194,7 +194,7 @@ def _with_tensors(leaves: list[Any], tensors: Iterable[Tensor]) -> list[Any]:
     return [next(it) if x is _SLOT else x for x in leaves]
 
 
-def _differentiable(x: Tensor) -> bool:
+def differentiable(x: Tensor) -> bool:
     return x.is_floating_point() or x.is_complex()
 
 

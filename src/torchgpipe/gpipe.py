@@ -14,6 +14,7 @@ from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.stages import Stages
 from torchgpipe.trace import Trace
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
@@ -111,12 +112,12 @@ class GPipe(nn.Module):
                 f"GPipe wraps an nn.Sequential, got {type(module).__name__}; put the "
                 f"layers of your model in order into nn.Sequential(...)"
             )
-        self.balance = _check_balance(balance, len(module))
-        _check_layers(module)
+        self.balance = check_balance(balance, len(module))
+        check_layers(module)
         verify_skippables(module)
         self.devices = _check_devices(devices, len(self.balance))
-        self.chunks = _check_chunks(chunks)
-        self.checkpoint = _check_checkpoint(checkpoint)
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
         self.deferred_batch_norm = deferred_batch_norm
@@ -185,10 +186,27 @@ class GPipe(nn.Module):
                 and the micro-batch.
         """
         batches = scatter(input, self.chunks)
-        for layer in self._deferred:
-            layer.expect(len(batches))
+        self.expect_micro_batches(len(batches))
         outputs = self._pipeline.run(batches, checkpoint_stop=self._checkpoint_stop(len(batches)))
         return gather(outputs)
+
+    def expect_micro_batches(self, m: int) -> None:
+        """Tell deferred batch norm layers that the next mini-batch comes in ``m`` pieces."""
+        for layer in self._deferred:
+            layer.expect(m)
+
+    def stages_for(self, m: int) -> Stages:
+        """The partitions as the stages of a training step of ``m`` micro-batches.
+
+        What a schedule's executor runs (``stages.py``); a trace in progress learns the
+        step's ``m``. In training mode the checkpoint mode decides which micro-batches
+        recompute, whatever the grad mode: a step records gradients anyway.
+        """
+        tracer = self._pipeline.tracer
+        if tracer is not None:
+            tracer.m = max(tracer.m, m)
+        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        return self._pipeline.stages(self.skip_layout.routes, stop if self.training else 0)
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -263,7 +281,7 @@ def _names_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(arg, torch.device | str | int | Tensor) for arg in args)
 
 
-def _check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
+def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
     if balance is None:
         raise BalanceError(
             f"balance is required: pass the number of layers of each partition, such as "
@@ -295,7 +313,7 @@ def _check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
     return values
 
 
-def _check_layers(module: nn.Sequential) -> None:
+def check_layers(module: nn.Sequential) -> None:
     """Refuse a layer that appears twice, and tensors shared between layers.
 
     A shared tensor would live on one device but be used, and updated, by two partitions.
@@ -336,7 +354,7 @@ def _check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.devic
                 f"devices must be a sequence with a device per partition, got {devices!r}; "
                 f"for example devices={[devices] * n!r}"
             )
-        found = [_as_device(d) for d in devices]
+        found = [as_device(d) for d in devices]
     if len(found) < n:
         raise IndexError(
             f"there are {n} partitions but only {len(found)} devices ({found}); pass at "
@@ -346,7 +364,7 @@ def _check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.devic
     return found[:n]
 
 
-def _as_device(device: Device) -> torch.device:
+def as_device(device: Device) -> torch.device:
     if isinstance(device, bool) or not isinstance(device, torch.device | int | str):
         raise TypeError(
             f"a device must be a torch.device, an int (a CUDA index) or a string such as "
@@ -372,7 +390,7 @@ def _as_device(device: Device) -> torch.device:
     return result
 
 
-def _check_chunks(chunks: int) -> int:
+def check_chunks(chunks: int) -> int:
     try:
         if isinstance(chunks, bool):
             raise TypeError
@@ -387,7 +405,7 @@ def _check_chunks(chunks: int) -> int:
     return chunks
 
 
-def _check_checkpoint(checkpoint: str) -> Checkpoint:
+def check_checkpoint(checkpoint: str) -> Checkpoint:
     if checkpoint not in _CHECKPOINT_MODES:
         raise ValueError(
             f"unknown checkpoint mode {checkpoint!r}; use one of "

@@ -43,9 +43,10 @@ from torchgpipe.copy import move
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import flatten, map_tensors
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
-from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.skip.layout import SkipLayout, SkipRoute
 from torchgpipe.skip.skippable import SkipKey, Skippable
 from torchgpipe.skip.tracker import run_cell
+from torchgpipe.stages import Stages
 from torchgpipe.stream import (
     AnyStream,
     CPUStreamType,
@@ -149,11 +150,10 @@ class Pipeline:
         layout = layout or SkipLayout(())
         self._inbound = [layout.inbound(j) for j in range(len(self.partitions))]
         self._outbound = [
-            layout.outbound(j) if _has_skippables(p) else None
-            for j, p in enumerate(self.partitions)
+            layout.outbound(j) if has_skippables(p) else None for j, p in enumerate(self.partitions)
         ]
         # Recomputation must not update plain batch norm's running statistics again.
-        self._guards = [_batch_norm_guard(p) for p in self.partitions]
+        self._guards = [batch_norm_guard(p) for p in self.partitions]
         self.streams = PartitionStreams(self.devices)  # kept from run to run: see stream.py
         self.tracer: Trace | None = None  # set by GPipe.trace()
         self._pool: WorkerPool | None = None  # started by the first run
@@ -171,6 +171,21 @@ class Pipeline:
         self.__dict__.update(state)
         self._pool = None
         self._lock = threading.Lock()
+
+    def stages(self, routes: tuple[SkipRoute, ...], checkpoint_stop: int) -> Stages:
+        """The description of every partition as a step's stages (``stages.py``)."""
+        n = len(self.partitions)
+        return Stages(
+            partitions=dict(enumerate(self.partitions)),
+            devices=dict(enumerate(self.devices)),
+            inbound=list(self._inbound),
+            outbound=list(self._outbound),
+            routes=routes,
+            guards=dict(enumerate(self._guards)),
+            streams={j: (self.streams.compute(j), self.streams.copy(j)) for j in range(n)},
+            checkpoint_stop=checkpoint_stop,
+            tracer=self.tracer,
+        )
 
     def _workers(self) -> WorkerPool:
         if self._pool is None or self._pool.pid != os.getpid():
@@ -192,7 +207,7 @@ class Pipeline:
             seed=draw_seed(),
             compute=[self.streams.compute(j) for j in range(n)],
             copy=[self.streams.copy(j) for j in range(n)],
-            source=current_stream(_device_of(batches[0])),
+            source=current_stream(device_of(batches[0])),
             abort=threading.Event(),
             skips=[{} for _ in batches],
             trace=self.tracer,
@@ -221,7 +236,7 @@ class Pipeline:
                 # them forever. Leave those threads, and start fresh ones next time.
                 workers.close()
                 self._pool = None
-                _add_note(outputs.lost, "torchgpipe: a worker failed while reporting a result")
+                add_note(outputs.lost, "torchgpipe: a worker failed while reporting a result")
                 raise outputs.lost
 
         failures = [x for x in outputs.items if isinstance(x, _Failure) and x.error is not None]
@@ -232,7 +247,7 @@ class Pipeline:
                 f"torchgpipe: raised in partition {first.j} (device {self.devices[first.j]}) "
                 f"on micro-batch {first.i} of {m}"
             )
-            _add_note(first.error, note)
+            add_note(first.error, note)
             raise first.error
         return self._hand_back(run, outputs.items)
 
@@ -368,7 +383,7 @@ def _lost(run: _Run, outputs: _Outputs, error: BaseException) -> None:
     outputs.abandon(error)
 
 
-def _batch_norm_guard(partition: nn.Module) -> Callable[[], AbstractContextManager[None]] | None:
+def batch_norm_guard(partition: nn.Module) -> Callable[[], AbstractContextManager[None]] | None:
     tracking = [
         m
         for m in partition.modules()
@@ -379,11 +394,11 @@ def _batch_norm_guard(partition: nn.Module) -> Callable[[], AbstractContextManag
     return partial(freeze_running_stats, tracking) if tracking else None
 
 
-def _has_skippables(partition: nn.Module) -> bool:
+def has_skippables(partition: nn.Module) -> bool:
     return any(isinstance(module, Skippable) for module in partition.modules())
 
 
-def _add_note(error: BaseException, note: str) -> None:
+def add_note(error: BaseException, note: str) -> None:
     """``error.add_note(note)``; on Python 3.10, which has no notes, set ``__notes__``.
 
     Python 3.10 does not print ``__notes__``, but code that catches the exception can
@@ -396,7 +411,7 @@ def _add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
-def _device_of(value: Any) -> torch.device:
+def device_of(value: Any) -> torch.device:
     for leaf in flatten(value)[0]:
         if isinstance(leaf, Tensor):
             return leaf.device

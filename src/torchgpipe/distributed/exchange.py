@@ -32,9 +32,9 @@ from typing import Any
 from torch import Tensor
 
 from torchgpipe.distributed.transport import Transport, TransportError
+from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.schedules import Action
-from torchgpipe.training import _KIND_NAMES, _Mailbox, _Stopped
 from torchgpipe.worker import WorkerPool
 
 __all__ = ["RemoteError"]
@@ -86,7 +86,7 @@ def describe(
     """What other ranks are told of ``error``, raised here in ``action`` (if any)."""
     where = ""
     if action is not None:
-        where = f" in {action} ({_KIND_NAMES[action.kind]} of micro-batch {action.i} of {m})"
+        where = f" in {action} ({KIND_NAMES[action.kind]} of micro-batch {action.i} of {m})"
     return {
         "rank": rank,
         "stages": stages,
@@ -97,7 +97,7 @@ def describe(
     }
 
 
-class Exchange(_Mailbox):
+class Exchange(Mailbox):
     """The mailbox of this rank for one step; see the module's documentation.
 
     Args:
@@ -146,7 +146,7 @@ class Exchange(_Mailbox):
         """Send ``value`` under ``key`` to rank ``peer``'s mailbox.
 
         Raises:
-            _Stopped: ``peer`` cannot be reached; the step halts.
+            Stopped: ``peer`` cannot be reached; the step halts.
         """
         leaves, spec = flatten(value)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
@@ -163,7 +163,7 @@ class Exchange(_Mailbox):
             self.transport.send(peer, header, tensors)
         except TransportError as error:
             self._lose(peer, _unreachable(error))
-            raise _Stopped from error
+            raise Stopped from error
 
     def _listener(self, peer: int) -> Callable[[], None]:
         def listen() -> None:

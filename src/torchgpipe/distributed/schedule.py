@@ -20,8 +20,10 @@ from torch import Tensor
 
 from torchgpipe.distributed.exchange import Exchange, describe
 from torchgpipe.distributed.stage import PipelineStage
+from torchgpipe.executor import Step, StepRun
+from torchgpipe.mailbox import Stopped, real_failures, where
 from torchgpipe.microbatch import gather, scatter
-from torchgpipe.pipeline import _add_note
+from torchgpipe.pipeline import add_note
 from torchgpipe.schedules import (
     Action,
     Schedule,
@@ -30,20 +32,15 @@ from torchgpipe.schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from torchgpipe.training import (
+from torchgpipe.steps import (
     LossFn,
     Reduction,
     StepResult,
     TableFor,
-    _batch_size,
-    _loss_weights,
-    _real_failures,
-    _Run,
-    _Step,
-    _Stopped,
-    _TableSteps,
-    _weighted,
-    _where,
+    TableSteps,
+    batch_size,
+    loss_weights,
+    weighted,
 )
 
 __all__ = [
@@ -55,7 +52,7 @@ __all__ = [
 ]
 
 
-class PipelineSchedule(_TableSteps):
+class PipelineSchedule(TableSteps):
     """Runs training steps of a pipeline over processes in a schedule's order.
 
     The counterpart of :class:`torchgpipe.PipelineSchedule` for a
@@ -135,18 +132,17 @@ class PipelineSchedule(_TableSteps):
         """
         stage = self.stage
         exchange = stage.exchange()
-        step: _Step | None = None
+        step: Step | None = None
         m: int | None = None
         sizes: list[int] = []
         failure: tuple[BaseException, Action | None] | None = None
         try:
             m, sizes, table, batches, targets = self._start(exchange, input, target)
-            for layer in stage._deferred:
-                layer.expect(m)
-            step = _Step(len(stage.balance), m)
-            weights = _loss_weights(sizes, self.reduction)
-            run = _Run(
-                stage._stages(m),
+            stage.expect_micro_batches(m)
+            step = Step(len(stage.balance), m)
+            weights = loss_weights(sizes, self.reduction)
+            run = StepRun(
+                stage.stages_for(m),
                 self.loss_fn,
                 table,
                 step,
@@ -159,10 +155,10 @@ class PipelineSchedule(_TableSteps):
                 run.rank(stage.rank)
             finally:
                 run.hand_over()
-            real = _real_failures(exchange)
+            real = real_failures(exchange)
             if real:
                 failure = real[0]
-        except _Stopped:
+        except Stopped:
             pass
         except BaseException as error:
             failure = (error, None)
@@ -182,7 +178,7 @@ class PipelineSchedule(_TableSteps):
         if failure is not None:
             raised, action = failure
             if action is not None:
-                _add_note(raised, _where(action, f"on rank {stage.rank}, {stage.device}", m or 0))
+                add_note(raised, where(action, f"on rank {stage.rank}, {stage.device}", m or 0))
             raise raised
         remote = exchange.remote_failure()
         if remote is not None:
@@ -204,7 +200,7 @@ class PipelineSchedule(_TableSteps):
                     f"schedule.step(input, target)"
                 )
             batches = scatter(input, stage.chunks)
-            m, sizes = len(batches), [_batch_size(b) for b in batches]
+            m, sizes = len(batches), [batch_size(b) for b in batches]
             table = self.table(m)
             for peer in exchange.peers:
                 exchange.send(peer, ("start",), (m, sizes, table.text()))
@@ -224,7 +220,7 @@ class PipelineSchedule(_TableSteps):
                     f"as schedule.step(input, target)"
                 )
             targets = scatter(target, m)
-            target_sizes = [_batch_size(t) for t in targets]
+            target_sizes = [batch_size(t) for t in targets]
             if target_sizes != sizes:
                 raise ValueError(
                     f"the target splits into micro-batches of {target_sizes} samples but "
@@ -232,9 +228,9 @@ class PipelineSchedule(_TableSteps):
                 )
         return m, sizes, table, batches, targets
 
-    def _result(self, exchange: Exchange, step: _Step, sizes: list[int], m: int) -> StepResult:
+    def _result(self, exchange: Exchange, step: Step, sizes: list[int], m: int) -> StepResult:
         stage = self.stage
-        weights = _loss_weights(sizes, self.reduction)
+        weights = loss_weights(sizes, self.reduction)
         peaks = dict.fromkeys(range(len(stage.balance)), 0)
         peaks.update({s: step.peak[s] for s in stage.stages})
         for status, _ in exchange.ends.values():
@@ -248,7 +244,7 @@ class PipelineSchedule(_TableSteps):
             losses = list(tensors[0].to(stage.device).unbind()) if tensors else []
             output = None
         return StepResult(
-            loss=_weighted(weights, losses),
+            loss=weighted(weights, losses),
             losses=losses,
             output=output,
             peak_held=tuple(peaks[s] for s in range(len(stage.balance))),

@@ -25,16 +25,17 @@ from torchgpipe.distributed.transport import ProcessGroupTransport, Transport
 from torchgpipe.gpipe import (
     Checkpoint,
     Device,
-    _as_device,
-    _check_balance,
-    _check_checkpoint,
-    _check_chunks,
-    _check_layers,
+    as_device,
+    check_balance,
+    check_checkpoint,
+    check_chunks,
+    check_layers,
 )
-from torchgpipe.pipeline import _batch_norm_guard, _has_skippables
+from torchgpipe.mailbox import Stopped
+from torchgpipe.pipeline import batch_norm_guard, has_skippables
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.stages import Stages
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.training import _Stages, _Stopped
 from torchgpipe.worker import WorkerPool
 
 __all__ = ["PipelineStage", "all_reduce_gradients"]
@@ -102,15 +103,15 @@ class PipelineStage(nn.Module):
                 f"PipelineStage takes an nn.Sequential, got {type(module).__name__}; put "
                 f"the layers of your model in order into nn.Sequential(...)"
             )
-        self.balance = _check_balance(balance, len(module))
-        _check_layers(module)
+        self.balance = check_balance(balance, len(module))
+        check_layers(module)
         verify_skippables(module)
-        self.chunks = _check_chunks(chunks)
-        self.checkpoint: Checkpoint = _check_checkpoint(checkpoint)
+        self.chunks = check_chunks(chunks)
+        self.checkpoint: Checkpoint = check_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
         self.deferred_batch_norm = deferred_batch_norm
-        wanted = None if device is None else _as_device(device)
+        wanted = None if device is None else as_device(device)
         if transport is None:
             transport = ProcessGroupTransport(group, device=wanted)
         elif wanted is not None and wanted != transport.device:
@@ -144,7 +145,7 @@ class PipelineStage(nn.Module):
         starts = [sum(self.balance[:s]) for s in range(n + 1)]
         self.skip_layout: SkipLayout = skip_layout(module, self.balance)
         self._has_skips = [
-            any(_has_skippables(layer) for _, layer in layers[starts[s] : starts[s + 1]])
+            any(has_skippables(layer) for _, layer in layers[starts[s] : starts[s + 1]])
             for s in range(n)
         ]
         self.partitions: dict[int, nn.Sequential] = {}
@@ -181,10 +182,11 @@ class PipelineStage(nn.Module):
             "(or another schedule) instead of calling the stage"
         )
 
-    def _stages(self, m: int) -> _Stages:
+    def stages_for(self, m: int) -> Stages:
+        """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
         n = len(self.balance)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        return _Stages(
+        return Stages(
             partitions=dict(self.partitions),
             devices=dict.fromkeys(self.stages, self.device),
             inbound=[self.skip_layout.inbound(s) for s in range(n)],
@@ -192,10 +194,15 @@ class PipelineStage(nn.Module):
                 self.skip_layout.outbound(s) if self._has_skips[s] else None for s in range(n)
             ],
             routes=self.skip_layout.routes,
-            guards={s: _batch_norm_guard(self.partitions[s]) for s in self.stages},
+            guards={s: batch_norm_guard(self.partitions[s]) for s in self.stages},
             streams=dict.fromkeys(self.stages, (self._streams.compute(0), self._streams.copy(0))),
             checkpoint_stop=stop if self.training else 0,
         )
+
+    def expect_micro_batches(self, m: int) -> None:
+        """Tell this process's deferred batch norm layers the next step's ``m``."""
+        for layer in self._deferred:
+            layer.expect(m)
 
     def _owner(self, stage: int) -> int:
         return stage % self.world_size
@@ -245,7 +252,7 @@ class PipelineStage(nn.Module):
                 exchange.send(peer, ("hello", self.rank), self._fingerprint)
             for peer in exchange.peers:
                 prints[peer] = exchange.take(("hello", peer))
-        except _Stopped:  # a peer is lost; remote_failure() names it
+        except Stopped:  # a peer is lost; remote_failure() names it
             pass
         exchange.finish({"failed": exchange.halted, "error": None}, [])
         remote = exchange.remote_failure()

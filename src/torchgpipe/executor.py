@@ -1,0 +1,414 @@
+"""The executor of a step: each rank's worker runs its actions, in its table's order."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.cell import (
+    StageCell,
+    aliases,
+    detach_all,
+    detached,
+    needs_per_leaf,
+    stage_leaf,
+    tensors_of,
+    wanted,
+    wanting,
+)
+from torchgpipe.checkpoint import set_flag
+from torchgpipe.copy import move
+from torchgpipe.mailbox import Mailbox
+from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.pipeline import device_of
+from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
+from torchgpipe.schedules import (
+    Schedule,
+)
+from torchgpipe.skip.skippable import SkipKey
+from torchgpipe.skip.tracker import run_cell
+from torchgpipe.split_backward import backward_inputs, ones_if_none
+from torchgpipe.stages import Stages
+from torchgpipe.steps import LossFn
+from torchgpipe.stream import (
+    AnyStream,
+    current_stream,
+    record_stream,
+    use_device,
+    use_stream,
+    wait_stream,
+)
+from torchgpipe.trace import profiled
+from torchgpipe.worker import ThreadState
+
+__all__ = ["Step", "StepRun", "rank_job", "report_lost"]
+
+
+class Step(Mailbox):
+    """What the actions of one step share: messages, failures, and memory counts."""
+
+    def __init__(self, stages: int, m: int) -> None:
+        super().__init__()
+        self.cells: dict[tuple[int, int], StageCell] = {}
+        self.held = [0] * stages
+        self.peak = [0] * stages
+        self.losses: list[Tensor | None] = [None] * m
+        self.outputs: list[Any] = [None] * m
+
+    def hold(self, s: int, delta: int) -> None:
+        """Count ``delta`` more micro-batches held by stage ``s``; keep the peak."""
+        with self._cond:
+            self.held[s] += delta
+            self.peak[s] = max(self.peak[s], self.held[s])
+
+
+def report_lost(
+    lost: list[BaseException], step: Step, done: threading.Event, error: BaseException
+) -> None:
+    """A rank's worker raised ``error`` while reporting: stop the step; the caller raises it."""
+    lost.append(error)
+    try:
+        step.halt()  # the other ranks stop waiting for what this one will not send
+    finally:
+        done.set()
+
+
+def rank_job(run: StepRun, r: int, done: threading.Event) -> Callable[[], None]:
+    """The job of rank ``r``'s worker: its actions; ``done`` is set whatever happens."""
+
+    def job() -> None:
+        try:
+            run.rank(r)
+        finally:
+            done.set()
+
+    return job
+
+
+class StepRun:
+    """One step: the actions of the local ranks, and the messages between them.
+
+    ``post`` carries the messages: in one process it is ``step`` itself; across
+    processes it sends those for stages elsewhere. ``batches`` are needed where stage 0
+    runs, ``targets`` where the last stage runs.
+    """
+
+    def __init__(
+        self,
+        stages: Stages,
+        loss_fn: LossFn,
+        table: Schedule,
+        step: Step,
+        batches: list[Any],
+        targets: list[Any],
+        weights: list[float],
+        *,
+        post: Mailbox | None = None,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.table = table
+        self.step = step
+        self.post: Mailbox = post if post is not None else step
+        self.batches = batches
+        self.targets = targets
+        self.weights = weights
+        self.partitions = stages.partitions
+        self.devices = stages.devices
+        self.inbound = stages.inbound
+        self.outbound = stages.outbound
+        self.guards = stages.guards
+        self.popped_by = {r.key: r.pop_partition for r in stages.routes}
+        self.trainable = {
+            s: any(p.requires_grad for p in part.parameters())
+            for s, part in stages.partitions.items()
+        }
+        self.n = len(stages.inbound)
+        self.trace = stages.tracer
+        self.state = ThreadState.capture()
+        self.split = table.splits_backward
+        self.checkpoint_stop = stages.checkpoint_stop
+        self.seed = draw_seed()
+        rank_device = {table.placement[s]: device for s, device in stages.devices.items()}
+        self.rank_device = rank_device
+        # A rank runs its stages on one device (checked by the schedules), and on the
+        # streams of the first of them.
+        first = {r: min(s for s in stages.devices if table.placement[s] == r) for r in rank_device}
+        self.compute = {r: stages.streams[s][0] for r, s in first.items()}
+        self.copy = {r: stages.streams[s][1] for r, s in first.items()}
+        # Where the caller's tensors come from; a message from another process arrives
+        # ready on this one's device, so any local stream will do for it.
+        given = batches or targets
+        self.source = current_stream(
+            device_of(given[0]) if given else next(iter(rank_device.values()))
+        )
+        self._home = next(iter(self.compute.values()))
+
+    # The rank's loop.
+
+    def rank(self, r: int) -> None:
+        """Run rank ``r``'s actions in order; a failure fails the step and stops here."""
+        actions = self.table.ranks[r]
+        device = self.devices[actions[0].stage] if actions else torch.device("cpu")
+        for action in actions:
+            if self.post.halted:
+                return
+            try:
+                with profiled(str(action)), use_device(device), use_stream(self.compute[r]):
+                    if action.kind == "F":
+                        self.forward(action.stage, action.i)
+                    elif action.kind == "B":
+                        self.backward(action.stage, action.i)
+                    else:
+                        self.weight(action.stage, action.i)
+            except BaseException as error:
+                self.post.fail(error, action)
+                return
+
+    def hand_over(self) -> None:
+        """Make the calling thread's streams wait for the step's work (CUDA only).
+
+        The ranks computed the gradients, losses and outputs on their own compute
+        streams; the caller reads them on its current streams (an optimizer step, say),
+        which must not run ahead. The losses and outputs are recorded on those streams
+        too, so their memory is not reused before the caller's reads have run.
+        """
+        for r, device in self.rank_device.items():
+            wait_stream(current_stream(device), self.compute[r])
+        kept = [*self.step.losses, *self.step.outputs]
+        for leaf in flatten(kept)[0]:
+            if isinstance(leaf, Tensor):
+                record_stream(leaf, current_stream(leaf.device))
+
+    def _span(self, s: int, i: int, kind: Any) -> AbstractContextManager[None]:
+        return self.trace.span(s, i, kind) if self.trace is not None else nullcontext()
+
+    def _stream(self, s: int) -> AnyStream:
+        return self.compute.get(self.table.placement[s], self._home)
+
+    # F
+
+    def forward(self, s: int, i: int) -> None:
+        """Action ``sFi``: stage ``s``'s forward of micro-batch ``i`` (and the loss, last)."""
+        step, post, device = self.step, self.post, self.devices[s]
+        r = self.table.placement[s]
+        if s == 0:
+            value, source = self.batches[i], self.source
+        else:
+            value, source = post.take(("F", s, i)), self._stream(s - 1)
+        value = move(value, device, source=source, copy=self.copy[r], target=self.compute[r])
+        inbound = {
+            route.key: move(
+                post.take(("S", route.key, i)),
+                device,
+                source=self._stream(route.stash_partition),
+                copy=self.copy[r],
+                target=self.compute[r],
+            )
+            for route in self.inbound[s]
+        }
+        with self._span(s, i, "forward"):
+            cell, result = self._run_forward(s, i, value, inbound)
+        step.cells[(s, i)] = cell
+        step.hold(s, 1)
+        output, outbound = result
+        if s + 1 < self.n:
+            post.put(("F", s + 1, i), detached(output))
+            for key, skip in outbound.items():
+                post.put(("S", key, i), detached(skip))
+            return
+        # The loss is part of the last stage's cell: it draws on from the cell's generators
+        # in forward, as in the recomputation.
+        with self.state.apply(grad_enabled=not cell.checkpointed), cell.randomness.forward():
+            loss = self._loss(output, self._target(s, i))
+        step.losses[i] = loss.detach()
+        step.outputs[i] = detached(output)
+        if not cell.checkpointed:
+            cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
+        else:
+            cell.outputs = []  # recomputed in backward
+
+    def _loss(self, output: Any, target: Any) -> Tensor:
+        loss = self.loss_fn(output, target)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"loss_fn must return a tensor with one element, got "
+                f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+                f"; use a reduction of 'mean' or 'sum' in the loss"
+            )
+        return loss.reshape(())
+
+    def _run_forward(
+        self, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
+    ) -> tuple[StageCell, tuple[Any, dict[SkipKey, Any]]]:
+        value_leaves, _ = flatten(value)
+        value_tensors = sum(isinstance(x, Tensor) for x in value_leaves)
+        packed = value if self.outbound[s] is None and not inbound else (value, inbound)
+        leaves, spec = flatten(packed)
+        checkpointed = i < self.checkpoint_stop
+        needs = [x.requires_grad for x in leaves if isinstance(x, Tensor)]
+        cell = StageCell(
+            checkpointed=checkpointed,
+            randomness=CellRandomness(cell_seed(self.seed, i, s)),
+            spec=spec,
+            leaves=[],
+            needs=needs,
+            value_tensors=value_tensors,
+            skip_tensors=[
+                sum(isinstance(x, Tensor) for x in flatten(skip)[0]) for skip in inbound.values()
+            ],
+            # The first stage hands its input gradients on into the caller's graph.
+            upstream=[x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
+            if s == 0
+            else [],
+        )
+        if checkpointed:
+            # Keep a copy: a first layer may modify its input in place.
+            cell.leaves = [x.detach().clone() if isinstance(x, Tensor) else x for x in leaves]
+            with (
+                torch.no_grad(),
+                self.state.apply(grad_enabled=False),
+                set_flag("checkpointing"),
+                cell.randomness.forward(),
+            ):
+                output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
+            # Without a graph nothing says which outputs will want a gradient: all the
+            # floating ones may, when an input or a weight does. (Recomputation finds
+            # out; a gradient that turns out unneeded is dropped there.)
+            wants = any(needs) or self.trainable[s]
+            return cell, (
+                wanting(output, wants),
+                {k: wanting(v, wants) for k, v in outbound.items()},
+            )
+        cell.leaves = [stage_leaf(x, s == 0) if isinstance(x, Tensor) else x for x in leaves]
+        cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
+        with self.state.apply(grad_enabled=True), cell.randomness.forward():
+            result = self._call(s, unflatten(aliases(cell.leaves), spec))
+        cell.outputs = tensors_of(result)
+        return cell, result
+
+    def _call(self, s: int, packed: Any) -> tuple[Any, dict[SkipKey, Any]]:
+        """Partition ``s`` on its input; return its output and the skips it stashed."""
+        partition, outbound = self.partitions[s], self.outbound[s]
+        if outbound is None:
+            if self.inbound[s]:  # pops, but stashes nothing: still under a tracker
+                output, _ = run_cell(partition, (), packed)
+                return output, {}
+            return partition(packed), {}
+        output, skips = run_cell(partition, outbound, packed)
+        return output, dict(skips)
+
+    # B
+
+    def backward(self, s: int, i: int) -> None:
+        """Action ``sBi``: the backward (input gradients only, when W is split off)."""
+        cell = self.step.cells[(s, i)]
+        grads = self._output_grads(s, i)
+        guard = self.guards[s] if cell.checkpointed and self.guards[s] is not None else None
+        with guard() if guard is not None else nullcontext():
+            if cell.checkpointed:
+                with self._span(s, i, "recompute"):
+                    self._recompute(s, i, cell)
+            with self._span(s, i, "backward"):
+                pairs = [
+                    (y, g)
+                    for y, g in zip(cell.outputs, grads, strict=True)
+                    if y.requires_grad and (g is not None or s == self.n - 1)
+                ]
+                wanted = [x for x in cell.inputs if x.requires_grad]
+                if not self.split:
+                    if pairs:
+                        torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+                    self._release(s, i)
+                elif pairs and wanted:
+                    cell.plan = backward_inputs(pairs, wanted)
+                elif pairs:  # nothing to hand back: W does all of it
+                    cell.plan = [([(y, ones_if_none(y, g)) for y, g in pairs], [])]
+        input_grads = [x.grad if x.requires_grad else None for x in cell.inputs]
+        for x in cell.inputs:
+            x.grad = None
+        self._hand_back(s, i, cell, input_grads)
+
+    def _output_grads(self, s: int, i: int) -> list[Tensor | None]:
+        """The gradient of each tensor the cell's forward gave out, as received."""
+        if s == self.n - 1:
+            return [None]
+        post, device, r = self.post, self.devices[s], self.table.placement[s]
+        grads = post.take(("G", s, i))
+        source = self._stream(s + 1)
+        grads = move(grads, device, source=source, copy=self.copy[r], target=self.compute[r])
+        for key in self.outbound[s] or ():
+            skip_grads = post.take(("SG", key, i))
+            grads += move(
+                skip_grads,
+                device,
+                source=self._stream(self.popped_by[key]),
+                copy=self.copy[r],
+                target=self.compute[r],
+            )
+        return list(grads)
+
+    def _recompute(self, s: int, i: int, cell: StageCell) -> None:
+        leaves = [
+            x.detach().requires_grad_(need) if isinstance(x, Tensor) else x
+            for x, need in zip(cell.leaves, needs_per_leaf(cell), strict=True)
+        ]
+        cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
+        with (
+            self.state.apply(grad_enabled=True),
+            set_flag("recomputing"),
+            cell.randomness.replay(),
+        ):
+            result = self._call(s, unflatten(aliases(leaves), cell.spec))
+            if s == self.n - 1:
+                loss = self._loss(result[0], self._target(s, i))
+                cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
+                return
+        cell.outputs = tensors_of(result)
+
+    def _target(self, s: int, i: int) -> Any:
+        r = self.table.placement[s]
+        device = self.devices[s]
+        return move(
+            self.targets[i], device, source=self.source, copy=self.copy[r], target=self.compute[r]
+        )
+
+    def _hand_back(self, s: int, i: int, cell: StageCell, grads: list[Tensor | None]) -> None:
+        """Send the input gradients to the stages that produced the inputs."""
+        if s == 0:
+            pairs = [
+                (x, g)
+                for x, g in zip(cell.upstream, wanted(cell, grads), strict=True)
+                if g is not None
+            ]
+            if pairs:  # into the caller's graph, which produced the input
+                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+            return
+        post = self.post
+        post.put(("G", s - 1, i), grads[: cell.value_tensors])
+        rest = grads[cell.value_tensors :]
+        for route, count in zip(self.inbound[s], cell.skip_tensors, strict=True):
+            post.put(("SG", route.key, i), rest[:count])
+            rest = rest[count:]
+
+    def _release(self, s: int, i: int) -> None:
+        del self.step.cells[(s, i)]
+        self.step.hold(s, -1)
+
+    # W
+
+    def weight(self, s: int, i: int) -> None:
+        """Action ``sWi``: the weight gradients that ``sBi`` left to do."""
+        cell = self.step.cells[(s, i)]
+        with self._span(s, i, "weight"):
+            for roots, leaves in cell.plan:
+                torch.autograd.backward(
+                    [root for root, _ in roots],
+                    [grad for _, grad in roots],
+                    inputs=leaves or None,  # None: every leaf the roots reach
+                )
+        self._release(s, i)

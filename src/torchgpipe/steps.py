@@ -1,0 +1,102 @@
+"""What the schedules of one process and of several share: the loss, its weights, the table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import Tensor
+
+from torchgpipe.microbatch import flatten
+from torchgpipe.schedules import (
+    Schedule,
+)
+
+__all__ = [
+    "LossFn",
+    "Reduction",
+    "StepResult",
+    "TableFor",
+    "TableSteps",
+    "batch_size",
+    "loss_weights",
+    "weighted",
+]
+
+
+Reduction: TypeAlias = Literal["mean", "sum"]
+"""How the micro-batches' losses make the batch's: weighted by size, or summed."""
+
+LossFn: TypeAlias = Callable[[Any, Any], Tensor]
+TableFor: TypeAlias = Callable[[int], Schedule]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step gives back.
+
+    ``loss`` is the batch's loss as ``loss_fn(model(input), target)`` would give it
+    (under the step's reduction), ``losses`` each micro-batch's ``loss_fn`` value,
+    ``output`` the model's output gathered from the micro-batches, all detached.
+    ``peak_held[s]`` is the most micro-batches whose activations (or, when
+    checkpointed, inputs) stage ``s`` held at once during the step.
+    """
+
+    loss: Tensor
+    losses: list[Tensor]
+    output: Any
+    peak_held: tuple[int, ...]
+
+
+class TableSteps:
+    """What the schedules of one process and of several share: the loss, the table."""
+
+    loss_fn: LossFn
+    reduction: Reduction
+    _table: Schedule | TableFor
+
+    def _adopt(self, loss_fn: LossFn, table: Schedule | TableFor, reduction: Reduction) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.loss_fn = loss_fn
+        self.reduction = reduction
+        self._table = table
+        if isinstance(table, Schedule):
+            self._check_table(table, table.micro_batches)
+
+    def table(self, m: int) -> Schedule:
+        """The schedule of a step with ``m`` micro-batches, checked against the stages.
+
+        Raises:
+            ValueError: the table does not fit the stages or ``m``.
+            ScheduleError: the table is not valid.
+        """
+        table = self._table if isinstance(self._table, Schedule) else self._table(m)
+        self._check_table(table, m)
+        return table
+
+    def _check_table(self, table: Schedule, m: int) -> None:
+        raise NotImplementedError
+
+
+def weighted(weights: Sequence[float], losses: Sequence[Tensor]) -> Tensor:
+    """The batch's loss: each micro-batch's weighed by its share (or summed)."""
+    return torch.stack([w * x for w, x in zip(weights, losses, strict=True)]).sum()
+
+
+def loss_weights(sizes: Sequence[int], reduction: Reduction) -> list[float]:
+    """Each micro-batch's weight in the batch's loss: its share of samples, or 1."""
+    total = sum(sizes)
+    return [b / total if reduction == "mean" else 1.0 for b in sizes]
+
+
+def batch_size(value: Any) -> int:
+    """The number of samples of a micro-batch: its first tensor's first dimension."""
+    for leaf in flatten(value)[0]:
+        if isinstance(leaf, Tensor):
+            return int(leaf.shape[0])
+    raise TypeError("a micro-batch without tensors")  # scatter() rejects such batches
