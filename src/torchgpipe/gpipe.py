@@ -205,8 +205,8 @@ class GPipe(nn.Module):
         tracer = self._pipeline.tracer
         if tracer is not None:
             tracer.m = max(tracer.m, m)
-        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        return self._pipeline.stages(self.skip_layout.routes, stop if self.training else 0)
+        stop = checkpoint_stop(self.checkpoint, m) if self.training else 0
+        return self._pipeline.stages(self.skip_layout.routes, stop)
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -237,7 +237,7 @@ class GPipe(nn.Module):
     def _checkpoint_stop(self, m: int) -> int:
         if not (self.training and torch.is_grad_enabled()):
             return 0
-        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        return checkpoint_stop(self.checkpoint, m)
 
     # GPipe owns placement: moving the whole model would undo the split.
 
@@ -388,6 +388,11 @@ def as_device(device: Device) -> torch.device:
                 f"{torch.cuda.device_count()} CUDA devices"
             )
     return result
+
+
+def checkpoint_stop(mode: Checkpoint, m: int) -> int:
+    """How many micro-batches of ``m`` a checkpoint mode checkpoints (the first ones)."""
+    return {"always": m, "except_last": m - 1, "never": 0}[mode]
 
 
 def check_chunks(chunks: int) -> int:

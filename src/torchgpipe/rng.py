@@ -21,10 +21,10 @@ other threads' draws are left as they were::
 
 Why a function mode: it sees the calls made from Python in the forward, where layers
 draw, and costs a Python call per torch function of a cell. A dispatch mode sees every
-operator, backward included, and costs a call each: it tripled the time of small
-layers. The few functions that draw inside C++ code with no generator argument
-(multi-head attention's dropout, the recurrent layers' dropout between layers) run with
-a dispatch mode on for their own operators only (:class:`_RandomOperators`).
+operator, backward included, and costs a call each. The few functions that draw inside
+C++ code with no generator argument (multi-head attention's dropout, the recurrent
+layers' dropout between layers) run with a dispatch mode on for their own operators
+only (:class:`_RandomOperators`).
 
 Not covered, so drawing from the default generators without these guarantees: random
 draws of custom C++ or Triton kernels, cuDNN's recurrent dropout on CUDA (its state is

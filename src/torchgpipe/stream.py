@@ -10,8 +10,9 @@ PyTorch's caching allocator hands a freed block back only to the stream that all
 it, and ``torch.cuda.Stream()`` deals out the streams of a pool of 32 in turn: streams
 taken afresh for every forward would find nothing of the last forward's memory in their
 caches, allocate it all again, and on a full device make the allocator give its cache
-back to the driver (which synchronizes the device) step after step. Measured on an
-H100 with ResNet-101 in one partition, fresh streams cost a tenth of the throughput.
+back to the driver (which synchronizes the device) step after step. On an H100,
+ResNet-101 in one partition (batch 512) ran at 0.771 of the plain model with fresh
+streams and at 0.847 with kept ones, each a ratio timed round by round in its own run.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ class ThreadState:
 
 Job = Callable[[], None]
 OnFailure = Callable[[BaseException], None]
+_Queue = queue.SimpleQueue[tuple[Job, OnFailure] | None]  # None: stop
 
 
 class WorkerPool:
@@ -86,9 +87,7 @@ class WorkerPool:
 
     def __init__(self, n: int, *, name: str = "torchgpipe") -> None:
         self.pid = os.getpid()
-        self._queues: list[queue.SimpleQueue[tuple[Job, OnFailure] | None]] = [
-            queue.SimpleQueue() for _ in range(n)
-        ]
+        self._queues: list[_Queue] = [queue.SimpleQueue() for _ in range(n)]
         self.threads = [
             threading.Thread(target=_serve, args=(q,), name=f"{name}-worker-{j}", daemon=True)
             for j, q in enumerate(self._queues)
@@ -110,12 +109,12 @@ class WorkerPool:
         self._finalizer()
 
 
-def _stop(queues: list[queue.SimpleQueue[tuple[Job, OnFailure] | None]]) -> None:
+def _stop(queues: list[_Queue]) -> None:
     for q in queues:
         q.put(None)
 
 
-def _serve(jobs: queue.SimpleQueue[tuple[Job, OnFailure] | None]) -> None:
+def _serve(jobs: _Queue) -> None:
     while True:
         item = jobs.get()
         if item is None:

@@ -30,6 +30,7 @@ from torchgpipe.gpipe import (
     check_checkpoint,
     check_chunks,
     check_layers,
+    checkpoint_stop,
 )
 from torchgpipe.mailbox import Stopped
 from torchgpipe.pipeline import batch_norm_guard, has_skippables
@@ -157,6 +158,8 @@ class PipelineStage(nn.Module):
         mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
         self._deferred = [layer for layer in deferred if id(layer) in mine]
         self._pool: WorkerPool | None = None
+        # Recomputation must not update plain batch norm's running statistics again.
+        self._guards = {s: batch_norm_guard(self.partitions[s]) for s in self.stages}
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
         self._check_peers()
 
@@ -185,7 +188,6 @@ class PipelineStage(nn.Module):
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
         n = len(self.balance)
-        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         return Stages(
             partitions=dict(self.partitions),
             devices=dict.fromkeys(self.stages, self.device),
@@ -194,9 +196,9 @@ class PipelineStage(nn.Module):
                 self.skip_layout.outbound(s) if self._has_skips[s] else None for s in range(n)
             ],
             routes=self.skip_layout.routes,
-            guards={s: batch_norm_guard(self.partitions[s]) for s in self.stages},
+            guards=dict(self._guards),
             streams=dict.fromkeys(self.stages, (self._streams.compute(0), self._streams.copy(0))),
-            checkpoint_stop=stop if self.training else 0,
+            checkpoint_stop=checkpoint_stop(self.checkpoint, m) if self.training else 0,
         )
 
     def expect_micro_batches(self, m: int) -> None:
