@@ -25,3 +25,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def engine_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model(x)`` builds one graph and leaves its backward to the engine, as on GPUs.
+
+    On CPU partitions the workers run the backward (``pipeline.py``); this runs the way
+    GPU partitions take on the CPU, so that the tests cover it on any machine.
+    """
+    from torchgpipe import pipeline
+
+    monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+
+
+@pytest.fixture(params=["workers", "engine"])
+def backward_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways ``model(x)``'s backward can run: on the workers (CPU), in the engine."""
+    if request.param == "engine":
+        from torchgpipe import pipeline
+
+        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    return str(request.param)

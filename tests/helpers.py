@@ -45,7 +45,7 @@ def worker_threads() -> list[threading.Thread]:
 
 def assert_workers_idle_and_alive(model: nn.Module, n: int) -> None:
     """The model's n workers are still there (none died) and nothing else was started."""
-    pool = model._pipeline._pool  # type: ignore[union-attr]
+    pool = model.workers.pool  # type: ignore[union-attr]
     assert pool is not None
     assert len(pool.threads) == n
     assert all(t.is_alive() for t in pool.threads)

@@ -181,7 +181,7 @@ def test_no_worker_thread_outlives_a_model_that_failed() -> None:
     with pytest.raises(ValueError, match="boom") as info:
         model(indexed_input(2))
     del info  # it holds the traceback, and so the pipeline's frames
-    threads = model._pipeline._pool.threads  # type: ignore[union-attr]
+    threads = model.workers.pool.threads  # type: ignore[union-attr]
     del model
     gc.collect()  # the exception's traceback and the pipeline's frames form a cycle
     for thread in threads:
@@ -192,7 +192,7 @@ def test_no_worker_thread_outlives_a_model_that_failed() -> None:
 def test_no_worker_thread_outlives_the_model() -> None:
     model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
     model(torch.randn(4, 2)).sum().backward()
-    threads = model._pipeline._pool.threads  # type: ignore[union-attr]
+    threads = model.workers.pool.threads  # type: ignore[union-attr]
     assert len(threads) == 2
     del model
     gc.collect()
@@ -204,7 +204,7 @@ def test_no_worker_thread_outlives_the_model() -> None:
 def test_workers_start_once_and_serve_every_call() -> None:
     model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
     model(torch.randn(4, 2))
-    pool = model._pipeline._pool
+    pool = model.workers.pool
     for _ in range(3):
         model(torch.randn(4, 2)).sum().backward()
-    assert model._pipeline._pool is pool
+    assert model.workers.pool is pool

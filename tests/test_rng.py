@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from torchgpipe import GPipe, is_recomputing, pipeline
+from torchgpipe import GPipe, executor, is_recomputing
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed, random_functions
 from torchgpipe.training import (
     Schedule1F1B,
@@ -130,7 +130,7 @@ def test_rng_once_the_seed_is_drawn_other_threads_change_nothing(
 ) -> None:
     # Another thread that draws moves the default generator, so it changes the seed a
     # forward reads (that is the one draw a forward makes); given the seed, nothing else.
-    monkeypatch.setattr(pipeline, "draw_seed", lambda: 1234)
+    monkeypatch.setattr(executor, "draw_seed", lambda: 1234)
     models = [GPipe(dropout_net(), [2, 2, 2, 2], chunks=4, checkpoint=checkpoint) for _ in "ab"]
     out1, grads1 = _forward_backward(models[0], 3)
     with drawing_elsewhere():

@@ -111,8 +111,8 @@ def test_grid_aligns_the_dry_run_by_step() -> None:
     grid = schedule.grid(steps=schedule.validate())
     lines = grid.splitlines()
     assert lines[0].split() == ["step:", "0", "1", "2", "3", "4", "5"]
-    assert lines[1].split() == ["rank", "0:", "0F0", "0F1", ".", ".", "0B0", "0B1"]
-    assert lines[2].split() == ["rank", "1:", ".", "1F0", "1F1", "1B0", "1B1", "."]
+    assert lines[1].split() == ["rank", "0:", "0F0", "0F1", ".", ".", "0B1", "0B0"]
+    assert lines[2].split() == ["rank", "1:", ".", "1F0", "1F1", "1B1", "1B0", "."]
 
 
 def test_module_example_is_right() -> None:

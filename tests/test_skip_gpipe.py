@@ -12,7 +12,7 @@ import torch
 from helpers import PopAdd, StashLinear
 from torch import Tensor, nn
 
-import torchgpipe.pipeline
+import torchgpipe.executor
 from torchgpipe import GPipe, is_recomputing
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip import Namespace, pop, skippable, stash
@@ -42,7 +42,7 @@ class Moves:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, int, int]] = []  # (thread, skips, other tensors)
-        real = torchgpipe.pipeline.move
+        real = torchgpipe.executor.move
 
         def spy(value: Any, *args: Any, **kwargs: Any) -> Any:
             tensors = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
@@ -50,7 +50,7 @@ class Moves:
             self.calls.append((threading.current_thread().name, skips, len(tensors) - skips))
             return real(value, *args, **kwargs)
 
-        monkeypatch.setattr(torchgpipe.pipeline, "move", spy)
+        monkeypatch.setattr(torchgpipe.executor, "move", spy)
 
     def skips_into(self, j: int) -> int:
         return sum(s for name, s, _ in self.calls if name == f"torchgpipe-worker-{j}")

@@ -77,7 +77,7 @@ def test_tracing_changes_no_result_and_stops_with_the_block() -> None:
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     count = len(trace.events)
-    assert model._pipeline.tracer is None
+    assert model._tracer is None
     model(x).sum().backward()
     assert len(trace.events) == count  # nothing recorded outside the block
 
@@ -86,7 +86,7 @@ def test_one_trace_at_a_time() -> None:
     model = _model("never")
     with model.trace(), pytest.raises(RuntimeError, match="traced already"), model.trace():
         pass
-    assert model._pipeline.tracer is None
+    assert model._tracer is None
 
 
 def _synthetic(n: int, m: int, busy: float, ticks: int) -> Trace:
@@ -169,15 +169,19 @@ def test_backward_spans_of_a_partition_whose_input_needs_no_grad() -> None:
         assert backward[(i, 0)].start >= backward[(i, 1)].start  # partition 1 first
 
 
-def test_a_traced_forward_without_backward_leaves_no_hook_and_frees_the_trace() -> None:
-    # The first partition's input needs no gradient, so its parameters get hooks that end
-    # its backward spans; with no backward, they must go with the graph.
+def test_a_traced_forward_without_backward_leaves_no_hook_and_frees_the_trace(
+    backward_by: str,
+) -> None:
+    # In the engine's backward, the first partition's input needs no gradient, so its
+    # parameters get hooks that end its backward spans; with no backward, they must go
+    # with the graph. On the workers, no hooks at all: the worker records the spans.
     model = GPipe(
         nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)), [1, 1], chunks=2, checkpoint="never"
     )
     with model.trace() as trace:
         out = model(torch.randint(10, (4, 3)))
-    assert model[0].weight._post_accumulate_grad_hooks  # the hooks are on, meanwhile
+    # the hooks are on, meanwhile
+    assert bool(model[0].weight._post_accumulate_grad_hooks) == (backward_by == "engine")
     alive = weakref.ref(trace)
     del trace, out
     gc.collect()
@@ -198,14 +202,14 @@ def test_trace_under_no_grad_and_after_a_failure() -> None:
     failing = GPipe(nn.Sequential(nn.Linear(4, 4), Boom()), [1, 1], chunks=2)
     with pytest.raises(ArithmeticError), failing.trace():
         failing(torch.randn(4, 4))
-    assert failing._pipeline.tracer is None  # the trace ended with the block
+    assert failing._tracer is None  # the trace ended with the block
 
 
 def test_copies_made_during_a_trace_are_not_traced() -> None:
     model = _model("except_last")
     with model.trace():
         twin = copy.deepcopy(model)
-    assert twin._pipeline.tracer is None
+    assert twin._tracer is None
     twin(torch.randn(8, 4)).sum().backward()
 
 

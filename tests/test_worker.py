@@ -93,19 +93,28 @@ def test_a_pipeline_worker_that_cannot_report_fails_the_call(
     # Before, the worker swallowed this and the caller waited for an output forever.
     from torch import nn
 
-    from torchgpipe import GPipe, pipeline
+    from torchgpipe import GPipe, executor
 
-    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
-    real = pipeline._Outputs.put
+    class FailsOnce(nn.Module):
+        failed = False
 
-    def broken(self: pipeline._Outputs, item: object) -> None:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.failed:
+                self.failed = True
+                raise ValueError("in a layer")
+            return x
+
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), FailsOnce()), [1, 1], chunks=2)
+    real = executor.Step.fail
+
+    def broken(self: executor.Step, error: BaseException, action: object) -> None:
         raise MemoryError("while reporting")
 
-    monkeypatch.setattr(pipeline._Outputs, "put", broken)
+    monkeypatch.setattr(executor.Step, "fail", broken)
     with pytest.raises(MemoryError, match="while reporting") as info:
         model(torch.randn(4, 2))
     assert any("failed while reporting" in note for note in info.value.__notes__)
-    monkeypatch.setattr(pipeline._Outputs, "put", real)
+    monkeypatch.setattr(executor.Step, "fail", real)
     assert model(torch.randn(4, 2)).shape == (4, 2)  # fresh workers serve the next call
 
 

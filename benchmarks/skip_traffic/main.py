@@ -10,12 +10,12 @@ to write it:
 
 The script counts the bytes of every tensor GPipe hands to a partition from another
 partition during one training step: in the forward pass, and in backward the
-gradient that flows back into each of those tensors (on GPUs, each is a copy between
-devices, the backward one made by the copy's autograd node). On CPU the tensors stay
-in place, so the count is taken where the copies would be issued: a wrapper around the
-pipeline's ``move``, and a gradient hook on each tensor it hands over. The input the
-caller hands to partition 0 is not counted (both models receive the same). Step times
-are printed for information only.
+gradients that flow back (on GPUs, each is a copy between devices). On CPU the tensors
+stay in place, so the count is taken where the copies would be issued: a wrapper around
+the executor's ``move``, which on CPU partitions carries the gradients of the backward
+too (each partition's backward runs on its worker). The input the caller hands to
+partition 0, and the output's gradient it hands to the last, are not counted (both
+models receive the same). Step times are printed for information only.
 
 Run from the repository root::
 
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 import torchgpipe
-import torchgpipe.pipeline
+import torchgpipe.executor
 from torchgpipe import GPipe
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip import pop, skippable, stash
@@ -50,16 +50,17 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
 @skippable(stash=["skip"])
 class StashFirst(nn.Module):
-    """The first layer: stashes its input as the skip."""
+    """The first layer: stashes a linear map of its input as the skip."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
 
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]  # a generator
-        """Stash ``x``, return a linear map of it."""
-        yield stash("skip", x)
-        return torch.relu(self.linear(x))
+        """Stash a linear map of ``x`` (which wants a gradient), return its ReLU."""
+        h = self.linear(x)
+        yield stash("skip", h)
+        return torch.relu(h)
 
 
 @skippable(pop=["skip"])
@@ -97,7 +98,8 @@ class TupleFirst(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Return the output and the skip together."""
-        return torch.relu(self.linear(x)), x
+        h = self.linear(x)
+        return torch.relu(h), h
 
 
 class TupleMiddle(Middle):
@@ -136,36 +138,37 @@ def build(kind: str, n: int, width: int) -> nn.Sequential:
 class Traffic:
     """Counts the bytes handed to each partition from another one, and back in backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int) -> None:
         self.bytes = 0
         self.tensors = 0
         self.backward_bytes = 0
+        self.backward = False  # set between the forward and the backward
+        self._n = n
         self._lock = threading.Lock()
-        self._real = torchgpipe.pipeline.move
-
-    def _count_gradient(self, grad: Tensor) -> None:
-        with self._lock:
-            self.backward_bytes += grad.numel() * grad.element_size()
+        self._real = torchgpipe.executor.move
 
     def __enter__(self) -> Traffic:
         def counting(value: Any, *args: Any, **kwargs: Any) -> Any:
             moved = self._real(value, *args, **kwargs)
-            # Worker 0's moves bring in the caller's input: the same for both models.
-            if threading.current_thread().name != "torchgpipe-worker-0":
+            # The first worker's forward moves bring in the caller's input, and the last
+            # worker's backward ones the caller's gradient: the same for both models.
+            caller = f"torchgpipe-worker-{self._n - 1 if self.backward else 0}"
+            if threading.current_thread().name != caller:
                 leaves = [x for x in flatten(moved)[0] if isinstance(x, Tensor)]
+                size = sum(x.numel() * x.element_size() for x in leaves)
                 with self._lock:
-                    self.bytes += sum(x.numel() * x.element_size() for x in leaves)
-                    self.tensors += len(leaves)
-                for x in leaves:
-                    if x.requires_grad:
-                        x.register_hook(self._count_gradient)
+                    if self.backward:
+                        self.backward_bytes += size
+                    else:
+                        self.bytes += size
+                        self.tensors += len(leaves)
             return moved
 
-        torchgpipe.pipeline.move = counting  # type: ignore[assignment]
+        torchgpipe.executor.move = counting  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torchgpipe.pipeline.move = self._real
+        torchgpipe.executor.move = self._real
 
 
 def measure(kind: str, n: int, m: int, batch: int, width: int, repeats: int) -> dict[str, Any]:
@@ -175,13 +178,16 @@ def measure(kind: str, n: int, m: int, batch: int, width: int, repeats: int) -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
 
-    def step() -> None:
+    def step(traffic: Traffic | None = None) -> None:
         optimizer.zero_grad()
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+        if traffic is not None:
+            traffic.backward = True
+        loss.backward()
         optimizer.step()
 
-    with Traffic() as traffic:
-        step()
+    with Traffic(n) as traffic:
+        step(traffic)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -187,4 +187,7 @@ def freeze_running_stats(modules: Sequence[_BatchNorm]) -> Iterator[None]:
                     if t is not None
                 ]
                 for now, before in zip(current, tensors, strict=True):
-                    now.copy_(before)
+                    # Through .data: the graphs of other micro-batches saved these
+                    # tensors (batch norm's backward in training mode does not read
+                    # them), and a version bump would fail their backward's checks.
+                    now.data.copy_(before)

@@ -1,14 +1,34 @@
-"""The executor of a step: each rank's worker runs its actions, in its table's order."""
+"""The executor: each rank's worker runs its actions, in its table's order.
+
+Every run of the stages goes through :class:`StepRun`: a schedule's training step
+(``F``, ``B`` and ``W`` actions, the loss in the step) and ``GPipe``'s forward (the ``F``
+actions of the GPipe table, the outputs handed back to the caller; ``pipeline.py``).
+A cell is built in one of two ways:
+
+- **A graph per stage** (``connected=False``). The stage computes on leaves cut from
+  what the previous stage sent; its ``B`` backpropagates to those leaves on the rank's
+  worker and sends their gradients back. Backward is as parallel as the forward, on
+  CPU too. Schedules always work this way; so does ``model(x)`` on CPU partitions.
+- **One graph** (``connected=True``). The cell's input is the previous stage's output
+  itself, so the caller's ``loss.backward()`` runs the whole pipeline's backward in
+  PyTorch's engine. A checkpointed cell is a ``checkpoint.py`` node, and phony edges
+  (``dependency.py``) keep each partition's backward in micro-batch order. This is
+  ``model(x)`` where a partition is on a GPU (see ``pipeline.py`` for why), and under
+  ``no_grad``, where a plain call is all a cell needs.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from torchgpipe.cell import (
     StageCell,
@@ -21,15 +41,13 @@ from torchgpipe.cell import (
     wanted,
     wanting,
 )
-from torchgpipe.checkpoint import set_flag
+from torchgpipe.checkpoint import checkpoint, set_flag
 from torchgpipe.copy import move
-from torchgpipe.mailbox import Mailbox
-from torchgpipe.microbatch import flatten, unflatten
-from torchgpipe.pipeline import device_of
+from torchgpipe.dependency import fork, join
+from torchgpipe.mailbox import Mailbox, add_note, real_failures, where
+from torchgpipe.microbatch import device_of, flatten, map_tensors, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
-from torchgpipe.schedules import (
-    Schedule,
-)
+from torchgpipe.schedules import Action, Schedule
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
 from torchgpipe.split_backward import backward_inputs, ones_if_none
@@ -43,10 +61,13 @@ from torchgpipe.stream import (
     use_stream,
     wait_stream,
 )
-from torchgpipe.trace import profiled
-from torchgpipe.worker import ThreadState
+from torchgpipe.trace import BackwardSpan, profiled
+from torchgpipe.worker import ThreadState, WorkerPool
 
-__all__ = ["Step", "StepRun", "rank_job", "report_lost"]
+__all__ = ["Phase", "Step", "StepRun", "Workers"]
+
+Phase = Literal["all", "forward", "backward"]
+"""Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
 
 
 class Step(Mailbox):
@@ -62,32 +83,92 @@ class Step(Mailbox):
 
     def hold(self, s: int, delta: int) -> None:
         """Count ``delta`` more micro-batches held by stage ``s``; keep the peak."""
-        with self._cond:
+        with self._lock:
             self.held[s] += delta
             self.peak[s] = max(self.peak[s], self.held[s])
 
 
-def report_lost(
-    lost: list[BaseException], step: Step, done: threading.Event, error: BaseException
-) -> None:
+class Workers:
+    """The worker threads of a pipeline's ranks, which run one :class:`StepRun` at a time.
+
+    One worker per stage, kept from run to run (``worker.py``); a table with fewer
+    ranks (interleaved) uses the first ones. A copy of the model, or a process forked
+    from this one, starts workers of its own.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pool: WorkerPool | None = None  # started by the first run
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["n"])  # type: ignore[misc]
+
+    def run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
+        """Run each rank's actions of ``phase`` on its worker; return when all are done.
+
+        Raises:
+            BaseException: the first failure of an action, with a note saying where
+                (``describe(action)`` names its stage and device), or what a worker
+                raised while reporting.
+        """
+        step, ranks = run.step, len(run.table.ranks)
+        with self._lock:
+            pool = self.pool
+            if pool is None or pool.pid != os.getpid():
+                pool = self.pool = WorkerPool(self.n)
+            done = [threading.Event() for _ in range(ranks)]
+            lost: list[BaseException] = []  # what a worker raised while reporting
+            for r in range(ranks):
+                job = partial(run.rank, r, phase)
+                pool.submit(r, job, partial(_lost, lost, step), done[r])
+            try:
+                for event in done:
+                    event.wait()
+            except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
+                step.halt()
+                for event in done:
+                    event.wait()
+                raise
+            if lost:
+                # A worker's messages may be missing: the others could wait on them
+                # forever. Leave those threads, and start fresh ones next time.
+                pool.close()
+                self.pool = None
+        if lost:
+            add_note(lost[0], "torchgpipe: a worker failed while reporting a result")
+            raise lost[0]
+        real = real_failures(step)
+        if real:
+            error, action = real[0]
+            add_note(error, where(action, describe(action), len(step.outputs)))
+            raise error
+
+
+def _lost(lost: list[BaseException], step: Step, error: BaseException) -> None:
     """A rank's worker raised ``error`` while reporting: stop the step; the caller raises it."""
     lost.append(error)
-    try:
-        step.halt()  # the other ranks stop waiting for what this one will not send
-    finally:
-        done.set()
+    step.halt()  # the other ranks stop waiting for what this one will not send
 
 
-def rank_job(run: StepRun, r: int, done: threading.Event) -> Callable[[], None]:
-    """The job of rank ``r``'s worker: its actions; ``done`` is set whatever happens."""
+def call_stage(
+    partition: nn.Module, pops: bool, outbound: tuple[SkipKey, ...] | None, packed: Any
+) -> tuple[Any, dict[SkipKey, Any]]:
+    """Run a stage's partition; return its output and the skips it stashed.
 
-    def job() -> None:
-        try:
-            run.rank(r)
-        finally:
-            done.set()
-
-    return job
+    ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
+    stashes them (``outbound`` is then not None).
+    """
+    if outbound is None:
+        if pops:  # pops, but stashes nothing: still under a tracker
+            output, _ = run_cell(partition, (), packed)
+            return output, {}
+        return partition(packed), {}
+    output, skips = run_cell(partition, outbound, packed)
+    return output, dict(skips)
 
 
 class StepRun:
@@ -96,12 +177,18 @@ class StepRun:
     ``post`` carries the messages: in one process it is ``step`` itself; across
     processes it sends those for stages elsewhere. ``batches`` are needed where stage 0
     runs, ``targets`` where the last stage runs.
+
+    Without ``loss_fn`` the run is ``model(x)``'s: the last stage's outputs are the
+    step's, and their gradients, when they come, are the caller's. In a graph per stage
+    they arrive in the mailbox as ``("G", n - 1, i)``, and stage 0 leaves the gradients
+    of its inputs under ``("G", -1, i)``; with ``connected`` the caller's engine does it
+    all (see the module's documentation).
     """
 
     def __init__(
         self,
         stages: Stages,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         table: Schedule,
         step: Step,
         batches: list[Any],
@@ -109,8 +196,10 @@ class StepRun:
         weights: list[float],
         *,
         post: Mailbox | None = None,
+        connected: bool = False,
     ) -> None:
         self.loss_fn = loss_fn
+        self.connected = connected
         self.table = table
         self.step = step
         self.post: Mailbox = post if post is not None else step
@@ -147,13 +236,16 @@ class StepRun:
             device_of(given[0]) if given else next(iter(rank_device.values()))
         )
         self._home = next(iter(self.compute.values()))
+        self._phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
 
     # The rank's loop.
 
-    def rank(self, r: int) -> None:
-        """Run rank ``r``'s actions in order; a failure fails the step and stops here."""
+    def rank(self, r: int, phase: Phase = "all") -> None:
+        """Run rank ``r``'s actions of ``phase`` in order; a failure fails the step."""
         actions = self.table.ranks[r]
         device = self.devices[actions[0].stage] if actions else torch.device("cpu")
+        if phase != "all":
+            actions = tuple(a for a in actions if (a.kind == "F") == (phase == "forward"))
         for action in actions:
             if self.post.halted:
                 return
@@ -196,11 +288,13 @@ class StepRun:
         """Action ``sFi``: stage ``s``'s forward of micro-batch ``i`` (and the loss, last)."""
         step, post, device = self.step, self.post, self.devices[s]
         r = self.table.placement[s]
+        started = time.perf_counter() if self.trace is not None else 0.0
         if s == 0:
             value, source = self.batches[i], self.source
         else:
             value, source = post.take(("F", s, i)), self._stream(s - 1)
         value = move(value, device, source=source, copy=self.copy[r], target=self.compute[r])
+        # A skip comes straight from the stage that stashed it: one copy, here.
         inbound = {
             route.key: move(
                 post.take(("S", route.key, i)),
@@ -211,6 +305,18 @@ class StepRun:
             )
             for route in self.inbound[s]
         }
+        if self.trace is not None:
+            self.trace.record(s, i, "copy", started, time.perf_counter())
+        if self.connected:
+            with self._span(s, i, "forward"):
+                output, outbound = self._connected_forward(s, i, value, inbound)
+            if s + 1 < self.n:
+                post.put(("F", s + 1, i), output)
+                for key, skip in outbound.items():
+                    post.put(("S", key, i), skip)
+            else:
+                step.outputs[i] = output
+            return
         with self._span(s, i, "forward"):
             cell, result = self._run_forward(s, i, value, inbound)
         step.cells[(s, i)] = cell
@@ -221,10 +327,13 @@ class StepRun:
             for key, skip in outbound.items():
                 post.put(("S", key, i), detached(skip))
             return
+        if self.loss_fn is None:  # model(x): the caller's gradients start the backward
+            step.outputs[i] = output
+            return
         # The loss is part of the last stage's cell: it draws on from the cell's generators
         # in forward, as in the recomputation.
         with self.state.apply(grad_enabled=not cell.checkpointed), cell.randomness.forward():
-            loss = self._loss(output, self._target(s, i))
+            loss = self._loss(self.loss_fn, output, self._target(s, i))
         step.losses[i] = loss.detach()
         step.outputs[i] = detached(output)
         if not cell.checkpointed:
@@ -232,8 +341,58 @@ class StepRun:
         else:
             cell.outputs = []  # recomputed in backward
 
-    def _loss(self, output: Any, target: Any) -> Tensor:
-        loss = self.loss_fn(output, target)
+    def _connected_forward(
+        self, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
+    ) -> tuple[Any, dict[SkipKey, Any]]:
+        """Cell ``(i, s)`` in the caller's graph: checkpointed or not, with its phonies."""
+        packed = value if self.outbound[s] is None and not inbound else (value, inbound)
+        # Not self._call: a checkpointed cell's node keeps its function, and a node that
+        # held the run would make a cycle through autograd that Python cannot collect.
+        function = partial(call_stage, self.partitions[s], bool(inbound), self.outbound[s])
+        randomness = CellRandomness(cell_seed(self.seed, i, s))
+        grad = self.state.grad_enabled
+        # A phony for the next micro-batch's cell on this stage (see dependency.py).
+        wants_phony = grad and i + 1 < len(self.step.outputs)
+        phony = self._phony.pop(s, None)
+        if i < self.checkpoint_stop:
+            with self.state.apply():
+                result, self._phony[s] = checkpoint(
+                    function,
+                    packed,
+                    state=self.state,
+                    randomness=randomness,
+                    device=self.devices[s],
+                    after=phony,
+                    fork=wants_phony,
+                    guard=self.guards[s],
+                    record=None if self.trace is None else partial(self.trace.record, s, i),
+                    name=f"{s}B{i}",
+                )
+            return result  # type: ignore[no-any-return]
+        if s == 0 and grad:
+            # Micro-batches are views of one input: when it needs grad, a layer that
+            # works in place (ReLU(inplace=True)) on two of them would break autograd's
+            # version checks, which the whole batch in one piece does not. Checkpointed
+            # cells copy their input anyway.
+            packed = map_tensors(
+                lambda x: x.clone() if x.requires_grad and x._is_view() else x, packed
+            )
+        packed = join(packed, phony)
+        span = None
+        if self.trace is not None and grad:
+            span = BackwardSpan(self.trace, s, i)
+            packed = span.mark_input(packed, list(self.partitions[s].parameters()))
+        with self.state.apply(), randomness.forward():
+            result = function(packed)
+        if span is not None:
+            result = span.mark_output(result)
+        if wants_phony:
+            result, self._phony[s] = fork(result)
+        return result  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _loss(loss_fn: LossFn, output: Any, target: Any) -> Tensor:
+        loss = loss_fn(output, target)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"loss_fn must return a tensor with one element, got "
@@ -293,14 +452,7 @@ class StepRun:
 
     def _call(self, s: int, packed: Any) -> tuple[Any, dict[SkipKey, Any]]:
         """Partition ``s`` on its input; return its output and the skips it stashed."""
-        partition, outbound = self.partitions[s], self.outbound[s]
-        if outbound is None:
-            if self.inbound[s]:  # pops, but stashes nothing: still under a tracker
-                output, _ = run_cell(partition, (), packed)
-                return output, {}
-            return partition(packed), {}
-        output, skips = run_cell(partition, outbound, packed)
-        return output, dict(skips)
+        return call_stage(self.partitions[s], bool(self.inbound[s]), self.outbound[s], packed)
 
     # B
 
@@ -317,7 +469,7 @@ class StepRun:
                 pairs = [
                     (y, g)
                     for y, g in zip(cell.outputs, grads, strict=True)
-                    if y.requires_grad and (g is not None or s == self.n - 1)
+                    if y.requires_grad and (g is not None or self._owns_loss(s))
                 ]
                 wanted = [x for x in cell.inputs if x.requires_grad]
                 if not self.split:
@@ -333,13 +485,18 @@ class StepRun:
             x.grad = None
         self._hand_back(s, i, cell, input_grads)
 
+    def _owns_loss(self, s: int) -> bool:
+        """Whether stage ``s`` computes the loss: its backward starts from it."""
+        return self.loss_fn is not None and s == self.n - 1
+
     def _output_grads(self, s: int, i: int) -> list[Tensor | None]:
         """The gradient of each tensor the cell's forward gave out, as received."""
-        if s == self.n - 1:
+        if self._owns_loss(s):
             return [None]
         post, device, r = self.post, self.devices[s], self.table.placement[s]
         grads = post.take(("G", s, i))
-        source = self._stream(s + 1)
+        # The last stage's come from the caller (model(x)), where its input came from.
+        source = self._stream(s + 1) if s + 1 < self.n else self.source
         grads = move(grads, device, source=source, copy=self.copy[r], target=self.compute[r])
         for key in self.outbound[s] or ():
             skip_grads = post.take(("SG", key, i))
@@ -364,8 +521,8 @@ class StepRun:
             cell.randomness.replay(),
         ):
             result = self._call(s, unflatten(aliases(leaves), cell.spec))
-            if s == self.n - 1:
-                loss = self._loss(result[0], self._target(s, i))
+            if self.loss_fn is not None and s == self.n - 1:
+                loss = self._loss(self.loss_fn, result[0], self._target(s, i))
                 cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
                 return
         cell.outputs = tensors_of(result)
@@ -379,6 +536,9 @@ class StepRun:
 
     def _hand_back(self, s: int, i: int, cell: StageCell, grads: list[Tensor | None]) -> None:
         """Send the input gradients to the stages that produced the inputs."""
+        if s == 0 and self.loss_fn is None:  # model(x): the caller's engine takes them
+            self.post.put(("G", -1, i), wanted(cell, grads))
+            return
         if s == 0:
             pairs = [
                 (x, g)

@@ -10,11 +10,13 @@ from typing import Any, Literal, NoReturn, TypeAlias, get_args, overload
 import torch
 from torch import Tensor, nn
 
+from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.executor import Workers
 from torchgpipe.microbatch import gather, scatter
-from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.stages import Stages
+from torchgpipe.stages import Stages, batch_norm_guard, has_skippables
+from torchgpipe.stream import PartitionStreams
 from torchgpipe.trace import Trace
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
@@ -145,7 +147,20 @@ class GPipe(nn.Module):
             partitions.append(nn.Sequential(*part).to(device))
         # A plain attribute, not a child module: the layers are registered once, above.
         self.skip_layout = skip_layout(module, self.balance)
-        self._pipeline = Pipeline(partitions, self.devices, self.skip_layout)
+        self._partitions = partitions
+        # Partitions with skippable layers run under a tracker of their own (skip/),
+        # which takes the inbound skips and hands back the outbound ones; None: no skips.
+        n = len(partitions)
+        self._inbound = [self.skip_layout.inbound(j) for j in range(n)]
+        self._outbound = [
+            self.skip_layout.outbound(j) if has_skippables(p) else None
+            for j, p in enumerate(partitions)
+        ]
+        # Recomputation must not update plain batch norm's running statistics again.
+        self._guards = [batch_norm_guard(p) for p in partitions]
+        self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
+        self._tracer: Trace | None = None  # set by trace()
+        self.workers = Workers(n)
 
     @property
     def partitions(self) -> nn.ModuleList:
@@ -154,7 +169,7 @@ class GPipe(nn.Module):
         A new ``nn.ModuleList`` over the partitions at each access, not registered as a
         child: the layers are the model's children once, under their own names.
         """
-        return nn.ModuleList(self._pipeline.partitions)
+        return nn.ModuleList(self._partitions)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -186,9 +201,11 @@ class GPipe(nn.Module):
                 and the micro-batch.
         """
         batches = scatter(input, self.chunks)
-        self.expect_micro_batches(len(batches))
-        outputs = self._pipeline.run(batches, checkpoint_stop=self._checkpoint_stop(len(batches)))
-        return gather(outputs)
+        m = len(batches)
+        self.expect_micro_batches(m)
+        training = self.training and torch.is_grad_enabled()
+        stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
+        return gather(pipeline.run(stages, self.workers, batches))
 
     def expect_micro_batches(self, m: int) -> None:
         """Tell deferred batch norm layers that the next mini-batch comes in ``m`` pieces."""
@@ -202,11 +219,24 @@ class GPipe(nn.Module):
         step's ``m``. In training mode the checkpoint mode decides which micro-batches
         recompute, whatever the grad mode: a step records gradients anyway.
         """
-        tracer = self._pipeline.tracer
+        return self._stages(m, checkpoint_stop(self.checkpoint, m) if self.training else 0)
+
+    def _stages(self, m: int, stop: int) -> Stages:
+        tracer = self._tracer
         if tracer is not None:
             tracer.m = max(tracer.m, m)
-        stop = checkpoint_stop(self.checkpoint, m) if self.training else 0
-        return self._pipeline.stages(self.skip_layout.routes, stop)
+        n = len(self._partitions)
+        return Stages(
+            partitions=dict(enumerate(self._partitions)),
+            devices=dict(enumerate(self.devices)),
+            inbound=list(self._inbound),
+            outbound=list(self._outbound),
+            routes=self.skip_layout.routes,
+            guards=dict(enumerate(self._guards)),
+            streams={j: (self._streams.compute(j), self._streams.copy(j)) for j in range(n)},
+            checkpoint_stop=stop,
+            tracer=tracer,
+        )
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -225,19 +255,20 @@ class GPipe(nn.Module):
         Raises:
             RuntimeError: a trace of this model is already on.
         """
-        if self._pipeline.tracer is not None:
+        if self._tracer is not None:
             raise RuntimeError("this GPipe is traced already; end that trace first")
         trace = Trace(len(self.balance))
-        self._pipeline.tracer = trace
+        self._tracer = trace
         try:
             yield trace
         finally:
-            self._pipeline.tracer = None
+            self._tracer = None
 
-    def _checkpoint_stop(self, m: int) -> int:
-        if not (self.training and torch.is_grad_enabled()):
-            return 0
-        return checkpoint_stop(self.checkpoint, m)
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy does not share a trace in progress: it belongs to the original.
+        state = self.__dict__.copy()
+        state["_tracer"] = None
+        return state
 
     # GPipe owns placement: moving the whole model would undo the split.
 

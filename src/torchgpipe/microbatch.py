@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Spec", "flatten", "gather", "map_tensors", "scatter", "unflatten"]
+__all__ = ["Spec", "device_of", "flatten", "gather", "map_tensors", "scatter", "unflatten"]
 
 
 @dataclass(frozen=True)
@@ -225,3 +225,11 @@ def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
     if len(column) == 1:
         return column[0]
     return torch.cat(column)
+
+
+def device_of(value: Any) -> torch.device:
+    """The device of the first tensor in ``value``; the CPU if it holds none."""
+    for leaf in flatten(value)[0]:
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The GPipe schedule, and its run over one worker thread per partition.
+"""``model(x)``: the forward actions of the GPipe table, and the backward after them.
 
 The schedule is data: :func:`clock_cycles` yields, tick by tick, the cells ``(i, j)``
 (micro-batch ``i`` on partition ``j``) that may run together. With m = 3, n = 3::
@@ -8,59 +8,40 @@ The schedule is data: :func:`clock_cycles` yields, tick by tick, the cells ``(i,
     j = 1            (0,1)   (1,1)   (2,1)
     j = 2                    (0,2)   (1,2)   (2,2)
 
-The run follows it without a barrier per tick. The cells of partition ``j``, in the
-order the ticks give them, are the job of worker ``j``; worker ``j`` takes each input
-from a queue that worker ``j - 1`` fills. So cell ``(i, j)`` starts once ``(i - 1, j)``
-has finished (same worker) and ``(i, j - 1)`` has delivered (the queue), which is the
-schedule's order, and a slow cell delays only what depends on it.
+:func:`run` hands the ``F`` actions of the GPipe table (:func:`~torchgpipe.schedules.gpipe`)
+to the executor (``executor.py``), the same one that runs every schedule's step: worker
+``j`` runs cells ``(0, j), (1, j), ...`` in order, each as soon as the previous
+partition's output arrives, so the cells follow the clock without a barrier per tick.
 
-Failures flow down the same queues: a cell that raises passes a :class:`_Failure` on
-instead of its output, cells that receive one pass it on without running, and every
-worker still handles all m items, so no worker waits forever and every thread is joined
-before the caller sees the exception.
+Then the backward, which ``loss.backward()`` starts. Where every partition is on the CPU,
+each stage's cell has a graph of its own (a graph per stage, as in a schedule's step)
+and the outputs come out of one autograd node, :class:`_StageGraphs`. Its backward puts
+the outputs' gradients in the step's mailbox and runs the ``B`` actions of the GPipe
+table on the workers, each partition's backward on its own thread, in parallel as the
+forward was; the gradients of the input go back to the engine, and the parameters' are
+accumulated into ``.grad`` on the workers, as a schedule's step does.
+
+Where a partition is on a GPU, the cells are built into the caller's graph instead
+(``connected``), and PyTorch's engine runs the backward: it already runs each GPU's
+backward on a thread of its own. The node above must not be used there: the engine
+would call its backward on the device thread of the last GPU, and that thread would
+then wait for the workers, whose own ``backward`` on that GPU needs that very thread.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext, suppress
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch import Tensor
 
-from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
-from torchgpipe.checkpoint import checkpoint
-from torchgpipe.copy import move
-from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import flatten, map_tensors
-from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
-from torchgpipe.skip.layout import SkipLayout, SkipRoute
-from torchgpipe.skip.skippable import SkipKey, Skippable
-from torchgpipe.skip.tracker import run_cell
+from torchgpipe.executor import Step, StepRun, Workers
+from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.schedules import Action, gpipe
 from torchgpipe.stages import Stages
-from torchgpipe.stream import (
-    AnyStream,
-    CPUStreamType,
-    PartitionStreams,
-    current_stream,
-    record_stream,
-    use_device,
-    use_stream,
-    wait_stream,
-)
-from torchgpipe.trace import BackwardSpan, Trace, profiled
-from torchgpipe.worker import ThreadState, WorkerPool
 
-__all__ = ["Pipeline", "clock_cycles"]
+__all__ = ["clock_cycles", "run", "workers_run_backward"]
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
@@ -72,347 +53,119 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
         yield [(k - j, j) for j in range(max(0, k - m + 1), min(k + 1, n))]
 
 
-@dataclass
-class _Failure:
-    """Travels down the pipeline in place of an output that could not be computed."""
+def workers_run_backward(devices: Sequence[torch.device]) -> bool:
+    """Whether ``model(x)``'s backward runs on the workers (CPU partitions only).
 
-    error: BaseException | None  # None: skipped after an earlier failure
-    i: int
-    j: int
-
-
-_Inbox = queue.SimpleQueue[Any]
-
-
-class _Outputs:
-    """Collects the last partition's outputs; wakes the caller once, when all are in.
-
-    The caller has nothing to do with an output before the last one arrives, and waking
-    it per micro-batch would take the GIL from the workers m times per forward.
+    See the module's documentation for why not on GPUs. Tests replace this function to
+    run the engine's way on CPU partitions too.
     """
-
-    def __init__(self, m: int) -> None:
-        self.items: list[Any] = []
-        self.lost: BaseException | None = None  # a worker that could not report
-        self._m = m
-        self._done = threading.Event()
-
-    def put(self, item: Any) -> None:
-        """Add the next output (only the last partition's worker calls this)."""
-        self.items.append(item)
-        if len(self.items) == self._m:
-            self._done.set()
-
-    def abandon(self, error: BaseException) -> None:
-        """A worker failed to report ``error``: wake the caller to raise it."""
-        self.lost = error
-        self._done.set()
-
-    def wait(self) -> None:
-        """Block until all m outputs are in, or a worker could not report."""
-        self._done.wait()
+    return all(device.type == "cpu" for device in devices)
 
 
-@dataclass(frozen=True)
-class _Run:
-    """What every cell of one forward pass shares."""
+def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
+    """Run every micro-batch through every stage; return the outputs in order.
 
-    m: int
-    checkpoint_stop: int  # micro-batches i < checkpoint_stop are checkpointed
-    state: ThreadState
-    seed: int  # the cells' random numbers derive from it (rng.py)
-    compute: list[AnyStream]
-    copy: list[AnyStream]
-    source: AnyStream  # where the caller produced the input
-    abort: threading.Event
-    skips: list[dict[SkipKey, Any]]  # per micro-batch: stashed, waiting for their pop
-    trace: Trace | None  # where cells record their spans, while a trace is on
-
-
-class Pipeline:
-    """Runs micro-batches through partitions as GPipe does.
-
-    Args:
-        partitions: the partitions, each already on its device.
-        devices: the device of each partition.
+    Raises:
+        BaseException: the first exception that a cell raised, with a note naming the
+            action, the partition and the micro-batch.
     """
+    n, m = len(stages.inbound), len(batches)
+    devices = stages.devices
+
+    def describe(action: Action) -> str:
+        return f"partition {action.stage} on {devices[action.stage]}"
+
+    upstream = [
+        [x for x in flatten(batch)[0] if isinstance(x, Tensor) and x.requires_grad]
+        for batch in batches
+    ]
+    wants_grad = torch.is_grad_enabled() and (
+        any(upstream)
+        or any(p.requires_grad for part in stages.partitions.values() for p in part.parameters())
+    )
+    stage_graphs = wants_grad and workers_run_backward(list(devices.values()))
+    step = Step(n, m)
+    run = StepRun(stages, None, gpipe(n, m), step, batches, [], [], connected=not stage_graphs)
+    workers.run(run, "forward", describe)
+    run.hand_over()
+    if not stage_graphs:
+        return step.outputs
+    specs, counts, tensors = [], [], []
+    for output in step.outputs:
+        leaves, spec = flatten(output)
+        specs.append((leaves, spec))
+        mine = [x for x in leaves if isinstance(x, Tensor)]
+        counts.append(len(mine))
+        tensors += mine
+    backward = _Backward(run, workers, describe, counts, upstream, tensors)
+    # The phony makes the outputs need a gradient when only the parameters do.
+    phony = torch.empty(0, requires_grad=True)
+    flat = [x for xs in upstream for x in xs]
+    joined = iter(_StageGraphs.apply(backward, phony, *flat))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    return [
+        unflatten([next(joined) if isinstance(x, Tensor) else x for x in leaves], spec)
+        for leaves, spec in specs
+    ]
+
+
+class _Backward:
+    """What the node of the outputs needs to run the stages' backward once."""
 
     def __init__(
         self,
-        partitions: Sequence[nn.Module],
-        devices: Sequence[torch.device],
-        layout: SkipLayout | None = None,
+        run: StepRun,
+        workers: Workers,
+        describe: Callable[[Action], str],
+        counts: list[int],
+        upstream: list[list[Tensor]],
+        outputs: list[Tensor],
     ) -> None:
-        self.partitions = list(partitions)
-        self.devices = list(devices)
-        # Partitions with skippable layers run under a tracker of their own (skip/),
-        # which takes the inbound skips and hands back the outbound ones; None: no skips.
-        layout = layout or SkipLayout(())
-        self._inbound = [layout.inbound(j) for j in range(len(self.partitions))]
-        self._outbound = [
-            layout.outbound(j) if has_skippables(p) else None for j, p in enumerate(self.partitions)
-        ]
-        # Recomputation must not update plain batch norm's running statistics again.
-        self._guards = [batch_norm_guard(p) for p in self.partitions]
-        self.streams = PartitionStreams(self.devices)  # kept from run to run: see stream.py
-        self.tracer: Trace | None = None  # set by GPipe.trace()
-        self._pool: WorkerPool | None = None  # started by the first run
-        self._lock = threading.Lock()  # one run at a time on the workers
+        self.run: StepRun | None = run
+        self.workers = workers
+        self.describe = describe
+        self.counts = counts  # per micro-batch: how many output tensors
+        self.devices = [[x.device for x in xs] for xs in upstream]
+        self.outputs: list[Tensor] | None = outputs
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Threads and locks are not copied: a copy starts workers of its own. Nor is a
-        # trace in progress: it belongs to the original.
-        state = self.__dict__.copy()
-        del state["_pool"], state["_lock"]
-        state["tracer"] = None
-        return state
+    def __call__(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """Hand the outputs' gradients to the last stage; run every ``B``; give the input's."""
+        run, self.run = self.run, None
+        if run is None:
+            raise RuntimeError(
+                "torchgpipe: backward through a GPipe's output ran twice; on CPU "
+                "partitions each stage frees its graph after its backward, as if "
+                "retain_graph were False. Run the forward again for another backward"
+            )
+        n, step = len(run.table.ranks), run.step
+        it = iter(grads)
+        for i, count in enumerate(self.counts):
+            step.put(("G", n - 1, i), [next(it) for _ in range(count)])
+        self.workers.run(run, "backward", self.describe)
+        out: list[Tensor | None] = []
+        for i, devices in enumerate(self.devices):
+            got = step.take(("G", -1, i)) if devices else []
+            out += [g if g is None else g.to(d) for g, d in zip(got, devices, strict=True)]
+        return out
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._pool = None
-        self._lock = threading.Lock()
 
-    def stages(self, routes: tuple[SkipRoute, ...], checkpoint_stop: int) -> Stages:
-        """The description of every partition as a step's stages (``stages.py``)."""
-        n = len(self.partitions)
-        return Stages(
-            partitions=dict(enumerate(self.partitions)),
-            devices=dict(enumerate(self.devices)),
-            inbound=list(self._inbound),
-            outbound=list(self._outbound),
-            routes=routes,
-            guards=dict(enumerate(self._guards)),
-            streams={j: (self.streams.compute(j), self.streams.copy(j)) for j in range(n)},
-            checkpoint_stop=checkpoint_stop,
-            tracer=self.tracer,
+class _StageGraphs(torch.autograd.Function):
+    """The node between the caller's graph and the stages' own graphs (CPU partitions)."""
+
+    @staticmethod
+    def forward(ctx: Any, backward: _Backward, phony: Tensor, *upstream: Tensor) -> Any:
+        ctx.backward = backward
+        ctx.set_materialize_grads(False)
+        outputs = backward.outputs
+        assert outputs is not None
+        backward.outputs = None  # the stages' cells hold them as long as needed
+        # detach() shares the version counter: a later in-place change of an output is
+        # still caught by the stage's graph that saved it.
+        joined = tuple(x.detach() for x in outputs)
+        ctx.mark_non_differentiable(
+            *(y for x, y in zip(outputs, joined, strict=True) if not x.requires_grad)
         )
+        return joined
 
-    def _workers(self) -> WorkerPool:
-        if self._pool is None or self._pool.pid != os.getpid():
-            self._pool = WorkerPool(len(self.partitions))
-        return self._pool
-
-    def run(self, batches: list[Any], *, checkpoint_stop: int) -> list[Any]:
-        """Run every micro-batch through every partition; return the outputs in order.
-
-        Raises:
-            BaseException: the first exception (by micro-batch) that any cell raised,
-                with a note naming the partition and micro-batch.
-        """
-        n, m = len(self.partitions), len(batches)
-        run = _Run(
-            m=m,
-            checkpoint_stop=checkpoint_stop,
-            state=ThreadState.capture(),
-            seed=draw_seed(),
-            compute=[self.streams.compute(j) for j in range(n)],
-            copy=[self.streams.copy(j) for j in range(n)],
-            source=current_stream(device_of(batches[0])),
-            abort=threading.Event(),
-            skips=[{} for _ in batches],
-            trace=self.tracer,
-        )
-        if self.tracer is not None:
-            self.tracer.m = max(self.tracer.m, m)
-        queues: list[_Inbox] = [queue.SimpleQueue() for _ in range(n)]
-        for batch in batches:
-            queues[0].put(batch)
-        outputs = _Outputs(m)
-
-        with self._lock:
-            workers = self._workers()
-            for j in range(n):
-                outbox = queues[j + 1] if j + 1 < n else outputs
-                job = partial(self._work, run, j, queues[j], outbox)
-                workers.submit(j, job, partial(_lost, run, outputs))
-            try:
-                outputs.wait()
-            except BaseException:  # e.g. KeyboardInterrupt: stop the cells, let them finish
-                run.abort.set()
-                outputs.wait()
-                raise
-            if outputs.lost is not None:
-                # The pipeline's items may be short: the other workers could wait on
-                # them forever. Leave those threads, and start fresh ones next time.
-                workers.close()
-                self._pool = None
-                add_note(outputs.lost, "torchgpipe: a worker failed while reporting a result")
-                raise outputs.lost
-
-        failures = [x for x in outputs.items if isinstance(x, _Failure) and x.error is not None]
-        if failures:
-            first = min(failures, key=lambda f: (f.i, f.j))
-            assert first.error is not None
-            note = (
-                f"torchgpipe: raised in partition {first.j} (device {self.devices[first.j]}) "
-                f"on micro-batch {first.i} of {m}"
-            )
-            add_note(first.error, note)
-            raise first.error
-        return self._hand_back(run, outputs.items)
-
-    def _hand_back(self, run: _Run, outputs: list[Any]) -> list[Any]:
-        """Make the caller's stream wait for the last partition's outputs (CUDA only)."""
-        caller = current_stream(self.devices[-1])
-        if isinstance(caller, CPUStreamType):
-            return outputs
-        wait_stream(caller, run.compute[-1])
-        for output in outputs:
-            for leaf in flatten(output)[0]:
-                if isinstance(leaf, Tensor):
-                    record_stream(leaf, caller)
-        return outputs
-
-    def _work(
-        self,
-        run: _Run,
-        j: int,
-        inbox: _Inbox,
-        outbox: _Inbox | _Outputs,
-    ) -> None:
-        """Worker ``j``: run cells (0, j), (1, j), ... as their inputs arrive.
-
-        Puts exactly one item in ``outbox`` per micro-batch, whatever happens.
-        """
-        done, phony = 0, None
-        try:
-            with use_device(self.devices[j]), use_stream(run.compute[j]), run.state.apply():
-                for i in range(run.m):
-                    item = inbox.get()
-                    if isinstance(item, _Failure):
-                        pass
-                    elif run.abort.is_set():
-                        item = _Failure(None, i, j)
-                    else:
-                        try:
-                            item, phony = self._cell(run, i, j, item, phony)
-                        except BaseException as error:
-                            run.abort.set()
-                            item = _Failure(error, i, j)
-                    outbox.put(item)
-                    done += 1
-        except BaseException as error:  # entering the worker's device or state failed
-            run.abort.set()
-            for i in range(done, run.m):
-                outbox.put(_Failure(error, i, j))
-
-    def _cell(
-        self, run: _Run, i: int, j: int, value: Any, phony: Tensor | None
-    ) -> tuple[Any, Tensor | None]:
-        """Cell (i, j): move the input and the skips in, compute, keep the skips out."""
-        device = self.devices[j]
-        trace = run.trace
-        started = time.perf_counter() if trace is not None else 0.0
-        source = run.source if j == 0 else run.compute[j - 1]
-        value = move(value, device, source=source, copy=run.copy[j], target=run.compute[j])
-        # A skip comes straight from the partition that stashed it: one copy, here.
-        outbound_keys = self._outbound[j]
-        inbound = {
-            route.key: move(
-                run.skips[i].pop(route.key),
-                device,
-                source=run.compute[route.stash_partition],
-                copy=run.copy[j],
-                target=run.compute[j],
-            )
-            for route in self._inbound[j]
-        }
-        if trace is not None:
-            trace.record(j, i, "copy", started, time.perf_counter())
-        with (
-            profiled(f"{j}F{i}"),
-            trace.span(j, i, "forward") if trace is not None else nullcontext(),
-        ):
-            if outbound_keys is None:
-                return self._compute(run, i, j, self.partitions[j], value, phony)
-            function = partial(run_cell, self.partitions[j], outbound_keys)
-            packed = (value, inbound)
-            (output, outbound), phony = self._compute(run, i, j, function, packed, phony)
-        run.skips[i].update(outbound)
-        return output, phony
-
-    def _compute(
-        self,
-        run: _Run,
-        i: int,
-        j: int,
-        function: Callable[[Any], Any],
-        value: Any,
-        phony: Tensor | None,
-    ) -> tuple[Any, Tensor | None]:
-        """Run ``function(value)`` as cell (i, j): checkpointed or not, with its edges."""
-        device = self.devices[j]
-        randomness = CellRandomness(cell_seed(run.seed, i, j))
-        # A phony for the next micro-batch's cell on this partition (see dependency.py).
-        wants_phony = run.state.grad_enabled and i + 1 < run.m
-        if i < run.checkpoint_stop:
-            return checkpoint(
-                function,
-                value,
-                state=run.state,
-                randomness=randomness,
-                device=device,
-                after=phony,
-                fork=wants_phony,
-                guard=self._guards[j],
-                record=None if run.trace is None else partial(run.trace.record, j, i),
-                name=f"{j}B{i}",
-            )
-        if j == 0 and run.state.grad_enabled:
-            # Micro-batches are views of one input: when it needs grad, a layer that
-            # works in place (ReLU(inplace=True)) on two of them would break autograd's
-            # version checks, which the whole batch in one piece does not. Checkpointed
-            # cells copy their input anyway.
-            value = map_tensors(
-                lambda x: x.clone() if x.requires_grad and x._is_view() else x, value
-            )
-        value = join(value, phony)
-        backward = None
-        if run.trace is not None and run.state.grad_enabled:
-            backward = BackwardSpan(run.trace, j, i)
-            value = backward.mark_input(value, list(self.partitions[j].parameters()))
-        with randomness.forward():
-            output = function(value)
-        if backward is not None:
-            output = backward.mark_output(output)
-        return fork(output) if wants_phony else (output, None)
-
-
-def _lost(run: _Run, outputs: _Outputs, error: BaseException) -> None:
-    run.abort.set()
-    outputs.abandon(error)
-
-
-def batch_norm_guard(partition: nn.Module) -> Callable[[], AbstractContextManager[None]] | None:
-    tracking = [
-        m
-        for m in partition.modules()
-        if isinstance(m, _BatchNorm)
-        and not isinstance(m, DeferredBatchNorm)  # it never updates in recomputation
-        and m.track_running_stats
-    ]
-    return partial(freeze_running_stats, tracking) if tracking else None
-
-
-def has_skippables(partition: nn.Module) -> bool:
-    return any(isinstance(module, Skippable) for module in partition.modules())
-
-
-def add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)``; on Python 3.10, which has no notes, set ``__notes__``.
-
-    Python 3.10 does not print ``__notes__``, but code that catches the exception can
-    read them there, as on later versions.
-    """
-    if sys.version_info >= (3, 11):
-        error.add_note(note)
-        return
-    with suppress(AttributeError):  # an exception type with __slots__ and no __dict__
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
-
-
-def device_of(value: Any) -> torch.device:
-    for leaf in flatten(value)[0]:
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, None, *ctx.backward(grads))

@@ -297,10 +297,15 @@ def simulate(
 
 
 def gpipe(n: int, m: int) -> Schedule:
-    """Fill and drain: every forward, then every backward, on each of ``n`` stages."""
+    """Fill and drain: every forward, then every backward, on each of ``n`` stages.
+
+    The backwards go from the last micro-batch to the first, as GPipe's do: the last
+    forward's activations (not checkpointed with ``'except_last'``) are used at once.
+    """
     _check(n, m)
     return Schedule(n, m, tuple(
-        tuple(Action(s, "F", i) for i in range(m)) + tuple(Action(s, "B", i) for i in range(m))
+        tuple(Action(s, "F", i) for i in range(m))
+        + tuple(Action(s, "B", i) for i in reversed(range(m)))
         for s in range(n)
     ))  # fmt: skip
 

@@ -1,13 +1,12 @@
 """Training steps that follow a schedule table: GPipe, 1F1B, interleaved 1F1B, ZB-H1.
 
-``GPipe.forward`` runs the forward cells on workers and leaves the backward to
-PyTorch's engine, which runs the backward of CPU partitions one after another on the
-caller's thread. Here each rank's worker runs its own actions from a
+``GPipe.forward`` runs the ``F`` actions of the GPipe table and leaves the backward to
+``loss.backward()``. Here each rank's worker runs all its actions from a
 :class:`~torchgpipe.schedules.Schedule`: the forward ``F`` of a stage on a micro-batch,
 its backward ``B``, and, when the table splits the backward, ``B`` for the input
-gradient and ``W`` for the weight gradient. Backward work is then as parallel as the
-forward, on CPU partitions too, and 1F1B can start a micro-batch's backward before the
-last forward has run. Since backward starts inside the step, the step owns the loss::
+gradient and ``W`` for the weight gradient, so 1F1B can start a micro-batch's backward
+before the last forward has run. Since backward starts inside the step, the step owns
+the loss::
 
     model = GPipe(nn.Sequential(...), balance=[2, 2], chunks=8)
     schedule = Schedule1F1B(model, nn.CrossEntropyLoss())
@@ -40,16 +39,11 @@ outputs to its weights again.)
 
 from __future__ import annotations
 
-import os
-import threading
-from functools import partial
 from typing import Any
 
-from torchgpipe.executor import Step, StepRun, rank_job, report_lost
+from torchgpipe.executor import Step, StepRun
 from torchgpipe.gpipe import GPipe
-from torchgpipe.mailbox import real_failures, where
 from torchgpipe.microbatch import gather, scatter
-from torchgpipe.pipeline import add_note
 from torchgpipe.schedules import (
     Schedule,
     gpipe,
@@ -67,7 +61,6 @@ from torchgpipe.steps import (
     loss_weights,
     weighted,
 )
-from torchgpipe.worker import WorkerPool
 
 __all__ = [
     "PipelineSchedule",
@@ -115,8 +108,6 @@ class PipelineSchedule(TableSteps):
             )
         self.model = model
         self._adopt(loss_fn, table, reduction)
-        self._pool: WorkerPool | None = None
-        self._lock = threading.Lock()
 
     def _check_table(self, table: Schedule, m: int) -> None:
         n = len(self.model.partitions)
@@ -172,31 +163,13 @@ class PipelineSchedule(TableSteps):
         stages = model.stages_for(m)
         step = Step(len(stages.inbound), m)
         run = StepRun(stages, self.loss_fn, table, step, batches, targets, weights)
-        with self._lock:
-            workers = self._workers(len(table.ranks))
-            done = [threading.Event() for _ in table.ranks]
-            lost: list[BaseException] = []  # what a worker raised while reporting
-            for r in range(len(table.ranks)):
-                workers.submit(
-                    r, rank_job(run, r, done[r]), partial(report_lost, lost, step, done[r])
-                )
-            try:
-                for event in done:
-                    event.wait()
-            except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
-                step.fail(KeyboardInterrupt(), table.ranks[0][0])
-                for event in done:
-                    event.wait()
-                raise
-        run.hand_over()
-        if lost:
-            add_note(lost[0], "torchgpipe: a worker failed while reporting a result")
-            raise lost[0]
-        real = real_failures(step)
-        if real:
-            error, action = real[0]
-            add_note(error, where(action, f"on {model.devices[action.stage]}", m))
-            raise error
+        devices = model.devices
+        try:
+            model.workers.run(
+                run, "all", lambda action: f"stage {action.stage} on {devices[action.stage]}"
+            )
+        finally:
+            run.hand_over()
         losses = [x for x in step.losses if x is not None]
         return StepResult(
             loss=weighted(weights, losses),
@@ -204,24 +177,6 @@ class PipelineSchedule(TableSteps):
             output=gather(step.outputs),
             peak_held=tuple(step.peak),
         )
-
-    def _workers(self, ranks: int) -> WorkerPool:
-        pool = self._pool
-        if pool is None or pool.pid != os.getpid() or len(pool.threads) != ranks:
-            if pool is not None:
-                pool.close()
-            pool = self._pool = WorkerPool(ranks, name="torchgpipe-schedule")
-        return pool
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_pool"], state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._pool = None
-        self._lock = threading.Lock()
 
 
 class ScheduleGPipe(PipelineSchedule):

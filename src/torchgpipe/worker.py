@@ -73,7 +73,7 @@ class ThreadState:
 
 Job = Callable[[], None]
 OnFailure = Callable[[BaseException], None]
-_Queue = queue.SimpleQueue[tuple[Job, OnFailure] | None]  # None: stop
+_Queue = queue.SimpleQueue[tuple[Job, OnFailure, threading.Event | None] | None]  # None: stop
 
 
 class WorkerPool:
@@ -97,12 +97,16 @@ class WorkerPool:
         # Stop the threads when the pool is collected; the threads do not refer to it.
         self._finalizer = weakref.finalize(self, _stop, self._queues)
 
-    def submit(self, j: int, job: Job, on_failure: OnFailure) -> None:
+    def submit(
+        self, j: int, job: Job, on_failure: OnFailure, done: threading.Event | None = None
+    ) -> None:
         """Run ``job`` on worker ``j`` after the jobs submitted to it before.
 
-        ``on_failure(error)`` runs on the worker if ``job`` raises ``error``.
+        ``on_failure(error)`` runs on the worker if ``job`` raises ``error``. ``done``,
+        when given, is set once the job is over and the worker holds nothing of it: a
+        caller woken by it may drop the last reference to what the job used.
         """
-        self._queues[j].put((job, on_failure))
+        self._queues[j].put((job, on_failure, done))
 
     def close(self) -> None:
         """Tell every worker to exit once its queued jobs are done."""
@@ -119,7 +123,7 @@ def _serve(jobs: _Queue) -> None:
         item = jobs.get()
         if item is None:
             return
-        job, on_failure = item
+        job, on_failure, done = item
         try:
             job()
         except BaseException as error:  # the job could not report it: its caller must hear
@@ -128,3 +132,5 @@ def _serve(jobs: _Queue) -> None:
             except BaseException:  # nobody left to tell: print it rather than lose it
                 traceback.print_exc()
         del item, job, on_failure  # hold nothing of the pipeline between jobs
+        if done is not None:
+            done.set()

@@ -21,9 +21,8 @@ from torch import Tensor
 from torchgpipe.distributed.exchange import Exchange, describe
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.executor import Step, StepRun
-from torchgpipe.mailbox import Stopped, real_failures, where
+from torchgpipe.mailbox import Stopped, add_note, real_failures, where
 from torchgpipe.microbatch import gather, scatter
-from torchgpipe.pipeline import add_note
 from torchgpipe.schedules import (
     Action,
     Schedule,
@@ -178,7 +177,12 @@ class PipelineSchedule(TableSteps):
         if failure is not None:
             raised, action = failure
             if action is not None:
-                add_note(raised, where(action, f"on rank {stage.rank}, {stage.device}", m or 0))
+                add_note(
+                    raised,
+                    where(
+                        action, f"stage {action.stage} on rank {stage.rank}, {stage.device}", m or 0
+                    ),
+                )
             raise raised
         remote = exchange.remote_failure()
         if remote is not None:

@@ -33,9 +33,8 @@ from torchgpipe.gpipe import (
     checkpoint_stop,
 )
 from torchgpipe.mailbox import Stopped
-from torchgpipe.pipeline import batch_norm_guard, has_skippables
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.stages import Stages
+from torchgpipe.stages import Stages, batch_norm_guard, has_skippables
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.worker import WorkerPool
 
