@@ -3,6 +3,9 @@ import gc
 import itertools
 import threading
 import traceback
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -122,7 +125,7 @@ class FailingBackward(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_backward_exception_reaches_caller(checkpoint: str) -> None:
+def test_backward_exception_reaches_caller(checkpoint: str, backward_by: str) -> None:
     model = GPipe(
         nn.Sequential(nn.Linear(3, 3), FailingBackward(), nn.Linear(3, 1)),
         [1, 2],
@@ -153,7 +156,9 @@ class FailOnce(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_backward_failure_on_one_micro_batch_then_success(checkpoint: str) -> None:
+def test_backward_failure_on_one_micro_batch_then_success(
+    checkpoint: str, backward_by: str
+) -> None:
     # Only micro-batch 1 of 3 fails in backward; the next forward and backward work and
     # give the plain model's gradients.
     linear = nn.Linear(3, 3)
@@ -208,3 +213,87 @@ def test_workers_start_once_and_serve_every_call() -> None:
     for _ in range(3):
         model(torch.randn(4, 2)).sum().backward()
     assert model.workers.pool is pool
+
+
+class _WaitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, hook: Callable[[int], None]) -> torch.Tensor:
+        ctx.hook, ctx.i = hook, int(x[0, 0])
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.hook(ctx.i)
+        return grad, None
+
+
+class WaitInBackward(nn.Module):
+    """Calls ``hook(i)`` in the backward of micro-batch ``i`` (read from the input)."""
+
+    def __init__(self, hook: Callable[[int], None]) -> None:
+        super().__init__()
+        self.hook = hook
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _WaitInBackward.apply(x * self.scale, self.hook)  # type: ignore[no-any-return,no-untyped-call]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_cpu_partitions_run_their_backward_at_the_same_time(checkpoint: str) -> None:
+    # The backward goes from the last micro-batch to the first: partition 1's backward of
+    # micro-batch 1 shares a tick with partition 0's of micro-batch 2. Each waits at a
+    # barrier for the other, which passes only if the two run at the same time, as the
+    # forward's cells do; the engine alone would run them one after the other.
+    barrier = threading.Barrier(2, timeout=10)
+    threads: dict[int, str] = {}
+
+    def hook(j: int, i: int) -> None:
+        threads[j] = threading.current_thread().name
+        if (j, i) in ((0, 2), (1, 1)):
+            barrier.wait()
+
+    model = GPipe(
+        nn.Sequential(WaitInBackward(partial(hook, 0)), WaitInBackward(partial(hook, 1))),
+        [1, 1],
+        chunks=3,
+        checkpoint=checkpoint,
+    )
+    model(indexed_input(3)).sum().backward()
+    assert not barrier.broken
+    assert threads == {0: "torchgpipe-worker-0", 1: "torchgpipe-worker-1"}
+    assert model[0].scale.grad is not None
+    assert model[1].scale.grad is not None
+
+
+def test_a_second_backward_through_cpu_partitions_says_what_to_do() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), [1, 1], chunks=2)
+    loss = model(torch.randn(4, 3)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"ran twice.*Run the forward again"):
+        loss.backward()
+
+
+def test_autograd_grad_of_the_input_through_cpu_partitions(backward_by: str) -> None:
+    layers = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    plain = copy.deepcopy(layers)
+    model = GPipe(layers, [2, 1], chunks=3)
+    x = torch.randn(6, 3, requires_grad=True)
+    (got,) = torch.autograd.grad(model(x).square().sum(), x)
+    (expected,) = torch.autograd.grad(plain(x).square().sum(), x)
+    torch.testing.assert_close(got, expected)
+
+
+def test_outputs_that_need_no_grad_stay_so_and_integer_outputs_pass() -> None:
+    class Split(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return x, x.detach() * 2, x.argmax(dim=1)
+
+    # (A checkpointed cell cannot tell: its forward records no graph.)
+    model = GPipe(nn.Sequential(nn.Linear(3, 3), Split()), [1, 1], chunks=2, checkpoint="never")
+    out, frozen, index = model(torch.randn(4, 3))
+    assert out.requires_grad
+    assert not frozen.requires_grad
+    assert not index.requires_grad
+    out.sum().backward()
+    assert model[0].weight.grad is not None

@@ -89,9 +89,23 @@ def test_benchmark_quick_writes_json_and_tables(tmp_path):
     for row in results["sleep"]:
         assert row["forward_s"] > 0
         assert row["bound_s"] == pytest.approx((row["m"] + row["n"] - 1) * 1e-3)
+    for row in results["sleep"]:
+        assert row["forward_over_bare"] > 0
+        assert row["no_grad_over_bare"] > 0
     modes = {(row["n"], row["m"], row["mode"]) for row in results["overhead"]}
-    assert len(modes) == 8
+    assert len(modes) == 12  # eval, train and step, for each (n, m)
     assert results["environment"]["torch"] == __import__("torch").__version__
+
+
+def test_cpu_compute_benchmark_quick_compares_every_path(tmp_path):
+    out_file = tmp_path / "compute.json"
+    out = run_python("benchmarks/cpu_compute/main.py", "--quick", "--out", str(out_file))
+    assert "model(x)/GPipe" in out
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [row["checkpoint"] for row in rows] == ["never", "except_last", "always"]
+    for row in rows:
+        for path in ("model(x)", "engine", "ScheduleGPipe", "Schedule1F1B", "model(x)/GPipe"):
+            assert row[path] > 0
 
 
 def test_skip_example_trains_and_prints_the_layout():

@@ -115,7 +115,7 @@ def _assert_same_grads(a: nn.Module, b: nn.Module, *, exact: bool) -> None:
 @pytest.mark.parametrize("chunks", [1, 2, 3, 7])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_outputs_and_gradients_match_the_plain_model(
-    name: str, balance: list[int], chunks: int, checkpoint: str
+    name: str, balance: list[int], chunks: int, checkpoint: str, backward_by: str
 ) -> None:
     build, make_input, _ = MODELS[name]
     plain = build().double()
@@ -150,7 +150,7 @@ def test_eval_mode_with_real_dropout_matches(chunks: int) -> None:
     torch.testing.assert_close(model(x), plain(x), rtol=1e-12, atol=1e-12)
 
 
-def test_dict_values_between_layers() -> None:
+def test_dict_values_between_layers(backward_by: str) -> None:
     class ToDict(nn.Module):
         def forward(self, x: Tensor) -> dict[str, object]:
             return {"h": x * 2, "ids": x.argmax(dim=1), "note": "kept"}
@@ -179,7 +179,7 @@ def test_dict_values_between_layers() -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_optimizer_steps_give_the_same_weights(checkpoint: str) -> None:
+def test_optimizer_steps_give_the_same_weights(checkpoint: str, backward_by: str) -> None:
     plain = convnet().double()
     model = GPipe(copy.deepcopy(plain), [3, 5], chunks=4, checkpoint=checkpoint)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
@@ -199,7 +199,9 @@ def test_optimizer_steps_give_the_same_weights(checkpoint: str) -> None:
 
 @pytest.mark.parametrize("balance", [[1, 2], [2, 1], [1, 1, 1]])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_inplace_layer_at_a_partition_boundary(balance: list[int], checkpoint: str) -> None:
+def test_inplace_layer_at_a_partition_boundary(
+    balance: list[int], checkpoint: str, backward_by: str
+) -> None:
     # ReLU(inplace=True) first in a partition modifies the partition's input: the copy kept
     # for recomputation must not see that, and recomputation may do it again.
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4)).double()
@@ -282,7 +284,7 @@ SKIP_CASES = [
 @pytest.mark.parametrize("chunks", [1, 2, 3, 7])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_skips_match_the_plain_model(
-    name: str, balance: list[int], chunks: int, checkpoint: str
+    name: str, balance: list[int], chunks: int, checkpoint: str, backward_by: str
 ) -> None:
     plain = (_unet() if name == "unet" else _long_skip()).double()
     model = GPipe(copy.deepcopy(plain), balance, chunks=chunks, checkpoint=checkpoint)
@@ -298,7 +300,7 @@ def test_skips_match_the_plain_model(
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_inplace_first_layer_on_an_input_that_needs_grad(checkpoint: str) -> None:
+def test_inplace_first_layer_on_an_input_that_needs_grad(checkpoint: str, backward_by: str) -> None:
     # Regression: micro-batches are views of one input; with checkpoint='never' an
     # in-place first layer modified two views of a tensor that needs grad, and
     # backward failed its version check ("modified by an inplace operation").

@@ -1,21 +1,35 @@
-"""A stage's cell in a step: what it keeps from its forward to its last backward action."""
+"""A stage's cell: what it keeps from its forward to its last backward action.
+
+Two kinds (see ``executor.py``): a cell with a graph of its own (:class:`StageCell`,
+whose ``B`` runs on the rank's worker), and a cell in the caller's graph
+(:func:`connected_forward`, whose backward the engine runs).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from torchgpipe.checkpoint import alias, differentiable
-from torchgpipe.microbatch import Spec, flatten, unflatten
-from torchgpipe.rng import CellRandomness
+from torchgpipe.checkpoint import alias, checkpoint, differentiable
+from torchgpipe.dependency import fork, join
+from torchgpipe.microbatch import Spec, flatten, map_tensors, unflatten
+from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
+from torchgpipe.skip.tracker import run_cell
 from torchgpipe.split_backward import Plan
+from torchgpipe.trace import BackwardSpan
+
+if TYPE_CHECKING:
+    from torchgpipe.executor import StepRun
 
 __all__ = [
     "StageCell",
     "aliases",
+    "call_stage",
+    "connected_forward",
     "detach_all",
     "detached",
     "needs_per_leaf",
@@ -109,3 +123,67 @@ def tensors_of(result: tuple[Any, dict[SkipKey, Any]]) -> list[Tensor]:
     for skip in outbound.values():
         tensors += [x for x in flatten(skip)[0] if isinstance(x, Tensor)]
     return tensors
+
+
+def call_stage(
+    partition: nn.Module, pops: bool, outbound: tuple[SkipKey, ...] | None, packed: Any
+) -> tuple[Any, dict[SkipKey, Any]]:
+    """Run a stage's partition; return its output and the skips it stashed.
+
+    ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
+    stashes them (``outbound`` is then not None).
+    """
+    if outbound is None:
+        if pops:  # pops, but stashes nothing: still under a tracker
+            output, _ = run_cell(partition, (), packed)
+            return output, {}
+        return partition(packed), {}
+    output, skips = run_cell(partition, outbound, packed)
+    return output, dict(skips)
+
+
+def connected_forward(
+    run: StepRun, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
+) -> tuple[Any, dict[SkipKey, Any]]:
+    """Cell ``(i, s)`` in the caller's graph: checkpointed or not, with its phonies."""
+    packed = value if run.outbound[s] is None and not inbound else (value, inbound)
+    # Not StepRun._call: a checkpointed cell's node keeps its function, and a node that
+    # held the run would make a cycle through autograd that Python cannot collect.
+    function = partial(call_stage, run.partitions[s], bool(inbound), run.outbound[s])
+    randomness = CellRandomness(cell_seed(run.seed, i, s))
+    grad = run.state.grad_enabled
+    # A phony for the next micro-batch's cell on this stage (see dependency.py).
+    wants_phony = grad and i + 1 < len(run.step.outputs)
+    phony = run.phony.pop(s, None)
+    if i < run.checkpoint_stop:
+        result, run.phony[s] = checkpoint(
+            function,
+            packed,
+            state=run.state,
+            randomness=randomness,
+            device=run.devices[s],
+            after=phony,
+            fork=wants_phony,
+            guard=run.guards[s],
+            record=None if run.trace is None else partial(run.trace.record, s, i),
+            name=f"{s}B{i}",
+        )
+        return result  # type: ignore[no-any-return]
+    if s == 0 and grad:
+        # Micro-batches are views of one input: when it needs grad, a layer that
+        # works in place (ReLU(inplace=True)) on two of them would break autograd's
+        # version checks, which the whole batch in one piece does not. Checkpointed
+        # cells copy their input anyway.
+        packed = map_tensors(lambda x: x.clone() if x.requires_grad and x._is_view() else x, packed)
+    packed = join(packed, phony)
+    span = None
+    if run.trace is not None and grad:
+        span = BackwardSpan(run.trace, s, i)
+        packed = span.mark_input(packed, list(run.partitions[s].parameters()))
+    with randomness.forward():
+        result = function(packed)
+    if span is not None:
+        result = span.mark_output(result)
+    if wants_phony:
+        result, run.phony[s] = fork(result)
+    return result  # type: ignore[no-any-return]

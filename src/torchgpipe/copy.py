@@ -41,6 +41,8 @@ def move(
     ``device`` are returned as they are, recorded on ``target`` (CUDA only).
     """
     if isinstance(copy, CPUStreamType):
+        if isinstance(value, Tensor) and value.device == device:
+            return value  # the common case, on the path of every cell
         # Into CPU memory: a blocking copy, issued where the tensors were produced.
         with use_stream(source):
             return map_tensors(lambda x: x if x.device == device else x.to(device), value)

@@ -19,20 +19,18 @@ A cell is built in one of two ways:
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from torchgpipe.cell import (
     StageCell,
     aliases,
+    call_stage,
+    connected_forward,
     detach_all,
     detached,
     needs_per_leaf,
@@ -41,15 +39,13 @@ from torchgpipe.cell import (
     wanted,
     wanting,
 )
-from torchgpipe.checkpoint import checkpoint, set_flag
+from torchgpipe.checkpoint import set_flag
 from torchgpipe.copy import move
-from torchgpipe.dependency import fork, join
-from torchgpipe.mailbox import Mailbox, add_note, real_failures, where
-from torchgpipe.microbatch import device_of, flatten, map_tensors, unflatten
+from torchgpipe.mailbox import Mailbox
+from torchgpipe.microbatch import device_of, flatten, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
-from torchgpipe.schedules import Action, Schedule
+from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
-from torchgpipe.skip.tracker import run_cell
 from torchgpipe.split_backward import backward_inputs, ones_if_none
 from torchgpipe.stages import Stages
 from torchgpipe.steps import LossFn
@@ -61,13 +57,10 @@ from torchgpipe.stream import (
     use_stream,
     wait_stream,
 )
-from torchgpipe.trace import BackwardSpan, profiled
-from torchgpipe.worker import ThreadState, WorkerPool
+from torchgpipe.trace import profiled
+from torchgpipe.worker import Phase, ThreadState
 
-__all__ = ["Phase", "Step", "StepRun", "Workers"]
-
-Phase = Literal["all", "forward", "backward"]
-"""Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
+__all__ = ["Step", "StepRun"]
 
 
 class Step(Mailbox):
@@ -86,89 +79,6 @@ class Step(Mailbox):
         with self._lock:
             self.held[s] += delta
             self.peak[s] = max(self.peak[s], self.held[s])
-
-
-class Workers:
-    """The worker threads of a pipeline's ranks, which run one :class:`StepRun` at a time.
-
-    One worker per stage, kept from run to run (``worker.py``); a table with fewer
-    ranks (interleaved) uses the first ones. A copy of the model, or a process forked
-    from this one, starts workers of its own.
-    """
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.pool: WorkerPool | None = None  # started by the first run
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"n": self.n}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["n"])  # type: ignore[misc]
-
-    def run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
-        """Run each rank's actions of ``phase`` on its worker; return when all are done.
-
-        Raises:
-            BaseException: the first failure of an action, with a note saying where
-                (``describe(action)`` names its stage and device), or what a worker
-                raised while reporting.
-        """
-        step, ranks = run.step, len(run.table.ranks)
-        with self._lock:
-            pool = self.pool
-            if pool is None or pool.pid != os.getpid():
-                pool = self.pool = WorkerPool(self.n)
-            done = [threading.Event() for _ in range(ranks)]
-            lost: list[BaseException] = []  # what a worker raised while reporting
-            for r in range(ranks):
-                job = partial(run.rank, r, phase)
-                pool.submit(r, job, partial(_lost, lost, step), done[r])
-            try:
-                for event in done:
-                    event.wait()
-            except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
-                step.halt()
-                for event in done:
-                    event.wait()
-                raise
-            if lost:
-                # A worker's messages may be missing: the others could wait on them
-                # forever. Leave those threads, and start fresh ones next time.
-                pool.close()
-                self.pool = None
-        if lost:
-            add_note(lost[0], "torchgpipe: a worker failed while reporting a result")
-            raise lost[0]
-        real = real_failures(step)
-        if real:
-            error, action = real[0]
-            add_note(error, where(action, describe(action), len(step.outputs)))
-            raise error
-
-
-def _lost(lost: list[BaseException], step: Step, error: BaseException) -> None:
-    """A rank's worker raised ``error`` while reporting: stop the step; the caller raises it."""
-    lost.append(error)
-    step.halt()  # the other ranks stop waiting for what this one will not send
-
-
-def call_stage(
-    partition: nn.Module, pops: bool, outbound: tuple[SkipKey, ...] | None, packed: Any
-) -> tuple[Any, dict[SkipKey, Any]]:
-    """Run a stage's partition; return its output and the skips it stashed.
-
-    ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
-    stashes them (``outbound`` is then not None).
-    """
-    if outbound is None:
-        if pops:  # pops, but stashes nothing: still under a tracker
-            output, _ = run_cell(partition, (), packed)
-            return output, {}
-        return partition(packed), {}
-    output, skips = run_cell(partition, outbound, packed)
-    return output, dict(skips)
 
 
 class StepRun:
@@ -212,10 +122,7 @@ class StepRun:
         self.outbound = stages.outbound
         self.guards = stages.guards
         self.popped_by = {r.key: r.pop_partition for r in stages.routes}
-        self.trainable = {
-            s: any(p.requires_grad for p in part.parameters())
-            for s, part in stages.partitions.items()
-        }
+        self._trainable: dict[int, bool] = {}  # per stage, read when first needed
         self.n = len(stages.inbound)
         self.trace = stages.tracer
         self.state = ThreadState.capture()
@@ -236,30 +143,46 @@ class StepRun:
             device_of(given[0]) if given else next(iter(rank_device.values()))
         )
         self._home = next(iter(self.compute.values()))
-        self._phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
+        self._cpu = all(device.type == "cpu" for device in stages.devices.values())
+        self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
 
     # The rank's loop.
 
     def rank(self, r: int, phase: Phase = "all") -> None:
-        """Run rank ``r``'s actions of ``phase`` in order; a failure fails the step."""
+        """Run rank ``r``'s actions of ``phase`` in order; a failure fails the step.
+
+        The rank's device, stream and the caller's thread state are entered once for
+        all its actions: what runs between two cells is on the critical path, and a
+        worker that just woke runs it many times slower than a busy one.
+        """
         actions = self.table.ranks[r]
-        device = self.devices[actions[0].stage] if actions else torch.device("cpu")
         if phase != "all":
             actions = tuple(a for a in actions if (a.kind == "F") == (phase == "forward"))
-        for action in actions:
-            if self.post.halted:
-                return
-            try:
-                with profiled(str(action)), use_device(device), use_stream(self.compute[r]):
-                    if action.kind == "F":
-                        self.forward(action.stage, action.i)
-                    elif action.kind == "B":
-                        self.backward(action.stage, action.i)
-                    else:
-                        self.weight(action.stage, action.i)
-            except BaseException as error:
-                self.post.fail(error, action)
-                return
+        if not actions:
+            return
+        device = self.devices[actions[0].stage]
+        # A schedule's step records gradients even under no_grad; a graph per stage
+        # needs them; a cell in the caller's graph runs in the caller's grad mode.
+        grad = None if self.connected else True
+        action = actions[0]
+        try:
+            with (
+                use_device(device),
+                use_stream(self.compute[r]),
+                self.state.apply(grad_enabled=grad),
+            ):
+                for action in actions:
+                    if self.post.halted:
+                        return
+                    with profiled(action):
+                        if action.kind == "F":
+                            self.forward(action.stage, action.i)
+                        elif action.kind == "B":
+                            self.backward(action.stage, action.i)
+                        else:
+                            self.weight(action.stage, action.i)
+        except BaseException as error:
+            self.post.fail(error, action)
 
     def hand_over(self) -> None:
         """Make the calling thread's streams wait for the step's work (CUDA only).
@@ -269,6 +192,8 @@ class StepRun:
         which must not run ahead. The losses and outputs are recorded on those streams
         too, so their memory is not reused before the caller's reads have run.
         """
+        if self._cpu:
+            return
         for r, device in self.rank_device.items():
             wait_stream(current_stream(device), self.compute[r])
         kept = [*self.step.losses, *self.step.outputs]
@@ -309,7 +234,7 @@ class StepRun:
             self.trace.record(s, i, "copy", started, time.perf_counter())
         if self.connected:
             with self._span(s, i, "forward"):
-                output, outbound = self._connected_forward(s, i, value, inbound)
+                output, outbound = connected_forward(self, s, i, value, inbound)
             if s + 1 < self.n:
                 post.put(("F", s + 1, i), output)
                 for key, skip in outbound.items():
@@ -332,7 +257,7 @@ class StepRun:
             return
         # The loss is part of the last stage's cell: it draws on from the cell's generators
         # in forward, as in the recomputation.
-        with self.state.apply(grad_enabled=not cell.checkpointed), cell.randomness.forward():
+        with torch.set_grad_enabled(not cell.checkpointed), cell.randomness.forward():
             loss = self._loss(self.loss_fn, output, self._target(s, i))
         step.losses[i] = loss.detach()
         step.outputs[i] = detached(output)
@@ -340,55 +265,6 @@ class StepRun:
             cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
         else:
             cell.outputs = []  # recomputed in backward
-
-    def _connected_forward(
-        self, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
-    ) -> tuple[Any, dict[SkipKey, Any]]:
-        """Cell ``(i, s)`` in the caller's graph: checkpointed or not, with its phonies."""
-        packed = value if self.outbound[s] is None and not inbound else (value, inbound)
-        # Not self._call: a checkpointed cell's node keeps its function, and a node that
-        # held the run would make a cycle through autograd that Python cannot collect.
-        function = partial(call_stage, self.partitions[s], bool(inbound), self.outbound[s])
-        randomness = CellRandomness(cell_seed(self.seed, i, s))
-        grad = self.state.grad_enabled
-        # A phony for the next micro-batch's cell on this stage (see dependency.py).
-        wants_phony = grad and i + 1 < len(self.step.outputs)
-        phony = self._phony.pop(s, None)
-        if i < self.checkpoint_stop:
-            with self.state.apply():
-                result, self._phony[s] = checkpoint(
-                    function,
-                    packed,
-                    state=self.state,
-                    randomness=randomness,
-                    device=self.devices[s],
-                    after=phony,
-                    fork=wants_phony,
-                    guard=self.guards[s],
-                    record=None if self.trace is None else partial(self.trace.record, s, i),
-                    name=f"{s}B{i}",
-                )
-            return result  # type: ignore[no-any-return]
-        if s == 0 and grad:
-            # Micro-batches are views of one input: when it needs grad, a layer that
-            # works in place (ReLU(inplace=True)) on two of them would break autograd's
-            # version checks, which the whole batch in one piece does not. Checkpointed
-            # cells copy their input anyway.
-            packed = map_tensors(
-                lambda x: x.clone() if x.requires_grad and x._is_view() else x, packed
-            )
-        packed = join(packed, phony)
-        span = None
-        if self.trace is not None and grad:
-            span = BackwardSpan(self.trace, s, i)
-            packed = span.mark_input(packed, list(self.partitions[s].parameters()))
-        with self.state.apply(), randomness.forward():
-            result = function(packed)
-        if span is not None:
-            result = span.mark_output(result)
-        if wants_phony:
-            result, self._phony[s] = fork(result)
-        return result  # type: ignore[no-any-return]
 
     @staticmethod
     def _loss(loss_fn: LossFn, output: Any, target: Any) -> Tensor:
@@ -404,10 +280,12 @@ class StepRun:
     def _run_forward(
         self, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
     ) -> tuple[StageCell, tuple[Any, dict[SkipKey, Any]]]:
-        value_leaves, _ = flatten(value)
-        value_tensors = sum(isinstance(x, Tensor) for x in value_leaves)
         packed = value if self.outbound[s] is None and not inbound else (value, inbound)
         leaves, spec = flatten(packed)
+        if packed is value:
+            value_tensors = sum(isinstance(x, Tensor) for x in leaves)
+        else:
+            value_tensors = sum(isinstance(x, Tensor) for x in flatten(value)[0])
         checkpointed = i < self.checkpoint_stop
         needs = [x.requires_grad for x in leaves if isinstance(x, Tensor)]
         cell = StageCell(
@@ -430,7 +308,6 @@ class StepRun:
             cell.leaves = [x.detach().clone() if isinstance(x, Tensor) else x for x in leaves]
             with (
                 torch.no_grad(),
-                self.state.apply(grad_enabled=False),
                 set_flag("checkpointing"),
                 cell.randomness.forward(),
             ):
@@ -438,17 +315,25 @@ class StepRun:
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)
-            wants = any(needs) or self.trainable[s]
+            wants = any(needs) or self._is_trainable(s)
             return cell, (
                 wanting(output, wants),
                 {k: wanting(v, wants) for k, v in outbound.items()},
             )
         cell.leaves = [stage_leaf(x, s == 0) if isinstance(x, Tensor) else x for x in leaves]
         cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
-        with self.state.apply(grad_enabled=True), cell.randomness.forward():
+        with cell.randomness.forward():
             result = self._call(s, unflatten(aliases(cell.leaves), spec))
         cell.outputs = tensors_of(result)
         return cell, result
+
+    def _is_trainable(self, s: int) -> bool:
+        """Whether a parameter of stage ``s`` wants a gradient."""
+        trainable = self._trainable.get(s)
+        if trainable is None:
+            part = self.partitions[s]
+            trainable = self._trainable[s] = any(p.requires_grad for p in part.parameters())
+        return trainable
 
     def _call(self, s: int, packed: Any) -> tuple[Any, dict[SkipKey, Any]]:
         """Partition ``s`` on its input; return its output and the skips it stashed."""
@@ -516,7 +401,6 @@ class StepRun:
         ]
         cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
         with (
-            self.state.apply(grad_enabled=True),
             set_flag("recomputing"),
             cell.randomness.replay(),
         ):

@@ -12,12 +12,12 @@ from torch import Tensor, nn
 
 from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
-from torchgpipe.executor import Workers
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.stages import Stages, batch_norm_guard, has_skippables
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.trace import Trace
+from torchgpipe.worker import Workers
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
 

@@ -31,15 +31,17 @@ then wait for the workers, whose own ``backward`` on that GPU needs that very th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchgpipe.executor import Step, StepRun, Workers
+from torchgpipe.executor import Step, StepRun
 from torchgpipe.microbatch import flatten, unflatten
-from torchgpipe.schedules import Action, gpipe
+from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages
+from torchgpipe.worker import Workers
 
 __all__ = ["clock_cycles", "run", "workers_run_backward"]
 
@@ -106,6 +108,12 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
         unflatten([next(joined) if isinstance(x, Tensor) else x for x in leaves], spec)
         for leaves, spec in specs
     ]
+
+
+@lru_cache(maxsize=64)
+def _table(n: int, m: int) -> Schedule:
+    """The GPipe table (a ``Schedule`` is immutable: one per shape will do)."""
+    return gpipe(n, m)
 
 
 class _Backward:

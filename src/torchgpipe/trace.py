@@ -200,16 +200,19 @@ class Trace:
         draw_timeline(self, Path(path), title=title)
 
 
-def profiled(name: str) -> AbstractContextManager[Any]:
-    """A ``torch.profiler.record_function`` span named ``name`` (``"1F3"``), when profiling.
+def profiled(name: object) -> AbstractContextManager[Any]:
+    """A ``torch.profiler.record_function`` span named ``str(name)``, when profiling.
 
     Actions show in ``torch.profiler`` traces by their names, as torch's own pipelining
-    names them. Without a profiler running, nothing: a ``record_function`` costs a few
-    microseconds even then, and the check costs a tenth of one.
+    names them. Without a profiler running, nothing (not even the name is formatted): a
+    ``record_function`` costs a few microseconds even then, and the check a tenth of one.
     """
     if _profiling():
-        return record_function(name)
-    return nullcontext()
+        return record_function(str(name))
+    return _NOTHING
+
+
+_NOTHING = nullcontext()
 
 
 def _profiling() -> bool:

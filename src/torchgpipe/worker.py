@@ -22,10 +22,21 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-__all__ = ["ThreadState", "WorkerPool"]
+from torchgpipe.mailbox import Mailbox, add_note, real_failures, where
+from torchgpipe.schedules import Action
+
+if TYPE_CHECKING:
+    from torchgpipe.executor import StepRun
+
+__all__ = ["Phase", "ThreadState", "WorkerPool", "Workers"]
+
+Phase = Literal["all", "forward", "backward"]
+"""Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -134,3 +145,69 @@ def _serve(jobs: _Queue) -> None:
         del item, job, on_failure  # hold nothing of the pipeline between jobs
         if done is not None:
             done.set()
+
+
+class Workers:
+    """The worker threads of a pipeline's ranks, which run one :class:`StepRun` at a time.
+
+    One worker per stage, kept from run to run (``worker.py``); a table with fewer
+    ranks (interleaved) uses the first ones. A copy of the model, or a process forked
+    from this one, starts workers of its own.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pool: WorkerPool | None = None  # started by the first run
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["n"])  # type: ignore[misc]
+
+    def run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
+        """Run each rank's actions of ``phase`` on its worker; return when all are done.
+
+        Raises:
+            BaseException: the first failure of an action, with a note saying where
+                (``describe(action)`` names its stage and device), or what a worker
+                raised while reporting.
+        """
+        step, ranks = run.step, len(run.table.ranks)
+        with self._lock:
+            pool = self.pool
+            if pool is None or pool.pid != os.getpid():
+                pool = self.pool = WorkerPool(self.n)
+            done = [threading.Event() for _ in range(ranks)]
+            lost: list[BaseException] = []  # what a worker raised while reporting
+            for r in range(ranks):
+                job = partial(run.rank, r, phase)
+                pool.submit(r, job, partial(_lost, lost, step), done[r])
+            try:
+                for event in done:
+                    event.wait()
+            except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
+                step.halt()
+                for event in done:
+                    event.wait()
+                raise
+            if lost:
+                # A worker's messages may be missing: the others could wait on them
+                # forever. Leave those threads, and start fresh ones next time.
+                pool.close()
+                self.pool = None
+        if lost:
+            add_note(lost[0], "torchgpipe: a worker failed while reporting a result")
+            raise lost[0]
+        real = real_failures(step)
+        if real:
+            error, action = real[0]
+            add_note(error, where(action, describe(action), len(step.outputs)))
+            raise error
+
+
+def _lost(lost: list[BaseException], step: Mailbox, error: BaseException) -> None:
+    """A rank's worker raised ``error`` while reporting: stop the step; the caller raises it."""
+    lost.append(error)
+    step.halt()  # the other ranks stop waiting for what this one will not send
