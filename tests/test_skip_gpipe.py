@@ -53,7 +53,9 @@ class Moves:
         monkeypatch.setattr(torchgpipe.executor, "move", spy)
 
     def skips_into(self, j: int) -> int:
-        return sum(s for name, s, _ in self.calls if name == f"torchgpipe-worker-{j}")
+        # The caller's thread runs partition 0, worker k partition k + 1.
+        thread = "MainThread" if j == 0 else f"torchgpipe-worker-{j - 1}"
+        return sum(s for name, s, _ in self.calls if name == thread)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

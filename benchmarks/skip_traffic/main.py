@@ -150,9 +150,10 @@ class Traffic:
     def __enter__(self) -> Traffic:
         def counting(value: Any, *args: Any, **kwargs: Any) -> Any:
             moved = self._real(value, *args, **kwargs)
-            # The first worker's forward moves bring in the caller's input, and the last
-            # worker's backward ones the caller's gradient: the same for both models.
-            caller = f"torchgpipe-worker-{self._n - 1 if self.backward else 0}"
+            # The first partition's forward moves bring in the caller's input, and the
+            # last one's backward moves the caller's gradient: the same for both models.
+            # The caller's thread runs the first partition, worker k partition k + 1.
+            caller = f"torchgpipe-worker-{self._n - 2}" if self.backward else "MainThread"
             if threading.current_thread().name != caller:
                 leaves = [x for x in flatten(moved)[0] if isinstance(x, Tensor)]
                 size = sum(x.numel() * x.element_size() for x in leaves)

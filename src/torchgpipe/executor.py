@@ -75,10 +75,17 @@ class Step(Mailbox):
         self.outputs: list[Any] = [None] * m
 
     def hold(self, s: int, delta: int) -> None:
-        """Count ``delta`` more micro-batches held by stage ``s``; keep the peak."""
-        with self._lock:
-            self.held[s] += delta
-            self.peak[s] = max(self.peak[s], self.held[s])
+        """Count ``delta`` more micro-batches held by stage ``s``; keep the peak.
+
+        No lock: the actions of a stage, which alone count for it, run on one thread.
+        """
+        held = self.held[s] = self.held[s] + delta
+        if held > self.peak[s]:
+            self.peak[s] = held
+
+
+def _unchanged(value: Any) -> Any:
+    return value
 
 
 class StepRun:
@@ -248,9 +255,11 @@ class StepRun:
         step.hold(s, 1)
         output, outbound = result
         if s + 1 < self.n:
-            post.put(("F", s + 1, i), detached(output))
+            # A checkpointed cell's outputs were made without a graph: nothing to cut.
+            cut = _unchanged if cell.checkpointed else detached
+            post.put(("F", s + 1, i), cut(output))
             for key, skip in outbound.items():
-                post.put(("S", key, i), detached(skip))
+                post.put(("S", key, i), cut(skip))
             return
         if self.loss_fn is None:  # model(x): the caller's gradients start the backward
             step.outputs[i] = output

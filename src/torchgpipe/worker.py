@@ -148,16 +148,18 @@ def _serve(jobs: _Queue) -> None:
 
 
 class Workers:
-    """The worker threads of a pipeline's ranks, which run one :class:`StepRun` at a time.
+    """The threads of a pipeline's ranks, which run one :class:`StepRun` at a time.
 
-    One worker per stage, kept from run to run (``worker.py``); a table with fewer
-    ranks (interleaved) uses the first ones. A copy of the model, or a process forked
-    from this one, starts workers of its own.
+    The caller's own thread runs rank 0, and a worker thread each of the others, kept
+    from run to run. The caller would otherwise only wait, and each hand-over between
+    threads costs a wake-up, which on a loaded machine is the largest cost of a short
+    cell. A table with fewer ranks (interleaved) uses the first ones. A copy of the
+    model, or a process forked from this one, starts workers of its own.
     """
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.pool: WorkerPool | None = None  # started by the first run
+        self.pool: WorkerPool | None = None  # started by the first run: ranks 1 .. n - 1
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -167,24 +169,28 @@ class Workers:
         self.__init__(state["n"])  # type: ignore[misc]
 
     def run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
-        """Run each rank's actions of ``phase`` on its worker; return when all are done.
+        """Run each rank's actions of ``phase``; return when all are done.
 
         Raises:
             BaseException: the first failure of an action, with a note saying where
-                (``describe(action)`` names its stage and device), or what a worker
+                (``describe(action)`` names its stage and device), or what a rank
                 raised while reporting.
         """
         step, ranks = run.step, len(run.table.ranks)
         with self._lock:
             pool = self.pool
             if pool is None or pool.pid != os.getpid():
-                pool = self.pool = WorkerPool(self.n)
-            done = [threading.Event() for _ in range(ranks)]
-            lost: list[BaseException] = []  # what a worker raised while reporting
-            for r in range(ranks):
+                pool = self.pool = WorkerPool(self.n - 1)
+            done = [threading.Event() for _ in range(1, ranks)]
+            lost: list[BaseException] = []  # what a rank raised while reporting
+            for r in range(1, ranks):
                 job = partial(run.rank, r, phase)
-                pool.submit(r, job, partial(_lost, lost, step), done[r])
+                pool.submit(r - 1, job, partial(_lost, lost, step), done[r - 1])
             try:
+                try:
+                    run.rank(0, phase)
+                except Exception as failure:  # reporting failed: the others must not wait
+                    _lost(lost, step, failure)
                 for event in done:
                     event.wait()
             except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
@@ -193,7 +199,7 @@ class Workers:
                     event.wait()
                 raise
             if lost:
-                # A worker's messages may be missing: the others could wait on them
+                # A rank's messages may be missing: the workers could wait on them
                 # forever. Leave those threads, and start fresh ones next time.
                 pool.close()
                 self.pool = None
