@@ -68,7 +68,7 @@ def _grads(module: nn.Module) -> dict[str, Tensor]:
 
 
 def _step(schedule: PipelineSchedule, x: Any, y: Any) -> Any:
-    stage = schedule.stage
+    stage = schedule.pipe
     return schedule.step(x if stage.is_first else None, y if stage.is_last else None)
 
 

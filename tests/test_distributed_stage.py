@@ -77,7 +77,7 @@ def _assert_grads(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
 
 
 def _step(schedule: PipelineSchedule, x: Any, y: Any) -> StepResult:
-    stage = schedule.stage
+    stage = schedule.pipe
     return schedule.step(x if stage.is_first else None, y if stage.is_last else None)
 
 
@@ -244,14 +244,19 @@ def test_stage_of_a_single_rank_matches_the_plain_model(
 # Schedules: arguments
 
 
-def test_schedules_reject_what_is_not_a_stage() -> None:
-    model = GPipe(mlp(), [4, 4], chunks=2)
-    match = "stage must be a torchgpipe.distributed.PipelineStage, got GPipe"
+def test_schedules_are_torchgpipes_own_and_reject_what_holds_no_stages() -> None:
+    # One set of schedule classes for one process and for several.
+    import torchgpipe
+
+    assert ScheduleGPipe is torchgpipe.ScheduleGPipe
+    assert Schedule1F1B is torchgpipe.Schedule1F1B
+    assert PipelineSchedule is torchgpipe.PipelineSchedule
+    match = "a schedule steps a torchgpipe.GPipe .* or a torchgpipe.distributed.PipelineStage"
     for factory in (Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble, ScheduleInterleaved1F1B):
         with pytest.raises(TypeError, match=match):
-            factory(model, _mse)  # type: ignore[arg-type]
+            factory(mlp(), _mse)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=match):
-        PipelineSchedule(model, _mse, one_f_one_b(2, 2))  # type: ignore[arg-type]
+        PipelineSchedule(mlp(), _mse, one_f_one_b(2, 2))  # type: ignore[arg-type]
 
 
 def test_schedules_reject_a_bad_loss_or_reduction() -> None:

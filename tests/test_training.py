@@ -337,7 +337,7 @@ def test_bad_arguments_are_refused_up_front() -> None:
     odd = GPipe(nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))), [1, 1, 1, 1], chunks=3)
     with pytest.raises(ValueError, match="multiple of 2"):
         ScheduleInterleaved1F1B(odd, _mse, virtual_stages=2)
-    with pytest.raises(ValueError, match="3 stages but the model 4"):
+    with pytest.raises(ValueError, match="3 stages but the balance 4"):
         PipelineSchedule(model, _mse, Schedule.parse("0F0 0B0\n1F0 1B0\n2F0 2B0"))
     with pytest.raises(ScheduleError, match="deadlocks"):
         PipelineSchedule(model, _mse, Schedule.parse("0B0 0F0\n1F0 1B0\n2F0 2B0\n3F0 3B0"))
@@ -346,6 +346,8 @@ def test_bad_arguments_are_refused_up_front() -> None:
     table = PipelineSchedule(model, _mse, Schedule.parse("0F0 0B0\n1F0 1B0\n2F0 2B0\n3F0 3B0"))
     with pytest.raises(ValueError, match="for 1 micro-batches but the batch splits into 4"):
         table.step(torch.randn(8, 2), torch.randn(8, 2))
+    with pytest.raises(TypeError, match=r"needs both in one process"):
+        Schedule1F1B(model, _mse).step(torch.randn(8, 2))
 
 
 def test_the_stages_of_a_rank_must_share_a_device() -> None:

@@ -13,8 +13,10 @@ from torch import Tensor, nn
 from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.microbatch import gather, scatter
+from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.stages import Stages, batch_norm_guard, has_skippables
+from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
+from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.trace import Trace
 from torchgpipe.worker import Workers
@@ -38,7 +40,7 @@ class BalanceError(ValueError):
     """The balance does not fit the module: wrong sum, or a non-positive entry."""
 
 
-class GPipe(nn.Module):
+class GPipe(nn.Module, StageHolder):
     """Wraps an ``nn.Sequential`` to train it with GPipe's pipeline parallelism.
 
     The layers are split into consecutive partitions of ``balance[j]`` layers, partition
@@ -206,6 +208,31 @@ class GPipe(nn.Module):
         training = self.training and torch.is_grad_enabled()
         stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
         return gather(pipeline.run(stages, self.workers, batches))
+
+    # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
+
+    def schedule_ranks(self, virtual_stages: int, schedule: str) -> int:
+        """Ranks of a table with ``virtual_stages`` partitions each: a divisor of them."""
+        n = len(self.balance)
+        v = virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or n % v:
+            raise ValueError(
+                f"{schedule}: virtual_stages must be a positive divisor of the {n} "
+                f"partitions, got {v!r}"
+            )
+        return n // v
+
+    def default_virtual_stages(self) -> int:
+        """Two partitions per rank, when an interleaved schedule does not say."""
+        return 2
+
+    def check_table(self, table: Schedule) -> None:
+        """Refuse a table that puts partitions of different devices on one rank."""
+        pipeline.check_table(self.devices, table)
+
+    def run_step(self, steps: TableSteps, input: Any, target: Any) -> StepResult:
+        """One step of ``steps``, each rank on a thread of this process."""
+        return pipeline.step(self, steps, input, target)
 
     def expect_micro_batches(self, m: int) -> None:
         """Tell deferred batch norm layers that the next mini-batch comes in ``m`` pieces."""

@@ -1,4 +1,4 @@
-"""``model(x)``: the forward actions of the GPipe table, and the backward after them.
+"""A GPipe's stages in one process: ``model(x)``, and the step of a schedule.
 
 The schedule is data: :func:`clock_cycles` yields, tick by tick, the cells ``(i, j)``
 (micro-batch ``i`` on partition ``j``) that may run together. With m = 3, n = 3::
@@ -32,18 +32,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from torchgpipe.executor import Step, StepRun
-from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.microbatch import flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages
+from torchgpipe.steps import StepResult, TableSteps, batch_size, loss_weights, weighted
 from torchgpipe.worker import Workers
 
-__all__ = ["clock_cycles", "run", "workers_run_backward"]
+if TYPE_CHECKING:
+    from torchgpipe.gpipe import GPipe
+
+__all__ = ["check_table", "clock_cycles", "run", "step", "workers_run_backward"]
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
@@ -108,6 +112,63 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
         unflatten([next(joined) if isinstance(x, Tensor) else x for x in leaves], spec)
         for leaves, spec in specs
     ]
+
+
+def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult:
+    """One step of ``steps``' schedule over ``model``'s partitions, each rank on a thread.
+
+    Raises:
+        TypeError, ValueError: the input or target is missing or does not split into the
+            same micro-batches; the table does not fit.
+        BaseException: what an action raised, with a note naming it.
+    """
+    if input is None or target is None:
+        raise TypeError(
+            "schedule.step(input, target) needs both in one process: every stage is "
+            "here, the first takes the input and the last the target"
+        )
+    batches = scatter(input, model.chunks)
+    m = len(batches)
+    targets = scatter(target, m)
+    sizes = [batch_size(b) for b in batches]
+    target_sizes = [batch_size(t) for t in targets]
+    if target_sizes != sizes:
+        raise ValueError(
+            f"the target splits into micro-batches of {target_sizes} "
+            f"samples but the input into {sizes}; give them the same batch size"
+        )
+    table = steps.table(m)
+    weights = loss_weights(sizes, steps.reduction)
+    model.expect_micro_batches(m)
+    stages = model.stages_for(m)
+    record = Step(len(stages.inbound), m)
+    run = StepRun(stages, steps.loss_fn, table, record, batches, targets, weights)
+    devices = model.devices
+    try:
+        model.workers.run(
+            run, "all", lambda action: f"stage {action.stage} on {devices[action.stage]}"
+        )
+    finally:
+        run.hand_over()
+    losses = [x for x in record.losses if x is not None]
+    return StepResult(
+        loss=weighted(weights, losses),
+        losses=losses,
+        output=gather(record.outputs),
+        peak_held=tuple(record.peak),
+    )
+
+
+def check_table(devices: Sequence[torch.device], table: Schedule) -> None:
+    """Refuse a table that puts stages of different devices on one rank."""
+    for r in range(len(table.ranks)):
+        mine = {devices[s] for s in range(len(devices)) if table.placement[s] == r}
+        if len(mine) > 1:
+            raise ValueError(
+                f"rank {r} runs stages on devices {sorted(map(str, mine))}; the stages "
+                f"of one rank must share a device (list the devices of the GPipe "
+                f"so that stage s and stage s + ranks get the same one)"
+            )
 
 
 @lru_cache(maxsize=64)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
@@ -18,7 +18,11 @@ from torchgpipe.skip.skippable import SkipKey, Skippable
 from torchgpipe.stream import AnyStream
 from torchgpipe.trace import Trace
 
-__all__ = ["Guard", "Stages", "batch_norm_guard", "has_skippables"]
+if TYPE_CHECKING:
+    from torchgpipe.schedules import Schedule
+    from torchgpipe.steps import StepResult, TableSteps
+
+__all__ = ["Guard", "StageHolder", "Stages", "batch_norm_guard", "has_skippables"]
 
 
 Guard: TypeAlias = Callable[[], AbstractContextManager[None]]
@@ -41,6 +45,44 @@ class Stages:
     streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
     checkpoint_stop: int  # micro-batches below this are checkpointed
     tracer: Trace | None = None
+
+
+class StageHolder:
+    """What holds the stages a schedule steps: a GPipe, or a PipelineStage.
+
+    :class:`~torchgpipe.GPipe` holds every stage, in one process;
+    :class:`~torchgpipe.distributed.PipelineStage` those of one process of several. The
+    schedule classes (:mod:`torchgpipe.training`) are written once, against this:
+    how many ranks a table may have, which tables fit, and how a step runs.
+    """
+
+    chunks: int
+    balance: list[int]
+
+    def schedule_ranks(self, virtual_stages: int, schedule: str) -> int:
+        """The ranks of a table that gives each rank ``virtual_stages`` stages.
+
+        Raises:
+            ValueError: these stages cannot be run that way (``schedule`` names the
+                schedule class in the message, which says what to do instead).
+        """
+        raise NotImplementedError
+
+    def default_virtual_stages(self) -> int:
+        """The stages per rank of an interleaved schedule built without saying."""
+        raise NotImplementedError
+
+    def check_table(self, table: Schedule) -> None:
+        """Refuse a table whose placement of stages on ranks these stages cannot follow.
+
+        Raises:
+            ValueError: saying which stages go where they cannot.
+        """
+        raise NotImplementedError
+
+    def run_step(self, steps: TableSteps, input: Any, target: Any) -> StepResult:
+        """One step of ``steps``' schedule and loss over these stages."""
+        raise NotImplementedError
 
 
 def batch_norm_guard(partition: nn.Module) -> Guard | None:

@@ -41,9 +41,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchgpipe.executor import Step, StepRun
-from torchgpipe.gpipe import GPipe
-from torchgpipe.microbatch import gather, scatter
 from torchgpipe.schedules import (
     Schedule,
     gpipe,
@@ -51,15 +48,13 @@ from torchgpipe.schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
+from torchgpipe.stages import StageHolder
 from torchgpipe.steps import (
     LossFn,
     Reduction,
     StepResult,
     TableFor,
     TableSteps,
-    batch_size,
-    loss_weights,
-    weighted,
 )
 
 __all__ = [
@@ -73,110 +68,78 @@ __all__ = [
 
 
 class PipelineSchedule(TableSteps):
-    """Runs training steps of a :class:`~torchgpipe.GPipe` model in a schedule's order.
+    """Runs training steps over the stages of a pipeline, in a schedule's order.
+
+    One class for one process and for several: ``pipe`` is a
+    :class:`~torchgpipe.GPipe` (every stage here, each rank on a worker thread) or a
+    :class:`~torchgpipe.distributed.PipelineStage` (this process's stages; build the
+    same schedule in every process).
 
     Args:
-        model: the model; its partitions are the schedule's stages, its ``chunks`` the
-            number of micro-batches, its ``checkpoint`` mode decides which cells
+        pipe: the stages: a GPipe's partitions, or a PipelineStage's. Its ``chunks`` is
+            the number of micro-batches, its ``checkpoint`` mode decides which cells
             recompute in backward (in training mode).
-        loss_fn: ``loss_fn(output, target)`` of one micro-batch, a scalar tensor.
-        table: the schedule: a :class:`~torchgpipe.schedules.Schedule` for exactly
-            the number of micro-batches each step will have, or a function from that
-            number to one. Stage ``s`` is partition ``s``; the stages of one rank must
-            share a device.
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch, a scalar tensor; it runs
+            where the last stage runs.
+        table: the schedule: a :class:`~torchgpipe.schedules.Schedule` for exactly the
+            number of micro-batches each step will have, or a function from that number
+            to one. Stage ``s`` is partition ``s``. In one process the stages of one rank
+            must share a device; across processes stage ``s`` runs on rank ``s % R`` of
+            the ``R`` processes.
         reduction: ``'mean'`` (the default) or ``'sum'``: how the batch's loss is made
             of the micro-batches' (see the module's documentation).
 
     Raises:
-        TypeError: ``model`` is not a GPipe, or ``loss_fn`` not callable.
-        ValueError: an unknown reduction, or a table that does not fit the model.
+        TypeError: ``pipe`` is neither, or ``loss_fn`` not callable.
+        ValueError: an unknown reduction, or a table that does not fit the stages.
         ScheduleError: a table that is not valid (see ``Schedule.validate``).
     """
 
     def __init__(
         self,
-        model: GPipe,
+        pipe: StageHolder,
         loss_fn: LossFn,
         table: Schedule | TableFor,
         *,
         reduction: Reduction = "mean",
     ) -> None:
-        if not isinstance(model, GPipe):
-            raise TypeError(
-                f"model must be a torchgpipe.GPipe, got {type(model).__name__}; wrap the "
-                f"nn.Sequential in GPipe first"
-            )
-        self.model = model
+        self.pipe = _check_pipe(pipe)
         self._adopt(loss_fn, table, reduction)
 
     def _check_table(self, table: Schedule, m: int) -> None:
-        n = len(self.model.partitions)
+        n = len(self.pipe.balance)
         if table.stages != n:
             raise ValueError(
-                f"the schedule has {table.stages} stages but the model {n} partitions; "
+                f"the schedule has {table.stages} stages but the balance {n} partitions; "
                 f"each partition is one stage"
             )
         if table.micro_batches != m:
             raise ValueError(
                 f"the schedule is for {table.micro_batches} micro-batches but the batch "
-                f"splits into {m} (chunks={self.model.chunks}); pass a function of the "
+                f"splits into {m} (chunks={self.pipe.chunks}); pass a function of the "
                 f"number of micro-batches, or a batch of at least {table.micro_batches}"
             )
         table.validate()
-        devices = self.model.devices
-        for r in range(len(table.ranks)):
-            mine = {devices[s] for s in range(n) if table.placement[s] == r}
-            if len(mine) > 1:
-                raise ValueError(
-                    f"rank {r} runs stages on devices {sorted(map(str, mine))}; the stages "
-                    f"of one rank must share a device (list the devices of the GPipe "
-                    f"so that stage s and stage s + ranks get the same one)"
-                )
+        self.pipe.check_table(table)
 
-    def step(self, input: Any, target: Any) -> StepResult:
+    def step(self, input: Any = None, target: Any = None) -> StepResult:
         """Forward ``input``, compute the loss against ``target``, and backpropagate.
 
         Gradients are accumulated into ``.grad`` as ``loss.backward()`` would; zero
         them between steps as usual. The step records gradients even under
-        ``torch.no_grad()``.
+        ``torch.no_grad()``. Across processes, call it in every process at once: rank 0
+        gives ``input`` and the last rank ``target`` (the others may pass None); every
+        rank gets the loss, and the output is the last rank's (None elsewhere).
 
         Raises:
-            TypeError, ValueError: the input or target cannot be split into the same
-                micro-batches, or the schedule does not fit them.
+            TypeError, ValueError: the input or target is missing, cannot be split into
+                the same micro-batches, or the schedule does not fit them.
             BaseException: whatever a layer or ``loss_fn`` raised, with a note naming
-                the action (``"1B3"``: stage 1's backward of micro-batch 3).
+                the action (``"1B3"``: stage 1's backward of micro-batch 3). Across
+                processes, on the other ranks a
+                :class:`~torchgpipe.distributed.RemoteError` naming it.
         """
-        model = self.model
-        batches = scatter(input, model.chunks)
-        m = len(batches)
-        targets = scatter(target, m)
-        sizes = [batch_size(b) for b in batches]
-        target_sizes = [batch_size(t) for t in targets]
-        if target_sizes != sizes:
-            raise ValueError(
-                f"the target splits into micro-batches of {target_sizes} "
-                f"samples but the input into {sizes}; give them the same batch size"
-            )
-        table = self.table(m)
-        weights = loss_weights(sizes, self.reduction)
-        model.expect_micro_batches(m)
-        stages = model.stages_for(m)
-        step = Step(len(stages.inbound), m)
-        run = StepRun(stages, self.loss_fn, table, step, batches, targets, weights)
-        devices = model.devices
-        try:
-            model.workers.run(
-                run, "all", lambda action: f"stage {action.stage} on {devices[action.stage]}"
-            )
-        finally:
-            run.hand_over()
-        losses = [x for x in step.losses if x is not None]
-        return StepResult(
-            loss=weighted(weights, losses),
-            losses=losses,
-            output=gather(step.outputs),
-            peak_held=tuple(step.peak),
-        )
+        return self.pipe.run_step(self, input, target)
 
 
 class ScheduleGPipe(PipelineSchedule):
@@ -186,9 +149,11 @@ class ScheduleGPipe(PipelineSchedule):
     checkpointed). See :class:`PipelineSchedule` for the arguments.
     """
 
-    def __init__(self, model: GPipe, loss_fn: LossFn, *, reduction: Reduction = "mean") -> None:
-        n = _stages(model)
-        super().__init__(model, loss_fn, lambda m: gpipe(n, m), reduction=reduction)
+    def __init__(
+        self, pipe: StageHolder, loss_fn: LossFn, *, reduction: Reduction = "mean"
+    ) -> None:
+        n = _check_pipe(pipe).schedule_ranks(1, "ScheduleGPipe")
+        super().__init__(pipe, loss_fn, lambda m: gpipe(n, m), reduction=reduction)
 
 
 class Schedule1F1B(PipelineSchedule):
@@ -198,49 +163,49 @@ class Schedule1F1B(PipelineSchedule):
     instead of ``m``. See :class:`PipelineSchedule` for the arguments.
     """
 
-    def __init__(self, model: GPipe, loss_fn: LossFn, *, reduction: Reduction = "mean") -> None:
-        n = _stages(model)
-        super().__init__(model, loss_fn, lambda m: one_f_one_b(n, m), reduction=reduction)
+    def __init__(
+        self, pipe: StageHolder, loss_fn: LossFn, *, reduction: Reduction = "mean"
+    ) -> None:
+        n = _check_pipe(pipe).schedule_ranks(1, "Schedule1F1B")
+        super().__init__(pipe, loss_fn, lambda m: one_f_one_b(n, m), reduction=reduction)
 
 
 class ScheduleInterleaved1F1B(PipelineSchedule):
     """Interleaved 1F1B: each rank runs ``virtual_stages`` partitions, round robin.
 
     With ``P`` partitions and ``v = virtual_stages``, there are ``P / v`` ranks and rank
-    ``r`` runs partitions ``r, r + P / v, ...``, which must share a device. The bubble
-    shrinks by ``v``; the number of micro-batches must be a multiple of the ranks.
+    ``r`` runs partitions ``r, r + P / v, ...`` (in one process they must share a
+    device). The bubble shrinks by ``v``; the number of micro-batches must be a
+    multiple of the ranks. ``virtual_stages`` defaults to 2 for a GPipe, and to the
+    stages each process holds for a PipelineStage (which is the only value it takes).
 
     Raises:
-        ValueError: ``virtual_stages`` does not divide the partitions, or ``chunks`` is
-            not a multiple of the number of ranks.
+        ValueError: ``virtual_stages`` does not fit the stages, or ``chunks`` is not a
+            multiple of the number of ranks.
     """
 
     def __init__(
         self,
-        model: GPipe,
+        pipe: StageHolder,
         loss_fn: LossFn,
         *,
-        virtual_stages: int = 2,
+        virtual_stages: int | None = None,
         reduction: Reduction = "mean",
     ) -> None:
-        stages = _stages(model)
-        if not isinstance(virtual_stages, int) or virtual_stages < 1 or stages % virtual_stages:
-            raise ValueError(
-                f"virtual_stages must be a positive divisor of the {stages} partitions, "
-                f"got {virtual_stages!r}"
-            )
-        ranks = stages // virtual_stages
-        if model.chunks % ranks:
+        pipe = _check_pipe(pipe)
+        v = pipe.default_virtual_stages() if virtual_stages is None else virtual_stages
+        ranks = pipe.schedule_ranks(v, "ScheduleInterleaved1F1B")
+        if pipe.chunks % ranks:
             raise ValueError(
                 f"interleaving sends micro-batches in groups of {ranks} (one per rank); "
-                f"use a GPipe with chunks a multiple of {ranks}, got {model.chunks}"
+                f"use chunks a multiple of {ranks}, got {pipe.chunks}"
             )
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = v
 
         def table(m: int) -> Schedule:
-            return interleaved_one_f_one_b(ranks, m, virtual_stages)
+            return interleaved_one_f_one_b(ranks, m, v)
 
-        super().__init__(model, loss_fn, table, reduction=reduction)
+        super().__init__(pipe, loss_fn, table, reduction=reduction)
 
 
 class ScheduleZeroBubble(PipelineSchedule):
@@ -251,15 +216,18 @@ class ScheduleZeroBubble(PipelineSchedule):
     :class:`PipelineSchedule` for the arguments.
     """
 
-    def __init__(self, model: GPipe, loss_fn: LossFn, *, reduction: Reduction = "mean") -> None:
-        n = _stages(model)
-        super().__init__(model, loss_fn, lambda m: zero_bubble_h1(n, m), reduction=reduction)
+    def __init__(
+        self, pipe: StageHolder, loss_fn: LossFn, *, reduction: Reduction = "mean"
+    ) -> None:
+        n = _check_pipe(pipe).schedule_ranks(1, "ScheduleZeroBubble")
+        super().__init__(pipe, loss_fn, lambda m: zero_bubble_h1(n, m), reduction=reduction)
 
 
-def _stages(model: GPipe) -> int:
-    if not isinstance(model, GPipe):
+def _check_pipe(pipe: Any) -> StageHolder:
+    if not isinstance(pipe, StageHolder):
         raise TypeError(
-            f"model must be a torchgpipe.GPipe, got {type(model).__name__}; wrap the "
-            f"nn.Sequential in GPipe first"
+            f"a schedule steps a torchgpipe.GPipe (one process) or a "
+            f"torchgpipe.distributed.PipelineStage (several), got {type(pipe).__name__}; "
+            f"wrap the nn.Sequential in one of them first"
         )
-    return len(model.partitions)
+    return pipe

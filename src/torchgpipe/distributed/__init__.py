@@ -22,13 +22,6 @@ step fail: the rank that raised re-raises its exception, the others a
 """
 
 from torchgpipe.distributed.exchange import RemoteError
-from torchgpipe.distributed.schedule import (
-    PipelineSchedule,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZeroBubble,
-)
 from torchgpipe.distributed.stage import PipelineStage, all_reduce_gradients
 from torchgpipe.distributed.transport import (
     LocalTransport,
@@ -36,7 +29,17 @@ from torchgpipe.distributed.transport import (
     Transport,
     TransportError,
 )
-from torchgpipe.training import StepResult
+
+# The schedules are torchgpipe's own, the same classes for one process and several:
+# given a PipelineStage, they step it across the processes.
+from torchgpipe.training import (
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+    StepResult,
+)
 
 __all__ = [
     "LocalTransport",

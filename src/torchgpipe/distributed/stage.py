@@ -33,15 +33,17 @@ from torchgpipe.gpipe import (
     checkpoint_stop,
 )
 from torchgpipe.mailbox import Stopped
+from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.stages import Stages, batch_norm_guard, has_skippables
+from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
+from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.worker import WorkerPool
 
 __all__ = ["PipelineStage", "all_reduce_gradients"]
 
 
-class PipelineStage(nn.Module):
+class PipelineStage(nn.Module, StageHolder):
     """This process's stages of a pipeline that runs over several processes.
 
     Build one in every process of the pipeline, from the same ``nn.Sequential`` and the
@@ -180,9 +182,54 @@ class PipelineStage(nn.Module):
         """
         raise TypeError(
             "a PipelineStage runs in steps that span every process: use "
-            "torchgpipe.distributed.Schedule1F1B(stage, loss_fn).step(input, target) "
+            "torchgpipe.Schedule1F1B(stage, loss_fn).step(input, target) "
             "(or another schedule) instead of calling the stage"
         )
+
+    # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
+
+    def schedule_ranks(self, virtual_stages: int, schedule: str) -> int:
+        """The processes, which must each hold ``virtual_stages`` stages."""
+        if virtual_stages != self.virtual_stages:
+            if virtual_stages == 1:
+                raise ValueError(
+                    f"{schedule} runs one stage per process, but the balance gives each "
+                    f"of the {self.world_size} processes {self.virtual_stages}; use "
+                    f"ScheduleInterleaved1F1B, or a balance of {self.world_size} partitions"
+                )
+            raise ValueError(
+                f"{schedule}: the balance gives each of the {self.world_size} processes "
+                f"{self.virtual_stages} stages, not {virtual_stages!r}; leave "
+                f"virtual_stages out"
+            )
+        return self.world_size
+
+    def default_virtual_stages(self) -> int:
+        """The stages each process holds (its balance over the processes)."""
+        return self.virtual_stages
+
+    def check_table(self, table: Schedule) -> None:
+        """Refuse a table of another number of ranks, or another placement of stages."""
+        n, world = len(self.balance), self.world_size
+        if len(table.ranks) != world:
+            raise ValueError(
+                f"the schedule runs on {len(table.ranks)} ranks but the pipeline has "
+                f"{world} processes; with {n // world} stages per process use "
+                f"{'ScheduleInterleaved1F1B' if n > world else 'a one-stage-per-rank schedule'}"
+            )
+        misplaced = [s for s in range(n) if table.placement[s] != s % world]
+        if misplaced:
+            raise ValueError(
+                f"the schedule puts stages {misplaced} on ranks "
+                f"{[table.placement[s] for s in misplaced]}, but stage s runs on rank "
+                f"s % {world}; use a table with the default placement"
+            )
+
+    def run_step(self, steps: TableSteps, input: Any, target: Any) -> StepResult:
+        """This process's part of one step of ``steps``, in every process at once."""
+        from torchgpipe.distributed.schedule import run_step  # it builds on this module
+
+        return run_step(self, steps, input, target)
 
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
