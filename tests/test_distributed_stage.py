@@ -18,7 +18,7 @@ import torch
 from distributed_helpers import mlp, run_threads, skip_net
 from torch import Tensor, nn
 
-from torchgpipe import BalanceError, GPipe
+from torchgpipe import BalanceError
 from torchgpipe.distributed import (
     LocalTransport,
     PipelineSchedule,

@@ -65,18 +65,26 @@ class TableSteps:
         self.loss_fn = loss_fn
         self.reduction = reduction
         self._table = table
+        self._checked: dict[int, Schedule] = {}  # per m: the table, once checked
         if isinstance(table, Schedule):
             self._check_table(table, table.micro_batches)
+            self._checked[table.micro_batches] = table
 
     def table(self, m: int) -> Schedule:
         """The schedule of a step with ``m`` micro-batches, checked against the stages.
+
+        A table is checked (a dry run: ``Schedule.validate``) the first time a step has
+        ``m`` micro-batches, and kept for the next steps of ``m``.
 
         Raises:
             ValueError: the table does not fit the stages or ``m``.
             ScheduleError: the table is not valid.
         """
-        table = self._table if isinstance(self._table, Schedule) else self._table(m)
-        self._check_table(table, m)
+        table = self._checked.get(m)
+        if table is None:
+            table = self._table if isinstance(self._table, Schedule) else self._table(m)
+            self._check_table(table, m)
+            self._checked[m] = table
         return table
 
     def _check_table(self, table: Schedule, m: int) -> None:
