@@ -44,11 +44,10 @@ def worker_threads() -> list[threading.Thread]:
 
 
 def assert_workers_idle_and_alive(model: nn.Module, n: int) -> None:
-    """The model's workers (one per rank but the first, which is the caller's thread) are
-    still there (none died), and nothing else was started."""
+    """The model's n workers are still there (none died) and nothing else was started."""
     pool = model.workers.pool  # type: ignore[union-attr]
     assert pool is not None
-    assert len(pool.threads) == n - 1
+    assert len(pool.threads) == n
     assert all(t.is_alive() for t in pool.threads)
 
 

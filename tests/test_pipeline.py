@@ -3,6 +3,7 @@ import gc
 import itertools
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -198,7 +199,7 @@ def test_no_worker_thread_outlives_the_model() -> None:
     model = GPipe(nn.Sequential(*(nn.Linear(2, 2) for _ in range(3))), [1, 1, 1], chunks=2)
     model(torch.randn(4, 2)).sum().backward()
     threads = model.workers.pool.threads  # type: ignore[union-attr]
-    assert len(threads) == 2  # the caller's thread runs the first partition
+    assert len(threads) == 3
     del model
     gc.collect()
     for thread in threads:
@@ -262,7 +263,7 @@ def test_cpu_partitions_run_their_backward_at_the_same_time(checkpoint: str) -> 
     model(indexed_input(3)).sum().backward()
     assert not barrier.broken
     # The caller's thread runs the first partition, a worker the other.
-    assert threads == {0: threading.current_thread().name, 1: "torchgpipe-worker-0"}
+    assert threads == {0: threading.current_thread().name, 1: "torchgpipe-worker-1"}
     assert model[0].scale.grad is not None
     assert model[1].scale.grad is not None
 
@@ -298,3 +299,84 @@ def test_outputs_that_need_no_grad_stay_so_and_integer_outputs_pass() -> None:
     assert not index.requires_grad
     out.sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_inference_mode_reaches_every_partition() -> None:
+    layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4))
+    plain = copy.deepcopy(layers)
+    model = GPipe(layers, [1, 2], chunks=2).eval()
+    x = torch.randn(4, 4)
+    with torch.inference_mode():
+        out = model(x)  # partition 1 changes partition 0's output in place
+        assert out.is_inference()
+        torch.testing.assert_close(out, plain(x))
+
+
+class WhereAmI(nn.Module):
+    def __init__(self, seen: dict[int, str], j: int) -> None:
+        super().__init__()
+        self.seen, self.j = seen, j
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen[self.j] = threading.current_thread().name
+        return x
+
+
+def test_a_caller_with_a_torch_mode_on_runs_every_partition_on_a_worker() -> None:
+    # A mode on the caller's thread would reach the first partition alone if the caller
+    # ran it: then every partition runs on a worker, alike.
+    seen: dict[int, str] = {}
+    model = GPipe(nn.Sequential(WhereAmI(seen, 0), WhereAmI(seen, 1)), [1, 1], chunks=2)
+    model(torch.randn(4, 2))
+    assert seen == {0: threading.current_thread().name, 1: "torchgpipe-worker-1"}
+    with torch.device("cpu"):  # a torch function mode
+        model(torch.randn(4, 2))
+    assert seen == {0: "torchgpipe-worker-0", 1: "torchgpipe-worker-1"}
+    with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks
+        model(torch.randn(4, 2))
+    assert seen == {0: "torchgpipe-worker-0", 1: "torchgpipe-worker-1"}
+
+
+def test_a_gradient_of_a_gradient_through_cpu_partitions_says_what_to_do() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)), [2, 1], chunks=2)
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*gradient penalty"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+
+
+def test_a_cpu_partition_that_returns_another_device_is_refused() -> None:
+    class Away(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to("meta")
+
+    model = GPipe(nn.Sequential(nn.Linear(3, 3), Away()), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match=r"returned tensors on \['meta'\]"):
+        model(torch.randn(4, 3))
+
+
+def test_a_failed_backward_lets_go_of_the_activations_at_once() -> None:
+    # The exception's traceback holds the run; the cells it ran must not wait for the
+    # cycle collector to free what they kept.
+    kept: list[weakref.ref[torch.Tensor]] = []
+
+    class Keep(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            kept.append(weakref.ref(y))
+            return y
+
+    model = GPipe(
+        nn.Sequential(nn.Linear(3, 3), Keep(), FailingBackward(), nn.Linear(3, 1)),
+        [2, 2],
+        chunks=2,
+        checkpoint="never",
+    )
+    gc.disable()
+    try:
+        with pytest.raises(ArithmeticError, match="in backward") as info:
+            model(torch.randn(4, 3)).sum().backward()
+        assert kept
+        assert all(ref() is None for ref in kept), "activations outlived the failed step"
+        del info
+    finally:
+        gc.enable()

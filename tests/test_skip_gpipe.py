@@ -53,8 +53,8 @@ class Moves:
         monkeypatch.setattr(torchgpipe.executor, "move", spy)
 
     def skips_into(self, j: int) -> int:
-        # The caller's thread runs partition 0, worker k partition k + 1.
-        thread = "MainThread" if j == 0 else f"torchgpipe-worker-{j - 1}"
+        # The caller's thread runs partition 0, worker j partition j.
+        thread = "MainThread" if j == 0 else f"torchgpipe-worker-{j}"
         return sum(s for name, s, _ in self.calls if name == thread)
 
 

@@ -43,8 +43,8 @@ def test_forward_spans_follow_the_clock_cycles(checkpoint: str) -> None:
             if before in forward:
                 assert forward[(i, j)].start >= forward[before].end
         assert copies[(i, j)].end <= forward[(i, j)].start
-        # The caller's thread runs partition 0, worker k partition k + 1.
-        thread = "MainThread" if j == 0 else f"torchgpipe-worker-{j - 1}"
+        # The caller's thread runs partition 0, worker j partition j.
+        thread = "MainThread" if j == 0 else f"torchgpipe-worker-{j}"
         assert forward[(i, j)].thread == thread
 
 

@@ -211,8 +211,8 @@ def test_each_stage_runs_its_backward_on_its_own_thread() -> None:
     # The caller's thread runs stage 0, a worker each of the others.
     assert threads == [
         threading.current_thread().name,
-        "torchgpipe-worker-0",
         "torchgpipe-worker-1",
+        "torchgpipe-worker-2",
     ]
 
 

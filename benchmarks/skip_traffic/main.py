@@ -152,8 +152,8 @@ class Traffic:
             moved = self._real(value, *args, **kwargs)
             # The first partition's forward moves bring in the caller's input, and the
             # last one's backward moves the caller's gradient: the same for both models.
-            # The caller's thread runs the first partition, worker k partition k + 1.
-            caller = f"torchgpipe-worker-{self._n - 2}" if self.backward else "MainThread"
+            # The caller's thread runs the first partition, worker j partition j.
+            caller = f"torchgpipe-worker-{self._n - 1}" if self.backward else "MainThread"
             if threading.current_thread().name != caller:
                 leaves = [x for x in flatten(moved)[0] if isinstance(x, Tensor)]
                 size = sum(x.numel() * x.element_size() for x in leaves)

@@ -56,6 +56,10 @@ class StageCell:
     upstream: list[Tensor] = field(default_factory=list)  # stage 0: the caller's graph
     plan: Plan = field(default_factory=list)  # W's work, left by B
 
+    def release(self) -> None:
+        """Let go of every tensor the cell keeps (its step failed)."""
+        self.leaves, self.inputs, self.outputs, self.upstream, self.plan = [], [], [], [], []
+
 
 def needs_per_leaf(cell: StageCell) -> list[bool]:
     """Per leaf of the cell's input: whether its gradient is wanted (False for non-tensors)."""

@@ -74,6 +74,18 @@ class Step(Mailbox):
         self.losses: list[Tensor | None] = [None] * m
         self.outputs: list[Any] = [None] * m
 
+    def drop(self) -> None:
+        """Let go of every cell and message of a step that failed.
+
+        The exception raised holds the step through its traceback's frames, and so, until
+        Python collects that cycle, every activation the unfinished cells kept.
+        """
+        for cell in self.cells.values():
+            cell.release()  # a failed action's frame may still hold the cell itself
+        self.cells.clear()
+        with self._lock:
+            self._box.clear()
+
     def hold(self, s: int, delta: int) -> None:
         """Count ``delta`` more micro-batches held by stage ``s``; keep the peak.
 

@@ -91,8 +91,12 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
     )
     stage_graphs = wants_grad and workers_run_backward(list(devices.values()))
     step = Step(n, m)
-    run = StepRun(stages, None, gpipe(n, m), step, batches, [], [], connected=not stage_graphs)
-    workers.run(run, "forward", describe)
+    run = StepRun(stages, None, _table(n, m), step, batches, [], [], connected=not stage_graphs)
+    try:
+        workers.run(run, "forward", describe)
+    except BaseException:
+        step.drop()  # what the cells hold goes now, not when the traceback is collected
+        raise
     run.hand_over()
     if not stage_graphs:
         return step.outputs
@@ -103,6 +107,15 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
         mine = [x for x in leaves if isinstance(x, Tensor)]
         counts.append(len(mine))
         tensors += mine
+    elsewhere = sorted({str(x.device) for x in tensors if x.device.type != "cpu"})
+    if elsewhere:
+        step.drop()
+        raise RuntimeError(
+            f"the last partition is on the CPU but returned tensors on {elsewhere}; the "
+            f"backward of CPU partitions runs on their own threads, which must not wait "
+            f"on a GPU's engine thread: put that partition on the GPU (devices=[...]) "
+            f"and let it return its output there"
+        )
     backward = _Backward(run, workers, describe, counts, upstream, tensors)
     # The phony makes the outputs need a gradient when only the parameters do.
     phony = torch.empty(0, requires_grad=True)
@@ -148,6 +161,9 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
         model.workers.run(
             run, "all", lambda action: f"stage {action.stage} on {devices[action.stage]}"
         )
+    except BaseException:
+        record.drop()  # what the cells hold goes now, not when the traceback is collected
+        raise
     finally:
         run.hand_over()
     losses = [x for x in record.losses if x is not None]
@@ -205,11 +221,22 @@ class _Backward:
                 "partitions each stage frees its graph after its backward, as if "
                 "retain_graph were False. Run the forward again for another backward"
             )
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "torchgpipe: a backward that builds a graph (create_graph=True, a "
+                "gradient of a gradient) cannot go through a GPipe of CPU partitions: "
+                "each partition runs its backward on its own thread. Compute the "
+                "gradient penalty outside the GPipe, or train the model unwrapped"
+            )
         n, step = len(run.table.ranks), run.step
         it = iter(grads)
         for i, count in enumerate(self.counts):
             step.put(("G", n - 1, i), [next(it) for _ in range(count)])
-        self.workers.run(run, "backward", self.describe)
+        try:
+            self.workers.run(run, "backward", self.describe)
+        except BaseException:
+            step.drop()  # the cells not yet through their backward go now
+            raise
         out: list[Tensor | None] = []
         for i, devices in enumerate(self.devices):
             got = step.take(("G", -1, i)) if devices else []

@@ -60,22 +60,29 @@ class ThreadState:
 
     grad_enabled: bool
     autocast: tuple[tuple[str, torch.dtype], ...]  # device types where it is on
+    inference: bool = False  # torch.inference_mode
 
     @classmethod
     def capture(cls) -> ThreadState:
-        """Read the calling thread's grad mode and autocast state."""
+        """Read the calling thread's grad mode, inference mode and autocast state."""
         autocast = []
         for device_type in _AUTOCAST_DEVICE_TYPES:
             dtype = _autocast_dtype(device_type)
             if dtype is not None:
                 autocast.append((device_type, dtype))
-        return cls(torch.is_grad_enabled(), tuple(autocast))
+        return cls(torch.is_grad_enabled(), tuple(autocast), torch.is_inference_mode_enabled())
 
     @contextmanager
     def apply(self, *, grad_enabled: bool | None = None) -> Iterator[None]:
-        """Enter this state on the calling thread; ``grad_enabled`` overrides grad mode."""
+        """Enter this state on the calling thread; ``grad_enabled`` overrides grad mode.
+
+        Inference mode is entered unless grad mode is forced on (a step records
+        gradients, whatever the caller's mode).
+        """
         grad = self.grad_enabled if grad_enabled is None else grad_enabled
         with ExitStack() as stack:
+            if self.inference and grad_enabled is None:
+                stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(grad))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
@@ -150,16 +157,20 @@ def _serve(jobs: _Queue) -> None:
 class Workers:
     """The threads of a pipeline's ranks, which run one :class:`StepRun` at a time.
 
-    The caller's own thread runs rank 0, and a worker thread each of the others, kept
-    from run to run. The caller would otherwise only wait, and each hand-over between
-    threads costs a wake-up, which on a loaded machine is the largest cost of a short
-    cell. A table with fewer ranks (interleaved) uses the first ones. A copy of the
-    model, or a process forked from this one, starts workers of its own.
+    A worker thread per rank, kept from run to run. The caller's own thread runs rank 0
+    itself when nothing on it would reach rank 0 alone: the caller would otherwise only
+    wait, and each hand-over between threads costs a wake-up, on a loaded machine the
+    largest cost of a short cell. What would reach it alone: torch function or dispatch
+    modes (``with torch.device(...)``, ``FlopCounterMode``) and saved-tensor hooks
+    (``save_on_cpu``), which a worker thread does not have; with any of them on, rank 0
+    runs on its worker like the others, so every partition runs alike. A table with
+    fewer ranks (interleaved) uses the first ones. A copy of the model, or a process
+    forked from this one, starts workers of its own.
     """
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.pool: WorkerPool | None = None  # started by the first run: ranks 1 .. n - 1
+        self.pool: WorkerPool | None = None  # started by the first run
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -177,20 +188,22 @@ class Workers:
                 raised while reporting.
         """
         step, ranks = run.step, len(run.table.ranks)
+        inline = _plain_thread()
         with self._lock:
             pool = self.pool
             if pool is None or pool.pid != os.getpid():
-                pool = self.pool = WorkerPool(self.n - 1)
-            done = [threading.Event() for _ in range(1, ranks)]
+                pool = self.pool = WorkerPool(self.n)
+            first = 1 if inline else 0
+            done = [threading.Event() for _ in range(first, ranks)]
             lost: list[BaseException] = []  # what a rank raised while reporting
-            for r in range(1, ranks):
-                job = partial(run.rank, r, phase)
-                pool.submit(r - 1, job, partial(_lost, lost, step), done[r - 1])
+            for r, event in zip(range(first, ranks), done, strict=True):
+                pool.submit(r, partial(run.rank, r, phase), partial(_lost, lost, step), event)
             try:
-                try:
-                    run.rank(0, phase)
-                except Exception as failure:  # reporting failed: the others must not wait
-                    _lost(lost, step, failure)
+                if inline:
+                    try:
+                        run.rank(0, phase)
+                    except Exception as failure:  # reporting failed: the others must not wait
+                        _lost(lost, step, failure)
                 for event in done:
                     event.wait()
             except BaseException:  # KeyboardInterrupt: stop the workers, let them finish
@@ -211,6 +224,22 @@ class Workers:
             error, action = real[0]
             add_note(error, where(action, describe(action), len(step.outputs)))
             raise error
+
+
+def _plain_thread() -> bool:
+    """Whether the calling thread has no torch mode and no saved-tensor hooks on.
+
+    Read through torch's private accessors; where one is missing (another torch
+    version), the answer is no, and rank 0 runs on its worker.
+    """
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other torch
+        return False
+    return not (_get_current_function_mode_stack() or _get_current_dispatch_mode_stack() or hooks)
 
 
 def _lost(lost: list[BaseException], step: Mailbox, error: BaseException) -> None:
