@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from torchgpipe.checkpoint import alias, checkpoint, differentiable
+from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Spec, flatten, map_tensors, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StageCell",
-    "aliases",
     "call_stage",
     "connected_forward",
     "detach_all",
@@ -80,11 +79,6 @@ def stage_leaf(x: Tensor, first: bool) -> Tensor:
     # that works in place from touching the caller's tensor.
     y = x.detach().clone() if first else x.detach()
     return y.requires_grad_(True)
-
-
-def aliases(leaves: list[Any]) -> list[Any]:
-    """Non-leaf stand-ins for the leaves that want a gradient, which layers may modify."""
-    return [alias(x) if isinstance(x, Tensor) and x.requires_grad else x for x in leaves]
 
 
 def wanting(value: Any, wants: bool) -> Any:

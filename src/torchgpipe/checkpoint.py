@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -29,7 +29,14 @@ from torchgpipe.rng import CellRandomness
 from torchgpipe.trace import profiled
 from torchgpipe.worker import ThreadState
 
-__all__ = ["checkpoint", "is_checkpointing", "is_recomputing"]
+__all__ = [
+    "aliases",
+    "checkpoint",
+    "fresh_leaves",
+    "is_checkpointing",
+    "is_recomputing",
+    "recomputing",
+]
 
 _flags = threading.local()
 
@@ -132,22 +139,13 @@ class _Checkpointed(torch.autograd.Function):
         if cell.fork:
             grads = grads[:-1]  # the phony's
         needs = ctx.needs_input_grad[2:]
-        inputs = tuple(
-            x.detach().requires_grad_(need)
-            for x, need in zip(ctx.saved_tensors, needs, strict=True)
-        )
-        # The layers get non-leaf aliases, which they may modify in place as they could
-        # in forward; the leaves collect the gradients. The guard holds until the
-        # recomputed graph is through: what it restores may be saved in that graph.
+        # The guard holds until the recomputed graph is through: what it restores may be
+        # saved in that graph.
         with profiled(cell.name), cell.guard():
             started = time.perf_counter()
-            with (
-                cell.state.apply(grad_enabled=True),
-                set_flag("recomputing"),
-                cell.randomness.replay(),
-            ):
-                aliases = tuple(alias(x) if x.requires_grad else x for x in inputs)
-                output = cell.call(aliases)
+            with recomputing(cell.randomness, cell.state):  # grad mode on: the aliases
+                inputs, aliased = fresh_leaves(ctx.saved_tensors, needs)  # are recorded
+                output = cell.call(tuple(aliased))
             recomputed = time.perf_counter()
             outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
             pairs = [
@@ -162,6 +160,45 @@ class _Checkpointed(torch.autograd.Function):
                 cell.record("backward", recomputed, time.perf_counter())
         grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
         return (None, None, *grads_in)
+
+
+def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any], list[Any]]:
+    """The inputs of a recomputation: new leaves, and the aliases the layers get.
+
+    Each tensor of ``values`` becomes a new leaf wanting a gradient where ``needs``
+    says; other values pass as they are. See :func:`aliases` for the second list, which
+    must be made under grad mode (inside :func:`recomputing`).
+    """
+    leaves = [
+        x.detach().requires_grad_(need) if isinstance(x, Tensor) else x
+        for x, need in zip(values, needs, strict=True)
+    ]
+    return leaves, aliases(leaves)
+
+
+def aliases(leaves: Sequence[Any]) -> list[Any]:
+    """Non-leaf stand-ins for the leaves that want a gradient, which layers may modify.
+
+    A layer may modify its input in place (as it could in a plain forward); a leaf that
+    wants a gradient may not be, so the layer gets an alias and the leaf collects the
+    gradient.
+    """
+    return [alias(x) if isinstance(x, Tensor) and x.requires_grad else x for x in leaves]
+
+
+@contextmanager
+def recomputing(randomness: CellRandomness, state: ThreadState | None = None) -> Iterator[None]:
+    """Around a cell's recomputation: the forward's random numbers, ``is_recomputing()``.
+
+    ``state``, when given, is the caller's (grad mode forced on): the engine's thread,
+    where a connected cell recomputes, has none of it; a rank's loop has entered it.
+    """
+    with ExitStack() as stack:
+        if state is not None:
+            stack.enter_context(state.apply(grad_enabled=True))
+        stack.enter_context(set_flag("recomputing"))
+        stack.enter_context(randomness.replay())
+        yield
 
 
 class _Alias(torch.autograd.Function):

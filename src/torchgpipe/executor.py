@@ -28,7 +28,6 @@ from torch import Tensor
 
 from torchgpipe.cell import (
     StageCell,
-    aliases,
     call_stage,
     connected_forward,
     detach_all,
@@ -39,7 +38,7 @@ from torchgpipe.cell import (
     wanted,
     wanting,
 )
-from torchgpipe.checkpoint import set_flag
+from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
 from torchgpipe.mailbox import Mailbox
 from torchgpipe.microbatch import device_of, flatten, unflatten
@@ -416,16 +415,10 @@ class StepRun:
         return list(grads)
 
     def _recompute(self, s: int, i: int, cell: StageCell) -> None:
-        leaves = [
-            x.detach().requires_grad_(need) if isinstance(x, Tensor) else x
-            for x, need in zip(cell.leaves, needs_per_leaf(cell), strict=True)
-        ]
-        cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
-        with (
-            set_flag("recomputing"),
-            cell.randomness.replay(),
-        ):
-            result = self._call(s, unflatten(aliases(leaves), cell.spec))
+        with recomputing(cell.randomness):  # the rank's loop entered the caller's state
+            leaves, aliased = fresh_leaves(cell.leaves, needs_per_leaf(cell))
+            cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
+            result = self._call(s, unflatten(aliased, cell.spec))
             if self.loss_fn is not None and s == self.n - 1:
                 loss = self._loss(self.loss_fn, result[0], self._target(s, i))
                 cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
