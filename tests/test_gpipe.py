@@ -24,6 +24,8 @@ def test_signature_matches_torchgpipe() -> None:
         "chunks",
         "checkpoint",
         "deferred_batch_norm",
+        "init",  # beyond torchgpipe 0.0.7: models built on the meta device
+        "state_dict",
     ]
     keyword_only = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert [p.name for p in keyword_only] == list(params)[2:]
@@ -32,6 +34,8 @@ def test_signature_matches_torchgpipe() -> None:
     assert params["checkpoint"].default == "except_last"
     assert params["devices"].default is None
     assert params["deferred_batch_norm"].default is False
+    assert params["init"].default is None
+    assert params["state_dict"].default is None
 
 
 def test_attributes() -> None:

@@ -108,6 +108,16 @@ def test_cpu_compute_benchmark_quick_compares_every_path(tmp_path):
             assert row[path] > 0
 
 
+def test_materialize_benchmark_quick_measures_both_ways(tmp_path):
+    out_file = tmp_path / "materialize.json"
+    run_python("benchmarks/materialize/main.py", "--quick", "--out", str(out_file))
+    results = json.loads(out_file.read_text())
+    assert set(results["rows"]) == {"whole", "meta"}
+    for rows in results["rows"].values():
+        assert [row["rank"] for row in rows] == [0, 1]
+        assert all(row["share"] > 0 for row in rows)
+
+
 def test_skip_example_trains_and_prints_the_layout():
     out = run_python("examples/skip_unet.py")
     assert re.search(r"'skip' in Namespace\('level 1'\) +0 +2", out)

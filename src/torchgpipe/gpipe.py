@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, NoReturn, TypeAlias, get_args, overload
 
@@ -12,6 +12,12 @@ from torch import Tensor, nn
 
 from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.materialize import (
+    Init,
+    check_materializable,
+    check_meta_arguments,
+    materialize,
+)
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
@@ -80,14 +86,20 @@ class GPipe(nn.Module, StageHolder):
             parameters and buffers), whose running statistics are updated once per
             mini-batch from the statistics of the whole mini-batch. Without it, each
             micro-batch updates them, once (recomputation does not).
+        init: for a model built on the meta device (``with torch.device("meta")``),
+            a function that fills each layer once it is allocated on its partition's
+            device. Default: each module's own ``reset_parameters()``
+            (:mod:`torchgpipe.materialize`).
+        state_dict: for a model built on the meta device, the plain model's state dict
+            to fill the layers from instead.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, an argument has the wrong
             type, or the skip connections do not match up (see
             :func:`torchgpipe.skip.verify_skippables`).
         ValueError: ``module`` holds a layer twice or shares parameters between
-            layers, ``chunks`` is not positive, ``checkpoint`` is unknown, or a device
-            is not available.
+            layers, ``chunks`` is not positive, ``checkpoint`` is unknown, a device
+            is not available, or a meta layer cannot be filled (see ``init``).
         BalanceError: ``balance`` is missing, does not sum to ``len(module)``, or has a
             non-positive entry.
         IndexError: there are fewer devices than partitions.
@@ -109,6 +121,8 @@ class GPipe(nn.Module, StageHolder):
         chunks: int = 1,
         checkpoint: Checkpoint = "except_last",
         deferred_batch_norm: bool = False,
+        init: Init | None = None,
+        state_dict: Mapping[str, Tensor] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -116,6 +130,7 @@ class GPipe(nn.Module, StageHolder):
                 f"GPipe wraps an nn.Sequential, got {type(module).__name__}; put the "
                 f"layers of your model in order into nn.Sequential(...)"
             )
+        check_meta_arguments(module, init, state_dict)
         self.balance = check_balance(balance, len(module))
         check_layers(module)
         verify_skippables(module)
@@ -143,10 +158,12 @@ class GPipe(nn.Module, StageHolder):
         for name, layer in module.named_children():
             self.add_module(name, layer)
         partitions = []
-        layers = list(module)
+        layers = list(module.named_children())
+        check_materializable(layers, init=init, state_dict=state_dict)  # before any change
         for size, device in zip(self.balance, self.devices, strict=True):
             part, layers = layers[:size], layers[size:]
-            partitions.append(nn.Sequential(*part).to(device))
+            materialize(part, device, init=init, state_dict=state_dict)  # meta layers only
+            partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
         # A plain attribute, not a child module: the layers are registered once, above.
         self.skip_layout = skip_layout(module, self.balance)
         self._partitions = partitions

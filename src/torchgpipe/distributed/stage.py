@@ -13,7 +13,7 @@ message, when they differ.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -33,6 +33,12 @@ from torchgpipe.gpipe import (
     checkpoint_stop,
 )
 from torchgpipe.mailbox import Stopped
+from torchgpipe.materialize import (
+    Init,
+    check_materializable,
+    check_meta_arguments,
+    materialize,
+)
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
@@ -77,6 +83,12 @@ class PipelineStage(nn.Module, StageHolder):
             None: every process. Several pipelines (data parallelism) each take a group.
         transport: how messages travel; default: a
             :class:`~torchgpipe.distributed.ProcessGroupTransport` over ``group``.
+        init: for a model built on the meta device (``with torch.device("meta")``),
+            a function that fills each of this process's layers once allocated on
+            ``device``; the other layers are never allocated here. Default: each
+            module's own ``reset_parameters()`` (:mod:`torchgpipe.materialize`).
+        state_dict: for a model built on the meta device, the plain model's state dict
+            (or the part of it with this process's layers) to fill them from instead.
 
     Raises:
         TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``, or a
@@ -98,6 +110,8 @@ class PipelineStage(nn.Module, StageHolder):
         deferred_batch_norm: bool = False,
         group: Any = None,
         transport: Transport | None = None,
+        init: Init | None = None,
+        state_dict: Mapping[str, Tensor] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -105,6 +119,7 @@ class PipelineStage(nn.Module, StageHolder):
                 f"PipelineStage takes an nn.Sequential, got {type(module).__name__}; put "
                 f"the layers of your model in order into nn.Sequential(...)"
             )
+        check_meta_arguments(module, init, state_dict)
         self.balance = check_balance(balance, len(module))
         check_layers(module)
         verify_skippables(module)
@@ -151,8 +166,12 @@ class PipelineStage(nn.Module, StageHolder):
             for s in range(n)
         ]
         self.partitions: dict[int, nn.Sequential] = {}
+        own = [layer for s in self.stages for layer in layers[starts[s] : starts[s + 1]]]
+        check_materializable(own, init=init, state_dict=state_dict)  # before any change
         for s in self.stages:
             part = layers[starts[s] : starts[s + 1]]
+            # Only this process's layers are allocated, when built on the meta device.
+            materialize(part, self.device, init=init, state_dict=state_dict)
             for name, layer in part:
                 self.add_module(name, layer)
             self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)

@@ -1,0 +1,174 @@
+"""Layers built on the meta device, made real only where they run.
+
+A model too large for one process is built without memory, then each process (or, in
+``GPipe``, each partition's device) allocates and fills only its own layers::
+
+    with torch.device("meta"):
+        model = build()                                   # shapes and dtypes, no memory
+    stage = PipelineStage(model, balance)                 # its layers' reset_parameters()
+    stage = PipelineStage(model, balance, init=my_init)   # or a function of each layer
+    stage = PipelineStage(model, balance, state_dict=sd)  # or the plain model's keys
+
+Without ``init`` or ``state_dict``, every module that holds tensors of its own is reset
+by its ``reset_parameters()`` (or ``_reset_parameters()``, as ``nn.MultiheadAttention``
+names it), children before parents, the order in which their constructors ran. A module
+that holds tensors and has neither is refused, by name: its values cannot be made up.
+The values drawn differ from a model built on the CPU under the same seed (each process
+draws only its own layers); load a state dict where they must be equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from itertools import chain
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Init", "check_materializable", "check_meta_arguments", "materialize", "on_meta"]
+
+Init = Callable[[nn.Module], None]
+"""Fills one layer's tensors, already allocated on its device (``init(layer)``)."""
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in chain(module.parameters(), module.buffers()))
+
+
+def check_meta_arguments(
+    module: nn.Sequential, init: Init | None, state_dict: Mapping[str, Tensor] | None
+) -> None:
+    """Refuse ``init`` or ``state_dict`` for a model with no layer on the meta device."""
+    if (init is not None or state_dict is not None) and not on_meta(module):
+        raise ValueError(
+            "init= and state_dict= fill layers built on the meta device (with "
+            "torch.device('meta'): model = ...), and this model has none; load a state "
+            "dict into a model with values by its load_state_dict"
+        )
+
+
+def materialize(
+    layers: list[tuple[str, nn.Module]],
+    device: torch.device,
+    *,
+    init: Init | None = None,
+    state_dict: Mapping[str, Tensor] | None = None,
+) -> None:
+    """Allocate the meta layers among ``layers`` on ``device``, and fill them.
+
+    ``layers`` are ``(name, layer)`` pairs, ``name`` the layer's in the plain
+    ``nn.Sequential`` (its keys in ``state_dict`` start with ``name + "."``). Layers
+    with no meta tensor are left as they are. Every layer is checked before any is
+    changed, so a refusal leaves the model as it was.
+
+    Raises:
+        ValueError: a layer mixes meta and real tensors; ``state_dict`` lacks a key of
+            a layer, or has a shape that does not fit; or, without ``init``, a module
+            holds a tensor that nothing fills (no ``reset_parameters``, not in
+            ``state_dict``).
+    """
+    for name, layer in check_materializable(layers, init=init, state_dict=state_dict):
+        layer.to_empty(device=device)
+        with torch.no_grad():
+            if init is not None:
+                init(layer)
+                continue
+            _reset(layer)  # where a module can; the state dict's values then replace it
+            if state_dict is not None:
+                prefix = f"{name}."
+                for key, tensor in layer.state_dict(keep_vars=True).items():
+                    tensor.copy_(state_dict[prefix + key])
+
+
+def check_materializable(
+    layers: list[tuple[str, nn.Module]],
+    *,
+    init: Init | None = None,
+    state_dict: Mapping[str, Tensor] | None = None,
+) -> list[tuple[str, nn.Module]]:
+    """The meta layers among ``layers``, once checked that they can be filled.
+
+    Raises:
+        ValueError: as :func:`materialize`, which calls this first.
+    """
+    if init is not None and state_dict is not None:
+        raise ValueError("pass init or state_dict, not both: either fills the layers")
+    todo = []
+    for name, layer in layers:
+        meta = [t.is_meta for t in chain(layer.parameters(), layer.buffers())]
+        if not any(meta):
+            continue
+        if not all(meta):
+            raise ValueError(
+                f"layer {name} holds tensors on the meta device and others with values; "
+                f"build every tensor of a layer on the meta device, or none"
+            )
+        if init is None:
+            _check_fillable(name, layer, state_dict)
+        todo.append((name, layer))
+    return todo
+
+
+def _check_fillable(name: str, layer: nn.Module, state_dict: Mapping[str, Tensor] | None) -> None:
+    """Refuse a layer whose tensors the state dict or its modules' resets cannot fill."""
+    prefix, filled = f"{name}.", set()
+    if state_dict is not None:
+        expected = layer.state_dict(keep_vars=True)
+        missing = sorted(prefix + k for k in expected if prefix + k not in state_dict)
+        if missing:
+            raise ValueError(
+                f"the state dict has no {', '.join(missing)}; give the plain model's "
+                f"state dict (its keys are the nn.Sequential's: '<layer>.<name>')"
+            )
+        for key, tensor in expected.items():
+            value = state_dict[prefix + key]
+            if value.shape != tensor.shape:
+                raise ValueError(
+                    f"{prefix}{key} has shape {tuple(value.shape)} in the state dict but "
+                    f"{tuple(tensor.shape)} in the model"
+                )
+        filled = {prefix + k for k in expected}
+    unfilled = [
+        f"{path}.{n} ({type(module).__name__})"
+        for path, module in _children_first(layer, name)
+        if _reset_of(module) is None
+        for n in _own(module)
+        if f"{path}.{n}" not in filled
+    ]
+    if unfilled:
+        where = "" if state_dict is None else ", nor the state dict"
+        raise ValueError(
+            f"{', '.join(unfilled)} cannot be made on its device: its module has no "
+            f"reset_parameters() to fill it{where}; pass init= (a function of each "
+            f"layer) or state_dict= (the plain model's)"
+        )
+
+
+def _reset(layer: nn.Module) -> None:
+    """Reset every module of ``layer`` that holds tensors and can, children first."""
+    for _, module in _children_first(layer, ""):
+        reset = _reset_of(module)
+        if reset is not None and _own(module):
+            reset()
+
+
+def _own(module: nn.Module) -> list[str]:
+    """The names of the tensors ``module`` holds itself (not its children's)."""
+    return [
+        *(n for n, _ in module.named_parameters(recurse=False)),
+        *(n for n, t in module.named_buffers(recurse=False) if t is not None),
+    ]
+
+
+def _reset_of(module: nn.Module) -> Callable[[], object] | None:
+    """``module.reset_parameters`` (or ``_reset_parameters``, attention's name), if any."""
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    return reset if callable(reset) else None
+
+
+def _children_first(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
+    """``module``'s submodules, each after its children: the order constructors ran."""
+    for name, child in module.named_children():
+        yield from _children_first(child, f"{path}.{name}")
+    yield path, module

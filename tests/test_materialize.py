@@ -1,0 +1,158 @@
+"""Models built on the meta device: each partition (each process) allocates its own layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed_helpers import mlp, run_threads
+from torch import Tensor, nn
+
+from torchgpipe import GPipe, Schedule1F1B
+from torchgpipe.distributed import PipelineStage, Transport
+from torchgpipe.materialize import on_meta
+
+
+def _on_meta(seed: int = 0) -> nn.Sequential:
+    with torch.device("meta"):
+        return mlp(seed)
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+class Positions(nn.Module):
+    """A buffer computed in the constructor, with no reset_parameters to compute it again."""
+
+    def __init__(self, persistent: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0), persistent=persistent)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.table
+
+
+def test_a_meta_model_loads_the_plain_models_state_dict_and_computes_the_same() -> None:
+    plain = mlp()
+    model = GPipe(_on_meta(), [3, 5], chunks=2, state_dict=plain.state_dict())
+    assert not on_meta(model)
+    x = torch.randn(6, 4)
+    out = model(x)
+    torch.testing.assert_close(out, plain(x))
+    out.square().sum().backward()
+    plain(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert model.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_a_meta_model_is_reset_by_its_modules_own_reset_parameters() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    model = GPipe(layers, [2, 2], chunks=2)
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    bound = 1 / 4**0.5  # a Linear's reset draws its weight within 1 / sqrt(fan_in)
+    assert 0 < model[0].weight.abs().max() <= bound
+    torch.testing.assert_close(model[1].running_var, torch.ones(8))
+    torch.testing.assert_close(model[1].weight, torch.ones(8))
+    assert int(model[1].num_batches_tracked) == 0
+
+
+def test_attention_is_reset_children_first_as_its_constructor_does() -> None:
+    # MultiheadAttention names its reset _reset_parameters, and zeroes the bias of its
+    # child out_proj after the child's own reset: the order of the constructors.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2))
+    model = GPipe(layers, [1, 1])
+    attention = model[1]
+    assert attention.in_proj_weight.abs().sum() > 0
+    torch.testing.assert_close(attention.out_proj.bias, torch.zeros(8))
+    torch.testing.assert_close(attention.in_proj_bias, torch.zeros(24))
+
+
+def test_init_fills_each_layer() -> None:
+    seen: list[type] = []
+
+    def init(layer: nn.Module) -> None:
+        seen.append(type(layer))
+        for p in layer.parameters():
+            p.fill_(0.5)
+
+    model = GPipe(_on_meta(), [4, 4], init=init)
+    assert seen == [type(layer) for layer in mlp() if list(layer.parameters())]  # the Linears
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def test_what_cannot_be_filled_is_refused_by_name() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), Positions())
+    with pytest.raises(ValueError, match=r"1\.table \(Positions\) cannot be made on its device"):
+        GPipe(layers, [1, 1])
+    assert on_meta(layers[0])  # a refusal leaves the model as it was
+    # A persistent buffer comes from the state dict; one outside it cannot.
+    plain = nn.Sequential(nn.Linear(4, 4), Positions())
+    model = GPipe(layers, [1, 1], state_dict=plain.state_dict())
+    torch.testing.assert_close(model[1].table, torch.arange(4.0))
+    with torch.device("meta"):
+        unsaved = nn.Sequential(nn.Linear(4, 4), Positions(persistent=False))
+    with pytest.raises(ValueError, match=r"1\.table"):
+        GPipe(unsaved, [1, 1], state_dict=plain.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"state_dict": {}}, r"the state dict has no 0\.bias, 0\.weight"),
+        (
+            {"state_dict": {**mlp().state_dict(), "0.weight": torch.zeros(3, 3)}},
+            r"0\.weight has shape \(3, 3\) in the state dict but \(8, 4\)",
+        ),
+        ({"init": lambda layer: None, "state_dict": {}}, "pass init or state_dict, not both"),
+    ],
+)
+def test_bad_state_dicts_are_refused(arguments: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GPipe(_on_meta(), [4, 4], **arguments)
+
+
+def test_meta_arguments_are_refused_for_a_model_with_values() -> None:
+    with pytest.raises(ValueError, match="fill layers built on the meta device"):
+        GPipe(mlp(), [4, 4], state_dict=mlp().state_dict())
+
+
+def test_a_layer_half_on_the_meta_device_is_refused() -> None:
+    layer = nn.Linear(4, 4)
+    with torch.device("meta"):
+        layer.bias = nn.Parameter(torch.empty(4))
+    with pytest.raises(ValueError, match="layer 0 holds tensors on the meta device and others"):
+        GPipe(nn.Sequential(layer, nn.ReLU()), [1, 1])
+
+
+def test_each_process_allocates_only_its_own_layers_and_trains_as_the_plain_model() -> None:
+    plain = mlp()
+    models = [_on_meta() for _ in range(2)]
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+
+    def rank(transport: Transport) -> Any:
+        model = models[transport.rank]
+        stage = PipelineStage(
+            model, [4, 4], transport=transport, chunks=2, state_dict=plain.state_dict()
+        )
+        mine = {name for name, _ in stage.named_children()}
+        others = [layer for name, layer in model.named_children() if name not in mine]
+        assert not on_meta(stage)
+        assert all(on_meta(layer) for layer in others if list(layer.parameters()))
+        result = Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y)
+        return result.loss, {n: p.grad for n, p in stage.named_parameters()}
+
+    (loss0, grads0), (loss1, grads1) = run_threads(rank, 2)
+    loss = _mse(plain(x), y)
+    loss.backward()
+    torch.testing.assert_close(loss0, loss.detach())
+    torch.testing.assert_close(loss1, loss.detach())
+    grads = {**grads0, **grads1}
+    assert grads.keys() == {n for n, _ in plain.named_parameters()}
+    for name, q in plain.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, msg=name)
