@@ -156,3 +156,49 @@ def test_each_process_allocates_only_its_own_layers_and_trains_as_the_plain_mode
     assert grads.keys() == {n for n, _ in plain.named_parameters()}
     for name, q in plain.named_parameters():
         torch.testing.assert_close(grads[name], q.grad, msg=name)
+
+
+# The checkpoint recipe of the README: each rank saves its own layers under the plain
+# model's keys; the files merged load into the plain model, into one process, or into
+# a run with another balance.
+
+
+def test_checkpoints_of_a_run_load_anywhere(tmp_path: Any) -> None:
+    plain = mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+
+    def train_and_save(transport: Transport) -> None:
+        stage = PipelineStage(mlp(), [4, 4], transport=transport, chunks=2)
+        optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+        Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y)
+        optimizer.step()
+        torch.save(stage.state_dict(), tmp_path / f"rank{transport.rank}.pt")
+
+    assert run_threads(train_and_save, 2) == [None, None]
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    _mse(plain(x), y).backward()
+    optimizer.step()
+
+    merged: dict[str, Tensor] = {}
+    for path in sorted(tmp_path.glob("rank*.pt")):
+        merged.update(torch.load(path))
+    # Into the plain model, with strict key checking.
+    restored = mlp(seed=1)
+    restored.load_state_dict(merged)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[key], value, msg=key)
+    # Into one process, built on the meta device.
+    model = GPipe(_on_meta(), [2, 2, 4], chunks=3, state_dict=merged)
+    torch.testing.assert_close(model(x), plain(x))
+
+    # Into a run of four processes with another balance: each loads its own layers.
+    def resume(transport: Transport) -> Tensor:
+        stage = PipelineStage(
+            _on_meta(), [2, 2, 2, 2], transport=transport, chunks=2, state_dict=merged
+        )
+        return Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y).loss
+
+    losses = run_threads(resume, 4)
+    expected = _mse(plain(x), y).detach()
+    for loss in losses:
+        torch.testing.assert_close(loss, expected)
