@@ -538,3 +538,58 @@ def test_step_result_is_the_same_on_every_rank_but_the_output(
         assert expected == (4, 4)
     if factory is Schedule1F1B:
         assert expected == (2, 1)
+
+
+# A forward-only step: validation and serving across processes.
+
+
+@pytest.mark.parametrize(
+    ("balance", "factory"),
+    [([4, 4], Schedule1F1B), ([2, 2, 2, 2], ScheduleInterleaved1F1B), ([4, 4], ScheduleGPipe)],
+)
+def test_forward_only_gives_the_output_on_the_last_rank_and_keeps_nothing(
+    balance: list[int], factory: Any
+) -> None:
+    x = _batch(3, 8, 4)
+    plain = mlp().eval()
+
+    def body(stage: PipelineStage) -> Any:
+        stage.eval()
+        schedule = factory(stage, _mse)
+        out = schedule.forward_only(x if stage.is_first else None)
+        grads = [p.grad for p in stage.parameters()]
+        return out, grads
+
+    results = _on_ranks(2, balance, body, chunks=4)
+    (first, grads0), (last, grads1) = results
+    assert first is None
+    assert not last.requires_grad
+    torch.testing.assert_close(last, plain(x))
+    assert all(g is None for g in [*grads0, *grads1])
+
+
+def test_forward_only_in_one_process_is_the_models_forward_without_grad() -> None:
+    from torchgpipe import GPipe
+
+    model = GPipe(mlp(), [4, 4], chunks=3).eval()
+    x = _batch(4, 6, 4)
+    out = Schedule1F1B(model, _mse).forward_only(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, mlp()(x))
+
+
+def test_a_failing_forward_only_step_fails_every_rank_and_the_next_one_works() -> None:
+    models = _faulty_models(2, 5)  # layer 5: in stage 1, on rank 1
+    models[1][5].fault = _boom
+    x = _batch(5, 4, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        failed = _outcome(lambda: schedule.forward_only(x if stage.is_first else None))
+        return failed, schedule.forward_only(x if stage.is_first else None)
+
+    (failed0, again0), (failed1, again1) = _on_ranks(2, [4, 4], body, models=models, chunks=2)
+    assert isinstance(failed1, ZeroDivisionError)
+    assert isinstance(failed0, RemoteError)
+    assert again0 is None
+    torch.testing.assert_close(again1, _faulty_models(1, 5)[0](x))

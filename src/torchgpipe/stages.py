@@ -84,6 +84,10 @@ class StageHolder:
         """One step of ``steps``' schedule and loss over these stages."""
         raise NotImplementedError
 
+    def run_forward(self, steps: TableSteps, input: Any) -> Any:
+        """The forward of every micro-batch only, without a graph; the output or None."""
+        raise NotImplementedError
+
 
 def batch_norm_guard(partition: nn.Module) -> Guard | None:
     """What keeps a recomputation from updating batch norm's running statistics again."""

@@ -141,6 +141,23 @@ class PipelineSchedule(TableSteps):
         """
         return self.pipe.run_step(self, input, target)
 
+    def forward_only(self, input: Any = None) -> Any:
+        """The forward of ``input``, for validation or serving: no loss, no backward.
+
+        Nothing is kept for a backward (the forward runs under ``torch.no_grad()``,
+        nothing is checkpointed). In one process it returns the output, as
+        ``model(input)`` under ``no_grad`` does; across processes, call it in every
+        process at once: rank 0 gives ``input``, the last rank gets the output (gathered
+        from the micro-batches) and the others None. Put the model in ``eval()`` mode
+        for dropout and batch norm to act as in evaluation.
+
+        Raises:
+            TypeError, ValueError: the input is missing, or cannot be split.
+            BaseException: what a layer raised, with a note naming the action; across
+                processes, a :class:`~torchgpipe.distributed.RemoteError` on the others.
+        """
+        return self.pipe.run_forward(self, input)
+
 
 class ScheduleGPipe(PipelineSchedule):
     """Fill and drain: all forwards, then all backwards (each stage runs its own).

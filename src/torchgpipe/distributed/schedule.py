@@ -14,6 +14,8 @@ rank::
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -50,30 +52,57 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
         RemoteError: on the other ranks, the failure of the rank where it started, or
             the loss of a process.
     """
+    exchange, step, sizes, m = _run(stage, steps, input, target, forward_only=False)
+    return _result(stage, steps, exchange, step, sizes, m)
+
+
+def run_forward(stage: PipelineStage, steps: TableSteps, input: Any) -> Any:
+    """This process's part of a forward-only step; the output on the last rank.
+
+    The ``F`` actions of the schedule's table, under ``no_grad``, nothing checkpointed.
+
+    Raises:
+        As :func:`run_step`.
+    """
+    _, step, _, _ = _run(stage, steps, input, None, forward_only=True)
+    return gather(step.outputs) if stage.is_last else None
+
+
+def _run(
+    stage: PipelineStage, steps: TableSteps, input: Any, target: Any, *, forward_only: bool
+) -> tuple[Exchange, Step, list[int], int]:
+    """Run this rank's actions, end the step with every rank, raise its failure if any."""
     exchange = stage.exchange()
     step: Step | None = None
     m: int | None = None
     sizes: list[int] = []
     failure: tuple[BaseException, Action | None] | None = None
     try:
-        m, sizes, table, batches, targets = _start(stage, steps, exchange, input, target)
+        m, sizes, table, batches, targets = _start(
+            stage, steps, exchange, input, target, forward_only=forward_only
+        )
         stage.expect_micro_batches(m)
         step = Step(len(stage.balance), m)
-        weights = loss_weights(sizes, steps.reduction)
-        run = StepRun(
-            stage.stages_for(m),
-            steps.loss_fn,
-            table,
-            step,
-            batches,
-            targets,
-            weights,
-            post=exchange,
-        )
-        try:
-            run.rank(stage.rank)
-        finally:
-            run.hand_over()
+        stages = stage.stages_for(m)
+        if forward_only:  # a plain call per cell: no graph, nothing to recompute
+            stages = replace(stages, checkpoint_stop=0)
+        # The run captures the caller's grad mode: off, for a forward only.
+        with torch.no_grad() if forward_only else nullcontext():
+            run = StepRun(
+                stages,
+                None if forward_only else steps.loss_fn,
+                table,
+                step,
+                batches,
+                targets,
+                loss_weights(sizes, steps.reduction),
+                post=exchange,
+                connected=forward_only,
+            )
+            try:
+                run.rank(stage.rank, "forward" if forward_only else "all")
+            finally:
+                run.hand_over()
         real = real_failures(exchange)
         if real:
             failure = real[0]
@@ -97,21 +126,25 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
     if failure is not None:
         raised, action = failure
         if action is not None:
-            add_note(
-                raised,
-                where(action, f"stage {action.stage} on rank {stage.rank}, {stage.device}", m or 0),
-            )
+            place = f"stage {action.stage} on rank {stage.rank}, {stage.device}"
+            add_note(raised, where(action, place, m or 0))
         raise raised
     remote = exchange.remote_failure()
     if remote is not None:
         raise remote
     assert step is not None  # no failure: the step ran
     assert m is not None
-    return _result(stage, steps, exchange, step, sizes, m)
+    return exchange, step, sizes, m
 
 
 def _start(
-    stage: PipelineStage, steps: TableSteps, exchange: Exchange, input: Any, target: Any
+    stage: PipelineStage,
+    steps: TableSteps,
+    exchange: Exchange,
+    input: Any,
+    target: Any,
+    *,
+    forward_only: bool = False,
 ) -> tuple[int, list[int], Schedule, list[Any], list[Any]]:
     """Agree on the step's micro-batches and table; split the input and target."""
     batches: list[Any] = []
@@ -135,7 +168,7 @@ def _start(
                 f"{m} micro-batches); build the same schedule in every process"
             )
     targets: list[Any] = []
-    if stage.is_last:
+    if stage.is_last and not forward_only:
         if target is None:
             raise ValueError(
                 f"rank {stage.rank} runs the last stage and needs the target: pass it "

@@ -250,6 +250,12 @@ class PipelineStage(nn.Module, StageHolder):
 
         return run_step(self, steps, input, target)
 
+    def run_forward(self, steps: TableSteps, input: Any) -> Any:
+        """This process's part of a forward-only step; the output on the last rank."""
+        from torchgpipe.distributed.schedule import run_forward  # it builds on this module
+
+        return run_forward(self, steps, input)
+
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
         n = len(self.balance)
