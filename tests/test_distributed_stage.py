@@ -593,3 +593,32 @@ def test_a_failing_forward_only_step_fails_every_rank_and_the_next_one_works() -
     assert isinstance(failed0, RemoteError)
     assert again0 is None
     torch.testing.assert_close(again1, _faulty_models(1, 5)[0](x))
+
+
+# One trace across processes.
+
+
+def test_traces_of_every_rank_merge_into_one_on_a_common_clock(tmp_path: Any) -> None:
+    x, y = _batch(6, 8, 4), _batch(7, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        with stage.trace() as trace:
+            _step(schedule, x, y)
+        mine = {e.j for e in trace.events}
+        return mine, stage.gather_trace(trace)
+
+    (mine0, merged), (mine1, nothing) = _on_ranks(2, [4, 4], body, chunks=4)
+    assert (mine0, mine1) == ({0}, {1})  # each rank records its own stages
+    assert nothing is None
+    assert merged is not None
+    assert merged.n == 2
+    assert merged.m == 4
+    forward = {(e.i, e.j): e for e in merged.events if e.kind == "forward"}
+    assert set(forward) == {(i, j) for i in range(4) for j in range(2)}
+    for i in range(4):  # stage 1's forward of i starts after stage 0's has ended
+        assert forward[(i, 1)].start >= forward[(i, 0)].end
+    assert {e.thread.split(":")[0] for e in merged.events} == {"rank 0", "rank 1"}
+    assert {e.kind for e in merged.events} >= {"forward", "backward"}
+    merged.save_chrome(tmp_path / "pipeline.json")
+    assert (tmp_path / "pipeline.json").stat().st_size > 0

@@ -165,10 +165,11 @@ def test_each_process_allocates_only_its_own_layers_and_trains_as_the_plain_mode
 
 def test_checkpoints_of_a_run_load_anywhere(tmp_path: Any) -> None:
     plain = mlp()
+    models = [mlp() for _ in range(2)]  # here: mlp() seeds the generator threads share
     x, y = torch.randn(6, 4), torch.randn(6, 4)
 
     def train_and_save(transport: Transport) -> None:
-        stage = PipelineStage(mlp(), [4, 4], transport=transport, chunks=2)
+        stage = PipelineStage(models[transport.rank], [4, 4], transport=transport, chunks=2)
         optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
         Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y)
         optimizer.step()
@@ -192,9 +193,11 @@ def test_checkpoints_of_a_run_load_anywhere(tmp_path: Any) -> None:
     torch.testing.assert_close(model(x), plain(x))
 
     # Into a run of four processes with another balance: each loads its own layers.
+    metas = [_on_meta() for _ in range(4)]
+
     def resume(transport: Transport) -> Tensor:
         stage = PipelineStage(
-            _on_meta(), [2, 2, 2, 2], transport=transport, chunks=2, state_dict=merged
+            metas[transport.rank], [2, 2, 2, 2], transport=transport, chunks=2, state_dict=merged
         )
         return Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y).loss
 

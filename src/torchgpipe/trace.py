@@ -107,7 +107,28 @@ class Trace:
     n: int
     events: list[CellEvent] = field(default_factory=list)
     m: int = 0  # the most micro-batches of a traced forward
+    # time.time() - time.perf_counter() when the trace began: the events' times plus
+    # this are on the wall clock, which processes share (see ``on_wall_clock``).
+    origin: float = field(default_factory=lambda: time.time() - time.perf_counter())
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def on_wall_clock(self) -> list[tuple[int, int, str, float, float, str]]:
+        """The events as plain tuples, their times on the wall clock.
+
+        What crosses processes, to be merged into one trace there (:meth:`merge`).
+        """
+        origin = self.origin
+        return [(e.j, e.i, e.kind, e.start + origin, e.end + origin, e.thread) for e in self.events]
+
+    def merge(self, events: list[tuple[int, int, str, float, float, str]], label: str) -> None:
+        """Add another process's events (from its ``on_wall_clock``), on this clock.
+
+        ``label`` prefixes their thread names (``"rank 1"``), to tell processes apart.
+        """
+        with self._lock:
+            for j, i, kind, start, end, thread in events:
+                start, end = start - self.origin, end - self.origin
+                self.events.append(CellEvent(j, i, kind, start, end, f"{label}: {thread}"))  # type: ignore[arg-type]
 
     def record(self, j: int, i: int, kind: Kind, start: float, end: float) -> None:
         """Add a span (called by the pipeline, on the thread that ran it)."""

@@ -13,7 +13,8 @@ message, when they differ.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -44,6 +45,7 @@ from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
+from torchgpipe.trace import Trace
 from torchgpipe.worker import WorkerPool
 
 __all__ = ["PipelineStage", "all_reduce_gradients"]
@@ -181,6 +183,7 @@ class PipelineStage(nn.Module, StageHolder):
         # Recomputation must not update plain batch norm's running statistics again.
         self._guards = {s: batch_norm_guard(self.partitions[s]) for s in self.stages}
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
+        self._tracer: Trace | None = None  # set by trace()
         self._check_peers()
 
     @property
@@ -256,9 +259,70 @@ class PipelineStage(nn.Module, StageHolder):
 
         return run_forward(self, steps, input)
 
+    @contextmanager
+    def trace(self) -> Iterator[Trace]:
+        """Record this process's cells while the block runs (see :mod:`torchgpipe.trace`).
+
+        Each process records its own stages' spans; :meth:`gather_trace` then brings
+        every process's trace to one, on a common clock::
+
+            with stage.trace() as trace:
+                schedule.step(x, y)
+            merged = stage.gather_trace(trace)           # in every process
+            if merged is not None:                       # on rank 0
+                merged.save_chrome("pipeline.json")      # a row per stage
+
+        Raises:
+            RuntimeError: a trace of this stage is already on.
+        """
+        if self._tracer is not None:
+            raise RuntimeError("this PipelineStage is traced already; end that trace first")
+        trace = Trace(len(self.balance))
+        self._tracer = trace
+        try:
+            yield trace
+        finally:
+            self._tracer = None
+
+    def gather_trace(self, trace: Trace, dst: int = 0) -> Trace | None:
+        """Every process's trace merged on rank ``dst``, which gets it; None elsewhere.
+
+        Call it in every process at once, outside a step. The spans of each process are
+        placed on ``dst``'s clock through the wall clock (``time.time()``): exact between
+        processes of one machine, as good as the machines' clock synchronization (NTP,
+        typically a millisecond or better) between machines. Thread names say the rank.
+
+        Raises:
+            RemoteError: another process failed or was lost.
+        """
+        exchange = self.exchange()
+        mine = (trace.m, trace.on_wall_clock())
+        got: dict[int, Any] = {}
+        try:
+            if self.rank != dst:
+                exchange.send(dst, ("trace", self.rank), mine)
+            else:
+                got = {peer: exchange.take(("trace", peer)) for peer in exchange.peers}
+        except Stopped:  # a peer is lost; remote_failure() names it
+            pass
+        exchange.finish({"failed": exchange.halted, "error": None}, [])
+        remote = exchange.remote_failure()
+        if remote is not None:
+            raise remote
+        if self.rank != dst:
+            return None
+        merged = Trace(len(self.balance), m=trace.m, origin=trace.origin)
+        merged.merge(mine[1], f"rank {self.rank}")
+        for peer, (m, events) in sorted(got.items()):
+            merged.m = max(merged.m, m)
+            merged.merge(events, f"rank {peer}")
+        return merged
+
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
         n = len(self.balance)
+        if self._tracer is not None:
+            self._tracer.m = max(self._tracer.m, m)
         return Stages(
             partitions=dict(self.partitions),
             devices=dict.fromkeys(self.stages, self.device),
@@ -270,6 +334,7 @@ class PipelineStage(nn.Module, StageHolder):
             guards=dict(self._guards),
             streams=dict.fromkeys(self.stages, (self._streams.compute(0), self._streams.copy(0))),
             checkpoint_stop=checkpoint_stop(self.checkpoint, m) if self.training else 0,
+            tracer=self._tracer,
         )
 
     def expect_micro_batches(self, m: int) -> None:
