@@ -414,3 +414,41 @@ def test_data_parallel_replicas_of_each_stage_match_the_plain_model() -> None:
     for out in results:
         for name, value in out["weights"].items():
             torch.testing.assert_close(value, plain.state_dict()[name], msg=name)
+
+
+def _meta_trace_and_forward_only_rank(rank: int, world: int) -> dict[str, Any]:
+    plain = mlp()  # every process seeds alike: the same plain model
+    with torch.device("meta"):
+        model = mlp()
+    stage = PipelineStage(model, [4, 4], chunks=4, state_dict=plain.state_dict())
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.ones(8, 4)
+    schedule = Schedule1F1B(stage, _mse)
+    with stage.trace() as trace:
+        result = schedule.step(x if stage.is_first else None, y if stage.is_last else None)
+    merged = stage.gather_trace(trace)
+    stage.eval()
+    output = schedule.forward_only(x if stage.is_first else None)
+    return {
+        "loss": result.loss,
+        "expected_loss": _mse(plain(x), y).detach(),
+        "stages": sorted({e.j for e in merged.events}) if merged is not None else None,
+        "threads": sorted({e.thread.split(":")[0] for e in merged.events}) if merged else None,
+        "output": output,
+        "expected_output": plain.eval()(x).detach(),
+        "meta_elsewhere": all(
+            p.is_meta for name, layer in model.named_children()
+            if name not in dict(stage.named_children()) for p in layer.parameters()
+        ),
+    }  # fmt: skip
+
+
+def test_a_meta_model_traced_then_served_across_processes() -> None:
+    results = spawn(_meta_trace_and_forward_only_rank, 2)
+    for r in results:
+        torch.testing.assert_close(r["loss"], r["expected_loss"])
+        assert r["meta_elsewhere"]  # each process allocated its own layers only
+    assert results[0]["stages"] == [0, 1]
+    assert results[0]["threads"] == ["rank 0", "rank 1"]
+    assert results[1]["stages"] is None
+    assert results[0]["output"] is None
+    torch.testing.assert_close(results[1]["output"], results[1]["expected_output"])
