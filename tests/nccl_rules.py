@@ -66,24 +66,29 @@ class NCCLRules:
         self.world = world
         self._units: list[list[list[Op]]] = [[] for _ in range(world)]  # per rank, in order
         self._count = [0] * world
-        self._thread: dict[int, int] = {}
+        self._thread: dict[int, object] = {}
         self._lock = threading.Lock()
 
-    def issue(self, rank: int, peer: int, kind: Kind, nbytes: int) -> None:
+    def issue(
+        self, rank: int, peer: int, kind: Kind, nbytes: int, *, thread: object = None
+    ) -> None:
         """Record one operation, issued alone (``isend``, ``irecv``, ``send``, ``recv``).
+
+        ``thread`` names the issuing thread when the operations are replayed from a
+        record (another process's); by default, the calling thread.
 
         Raises:
             Violation: a second thread of ``rank`` issues operations.
         """
-        self.group(rank, [(peer, kind, nbytes)])
+        self.group(rank, [(peer, kind, nbytes)], thread=thread)
 
-    def group(self, rank: int, ops: list[tuple[int, Kind, int]]) -> None:
+    def group(self, rank: int, ops: list[tuple[int, Kind, int]], *, thread: object = None) -> None:
         """Record operations issued together (``batch_isend_irecv``), run as one.
 
         Raises:
             Violation: a second thread of ``rank`` issues operations.
         """
-        me = threading.get_ident()
+        me = threading.get_ident() if thread is None else thread
         with self._lock:
             first = self._thread.setdefault(rank, me)
             if first != me:

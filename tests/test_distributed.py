@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -452,3 +453,40 @@ def test_a_meta_model_traced_then_served_across_processes() -> None:
     assert results[1]["stages"] is None
     assert results[0]["output"] is None
     torch.testing.assert_close(results[1]["output"], results[1]["expected_output"])
+
+
+def _recorded_rank(rank: int, world: int) -> list[tuple[str, str, int, int]]:
+    """One 1F1B step, each point-to-point operation recorded as the transport issues it."""
+    from torchgpipe.distributed import transport
+
+    record: list[tuple[str, str, int, int]] = []
+    real = transport.ProcessGroupTransport._transfer
+
+    def recording(self: Any, op: str, buffer: Tensor, peer: int) -> Any:
+        nbytes = buffer.numel() * buffer.element_size()
+        record.append((threading.current_thread().name, op, peer, nbytes))
+        return real(self, op, buffer, peer)
+
+    transport.ProcessGroupTransport._transfer = recording  # type: ignore[method-assign]
+    stage = PipelineStage(mlp(), [4, 4], chunks=4)
+    record.clear()  # what the start-up check sent is not the step's
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y if stage.is_last else None)
+    return record
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13, part 1: listener threads post receives while the rank's thread "
+    "sends, and both ranks begin by sending to each other; the transport that obeys "
+    "NCCL's rules turns this test green (then drop this mark)",
+)
+def test_a_step_issues_what_nccl_would_run() -> None:
+    from nccl_rules import NCCLRules
+
+    records = spawn(_recorded_rank, 2)
+    rules = NCCLRules(2)
+    for rank, record in enumerate(records):
+        for thread, op, peer, nbytes in record:
+            rules.issue(rank, peer, "send" if op == "send" else "recv", nbytes, thread=thread)
+    rules.check()
