@@ -100,3 +100,18 @@ def test_the_single_process_core_does_not_import_torch_distributed() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_no_source_file_is_over_500_lines() -> None:
+    # Issue 12: a module per concept, each small enough to read in one sitting.
+    from pathlib import Path
+
+    import torchgpipe
+
+    root = Path(torchgpipe.__file__).parent
+    long = {
+        str(path.relative_to(root)): n
+        for path in root.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, f"source files over 500 lines: {long}"

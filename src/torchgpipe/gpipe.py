@@ -253,10 +253,7 @@ class GPipe(nn.Module, StageHolder):
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """``self(input)`` under ``no_grad``: GPipe's own forward is the forward-only one."""
-        if input is None:
-            raise TypeError("schedule.forward_only(input) needs the input in one process")
-        with torch.no_grad():
-            return self(input)
+        return pipeline.forward_only(self, input)
 
     def expect_micro_batches(self, m: int) -> None:
         """Tell deferred batch norm layers that the next mini-batch comes in ``m`` pieces."""

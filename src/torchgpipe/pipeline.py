@@ -47,7 +47,7 @@ from torchgpipe.worker import Workers
 if TYPE_CHECKING:
     from torchgpipe.gpipe import GPipe
 
-__all__ = ["check_table", "clock_cycles", "run", "step", "workers_run_backward"]
+__all__ = ["check_table", "clock_cycles", "forward_only", "run", "step", "workers_run_backward"]
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
@@ -173,6 +173,14 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
         output=gather(record.outputs),
         peak_held=tuple(record.peak),
     )
+
+
+def forward_only(model: GPipe, input: Any) -> Any:
+    """``model(input)`` under ``no_grad``, for ``schedule.forward_only(input)``."""
+    if input is None:
+        raise TypeError("schedule.forward_only(input) needs the input in one process")
+    with torch.no_grad():
+        return model(input)
 
 
 def check_table(devices: Sequence[torch.device], table: Schedule) -> None:
