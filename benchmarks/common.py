@@ -5,11 +5,13 @@ Each benchmark's ``main.py`` imports this file from the folder above it.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +71,18 @@ def environment() -> dict[str, Any]:
         **source_state(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's arguments, as JSON can hold them (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def write_json(path: Path, results: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 # Milliseconds per layer, forward and backward each: a stem, then stages that cost more
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines), flush=True)
     results = {
         "environment": environment(),
-        "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "parameters": settings(args),
         "blocks_ms": blocks,
         "profiling_s": profiling_s,
         "rows": rows,

@@ -41,7 +41,7 @@ from torchgpipe import GPipe, Schedule1F1B, ScheduleGPipe, pipeline
 from torchgpipe.gpipe import checkpoint_stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'checkpoint':>12} " + " ".join(f"{name:>14}" for name in names))
     for row in rows:
         print(f"{row['checkpoint']:>12} " + " ".join(f"{row[name]:>14.3f}" for name in names))
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    write_json(args.out, {"environment": environment(), "args": settings, "rows": rows})
+
+    write_json(args.out, {"environment": environment(), "args": settings(args), "rows": rows})
     print(f"\nwrote {args.out}")
 
 

@@ -49,7 +49,7 @@ from torchgpipe.schedules import Action, Schedule, gpipe, one_f_one_b, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules"))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, settings, write_json  # benchmarks/common.py
 from reference import (  # benchmarks/schedules/reference.py
     FEATURES,
     SleepLayer,
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.sort(key=lambda r: (r["n"], r["m"]))
     print()
     print(table_text(rows), flush=True)
-    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    parameters = settings(args)
     write_json(args.out, {"environment": environment(), "parameters": parameters, "rows": rows})
     print(f"\nwrote {args.out}")
 

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import os
 import resource
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -40,7 +39,7 @@ from torch import nn
 from torchgpipe.distributed import PipelineStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, free_port, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -86,17 +85,11 @@ def _worker(rank: int, n: int, width: int, way: str, port: int, out: Any) -> Non
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(n: int, width: int, way: str) -> list[dict[str, Any]]:
     """Every process's row, for ``n`` fresh processes building the model ``way``."""
     context = mp.get_context("spawn")
     out = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [
         context.Process(target=_worker, args=(r, n, width, way, port, out), daemon=True)
         for r in range(n)
@@ -143,10 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         largest = max(row["peak_growth"] for row in its)
         summary[way] = {"largest_peak_growth": largest, "over_share": largest / share}
         print(f"{way:>6} {largest / 2**20:>24.1f} {largest / share:>15.2f}")
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
     write_json(
         args.out,
-        {"environment": env, "args": settings, "rows": rows, "summary": summary},
+        {"environment": env, "args": settings(args), "rows": rows, "summary": summary},
     )
     print(f"\nwrote {args.out}")
 

@@ -41,7 +41,7 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Progress, environment, write_json  # benchmarks/common.py
+from common import Progress, environment, settings, write_json  # benchmarks/common.py
 from models import add_arguments, build, devices_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         run_model(name, args, rows, bar.tick)
     bar.finish()
     print(table(rows, args), flush=True)
-    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    parameters = settings(args)
     write_json(args.out, {"environment": environment(), "parameters": parameters,
                           "validation": {"expected": expected, "measured": measured},
                           "rows": rows})  # fmt: skip

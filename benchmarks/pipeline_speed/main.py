@@ -40,7 +40,7 @@ from torchgpipe import GPipe, ScheduleGPipe
 from torchgpipe.rng import CellRandomness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, settings, write_json  # benchmarks/common.py
 
 FORWARD_TARGET = 1.03  # training forward over the bare pipeline
 NO_GRAD_TARGET = 1.02  # no_grad forward over the bare pipeline
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    parameters = settings(args)
     results = {
         "environment": env,
         "parameters": {

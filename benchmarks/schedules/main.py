@@ -50,7 +50,7 @@ from torchgpipe.schedules import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, settings, write_json  # benchmarks/common.py
 from reference import SleepLayer, measure_reference  # benchmarks/schedules/reference.py
 
 TARGET = 1.05
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.sort(key=lambda r: (r["n"], r["m"]))
     print()
     print(table_text(rows, f, args.repeats), flush=True)
-    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    parameters = settings(args)
     layer_costs = {str(v): c for v, c in costs.items()}
     results = {"environment": env, "parameters": parameters, "layer_costs": layer_costs}
     write_json(args.out, {**results, "rows": rows})

@@ -31,10 +31,11 @@ import argparse
 import datetime
 import os
 import queue
-import socket
 import statistics
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -43,6 +44,9 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import free_port  # benchmarks/common.py
 
 SCHEDULES: tuple[str, ...] = ("ScheduleGPipe", "Schedule1F1B")
 """The schedules measured, in the order of the rows for each ``m``."""
@@ -104,13 +108,6 @@ def mse(out: Tensor, target: Tensor) -> Tensor:
 def ideal_seconds(n: int, m: int, f: float) -> float:
     """The least time of a GPipe or 1F1B step: ``m + n - 1`` ticks of ``f`` plus ``2 f``."""
     return (m + n - 1) * 3 * f
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # A message from a rank to the parent: ("rows", rank, rows), ("done", rank, None) or

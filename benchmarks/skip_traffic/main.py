@@ -43,7 +43,7 @@ from torchgpipe.microbatch import flatten
 from torchgpipe.skip import pop, skippable, stash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import environment, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows, args.batch, args.width), flush=True)
     results = {
         "environment": environment(),
-        "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "parameters": settings(args),
         "rows": rows,
     }
     write_json(args.out, results)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchgpipe import GPipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Progress, environment, write_json  # benchmarks/common.py
+from common import Progress, environment, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 MODES = ("always", "except_last", "never")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"run": name, "final": losses[-1], "max_abs": max(diffs), "max_rel": relative})
         lines.append(f"{name:<24} {losses[-1]:>11.6f} {max(diffs):>11.2e} {relative:>13.2e}")
     print("\n".join(lines), flush=True)
-    parameters = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    parameters = settings(args)
     write_json(
         args.out,
         {"environment": environment(), "parameters": parameters, "rows": rows, "curves": curves},

@@ -303,14 +303,8 @@ class GPipe(nn.Module, StageHolder):
         Raises:
             RuntimeError: a trace of this model is already on.
         """
-        if self._tracer is not None:
-            raise RuntimeError("this GPipe is traced already; end that trace first")
-        trace = Trace(len(self.balance))
-        self._tracer = trace
-        try:
+        with self.traced() as trace:
             yield trace
-        finally:
-            self._tracer = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy does not share a trace in progress: it belongs to the original.

@@ -92,11 +92,7 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
     stage_graphs = wants_grad and workers_run_backward(list(devices.values()))
     step = Step(n, m)
     run = StepRun(stages, None, _table(n, m), step, batches, [], [], connected=not stage_graphs)
-    try:
-        workers.run(run, "forward", describe)
-    except BaseException:
-        step.drop()  # what the cells hold goes now, not when the traceback is collected
-        raise
+    workers.run(run, "forward", describe)
     run.hand_over()
     if not stage_graphs:
         return step.outputs
@@ -161,9 +157,6 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
         model.workers.run(
             run, "all", lambda action: f"stage {action.stage} on {devices[action.stage]}"
         )
-    except BaseException:
-        record.drop()  # what the cells hold goes now, not when the traceback is collected
-        raise
     finally:
         run.hand_over()
     losses = [x for x in record.losses if x is not None]
@@ -240,11 +233,7 @@ class _Backward:
         it = iter(grads)
         for i, count in enumerate(self.counts):
             step.put(("G", n - 1, i), [next(it) for _ in range(count)])
-        try:
-            self.workers.run(run, "backward", self.describe)
-        except BaseException:
-            step.drop()  # the cells not yet through their backward go now
-            raise
+        self.workers.run(run, "backward", self.describe)
         out: list[Tensor | None] = []
         for i, devices in enumerate(self.devices):
             got = step.take(("G", -1, i)) if devices else []

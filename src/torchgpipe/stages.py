@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -58,6 +58,21 @@ class StageHolder:
 
     chunks: int
     balance: list[int]
+    _tracer: Trace | None  # while a trace is on (``traced``)
+
+    @contextmanager
+    def traced(self) -> Iterator[Trace]:
+        """A new trace of every stage, on while the block runs (``trace()``'s body)."""
+        if self._tracer is not None:
+            raise RuntimeError(
+                f"this {type(self).__name__} is traced already; end that trace first"
+            )
+        trace = Trace(len(self.balance))
+        self._tracer = trace
+        try:
+            yield trace
+        finally:
+            self._tracer = None
 
     def schedule_ranks(self, virtual_stages: int, schedule: str) -> int:
         """The ranks of a table that gives each rank ``virtual_stages`` stages.

@@ -159,9 +159,10 @@ class Workers:
 
     A worker thread per rank, kept from run to run. The caller's own thread runs rank 0
     itself when nothing on it would reach rank 0 alone: the caller would otherwise only
-    wait, and each hand-over between threads costs a wake-up, on a loaded machine the
-    largest cost of a short cell. What would reach it alone: torch function or dispatch
-    modes (``with torch.device(...)``, ``FlopCounterMode``) and saved-tensor hooks
+    wait, and each hand-over between threads costs a wake-up, after which code runs
+    cold (``benchmarks/pipeline_speed`` prints it: a multiply right after a 10 ms sleep
+    took 155 us on our 2-core VM, 10 us right after another). What would reach it
+    alone: torch function or dispatch modes (``with torch.device(...)``, ``FlopCounterMode``) and saved-tensor hooks
     (``save_on_cpu``), which a worker thread does not have; with any of them on, rank 0
     runs on its worker like the others, so every partition runs alike. A table with
     fewer ranks (interleaved) uses the first ones. A copy of the model, or a process
@@ -187,6 +188,13 @@ class Workers:
                 (``describe(action)`` names its stage and device), or what a rank
                 raised while reporting.
         """
+        try:
+            self._run(run, phase, describe)
+        except BaseException:
+            run.step.drop()  # the cells' tensors go now, not when the traceback is collected
+            raise
+
+    def _run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
         step, ranks = run.step, len(run.table.ranks)
         inline = _plain_thread()
         with self._lock:
@@ -232,14 +240,28 @@ def _plain_thread() -> bool:
     Read through torch's private accessors; where one is missing (another torch
     version), the answer is no, and rank 0 runs on its worker.
     """
+    if _ACCESSORS is None:  # pragma: no cover - another torch
+        return False
+    function_modes, dispatch_modes, saved_hooks = _ACCESSORS
+    try:
+        hooks = saved_hooks(False)
+    except TypeError:  # pragma: no cover - another torch
+        return False
+    return not (function_modes() or dispatch_modes() or hooks)
+
+
+def _accessors() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[bool], Any]] | None:
     try:
         from torch.overrides import _get_current_function_mode_stack
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other torch
-        return False
-    return not (_get_current_function_mode_stack() or _get_current_dispatch_mode_stack() or hooks)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    except (ImportError, AttributeError):  # pragma: no cover - another torch
+        return None
+    return _get_current_function_mode_stack, _get_current_dispatch_mode_stack, hooks
+
+
+_ACCESSORS = _accessors()
 
 
 def _lost(lost: list[BaseException], step: Mailbox, error: BaseException) -> None:

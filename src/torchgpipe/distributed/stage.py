@@ -275,14 +275,8 @@ class PipelineStage(nn.Module, StageHolder):
         Raises:
             RuntimeError: a trace of this stage is already on.
         """
-        if self._tracer is not None:
-            raise RuntimeError("this PipelineStage is traced already; end that trace first")
-        trace = Trace(len(self.balance))
-        self._tracer = trace
-        try:
+        with self.traced() as trace:
             yield trace
-        finally:
-            self._tracer = None
 
     def gather_trace(self, trace: Trace, dst: int = 0) -> Trace | None:
         """Every process's trace merged on rank ``dst``, which gets it; None elsewhere.
