@@ -162,9 +162,10 @@ class Workers:
     wait, and each hand-over between threads costs a wake-up, after which code runs
     cold (``benchmarks/pipeline_speed`` prints it: a multiply right after a 10 ms sleep
     took 155 us on our 2-core VM, 10 us right after another). What would reach it
-    alone: torch function or dispatch modes (``with torch.device(...)``, ``FlopCounterMode``) and saved-tensor hooks
-    (``save_on_cpu``), which a worker thread does not have; with any of them on, rank 0
-    runs on its worker like the others, so every partition runs alike. A table with
+    alone: torch function or dispatch modes (``with torch.device(...)``,
+    ``FlopCounterMode``) and saved-tensor hooks (``save_on_cpu``), which a worker thread
+    does not have; with any of them on, rank 0 runs on its worker like the others, so
+    every partition runs alike. A table with
     fewer ranks (interleaved) uses the first ones. A copy of the model, or a process
     forked from this one, starts workers of its own.
     """
