@@ -97,6 +97,16 @@ def test_benchmark_quick_writes_json_and_tables(tmp_path):
     assert results["environment"]["torch"] == __import__("torch").__version__
 
 
+def test_noise_benchmark_quick_times_the_bare_pipeline_against_itself(tmp_path):
+    out_file = tmp_path / "noise.json"
+    out = run_python("benchmarks/pipeline_speed/noise.py", "--quick", "--out", str(out_file))
+    assert "against itself" in out
+    (row,) = json.loads(out_file.read_text())["rows"]
+    assert (row["n"], row["m"]) == (2, 2)
+    assert set(row["ratios"]) == {"0.0", "50.0"}
+    assert all(ratio > 0 for ratio in row["ratios"].values())
+
+
 def test_cpu_compute_benchmark_quick_compares_every_path(tmp_path):
     out_file = tmp_path / "compute.json"
     out = run_python("benchmarks/cpu_compute/main.py", "--quick", "--out", str(out_file))
