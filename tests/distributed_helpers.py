@@ -120,17 +120,24 @@ def spawn(
     return [values.get(rank, DIED) for rank in range(world)]
 
 
-def run_threads(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 30.0) -> list[Any]:
+def run_threads(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 30.0,
+    observe: Callable[..., Any] | None = None,
+) -> list[Any]:
     """``fn(transport, *args)`` on ``world`` threads, each a rank of a LocalTransport mesh.
 
     Returns each rank's value, or the exception it raised. Fails if a thread is still
-    running after ``timeout`` seconds.
+    running after ``timeout`` seconds. ``observe`` sees every group of transfers
+    (``LocalTransport.mesh``).
     """
     import threading
 
     from torchgpipe.distributed import LocalTransport
 
-    transports = LocalTransport.mesh(world, timeout=timeout / 2)
+    transports = LocalTransport.mesh(world, timeout=timeout / 2, observe=observe)
     out: list[Any] = [None] * world
 
     def run(rank: int) -> None:

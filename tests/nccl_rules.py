@@ -17,8 +17,9 @@ from several threads of one process come in an order left to chance.
   its peer has at its head, or :class:`Mismatch` for a pair whose matched operations
   move different byte counts or that has a send with no receive.
 
-The transport that obeys these rules is the rest of issue 13 (part 1); this double is
-what its tests will run it under.
+``LocalTransport.mesh(world, observe=rules.group)`` reports every group of transfers to
+it as a rank issues it (``tests/test_nccl_transport.py``), and ``tests/test_distributed.py``
+replays what gloo processes issued into it.
 """
 
 from __future__ import annotations

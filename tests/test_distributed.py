@@ -119,7 +119,7 @@ class _Counting(ProcessGroupTransport):
         self.sent: list[tuple[int, Any]] = []
 
     def send(self, peer: int, header: Any, tensors: Any) -> None:
-        self.sent.append((peer, header[1] if header[0] == "data" else header[0]))
+        self.sent.append((peer, header[1] if header[0] == "metadata" else header[0]))
         super().send(peer, header, tensors)
 
 
@@ -455,38 +455,34 @@ def test_a_meta_model_traced_then_served_across_processes() -> None:
     torch.testing.assert_close(results[1]["output"], results[1]["expected_output"])
 
 
-def _recorded_rank(rank: int, world: int) -> list[tuple[str, str, int, int]]:
-    """One 1F1B step, each point-to-point operation recorded as the transport issues it."""
+def _recorded_rank(rank: int, world: int, schedule: str) -> list[tuple[str, list[Any]]]:
+    """One step, each group of point-to-point operations recorded as the transport issues it."""
     from torchgpipe.distributed import transport
 
-    record: list[tuple[str, str, int, int]] = []
-    real = transport.ProcessGroupTransport._transfer
+    record: list[tuple[str, list[Any]]] = []
+    real = transport.ProcessGroupTransport.issue
 
-    def recording(self: Any, op: str, buffer: Tensor, peer: int) -> Any:
-        nbytes = buffer.numel() * buffer.element_size()
-        record.append((threading.current_thread().name, op, peer, nbytes))
-        return real(self, op, buffer, peer)
+    def recording(self: Any, transfers: Any) -> Any:
+        ops = [(t.peer, t.kind, t.buffer.numel() * t.buffer.element_size()) for t in transfers]
+        record.append((threading.current_thread().name, ops))
+        return real(self, transfers)
 
-    transport.ProcessGroupTransport._transfer = recording  # type: ignore[method-assign]
-    stage = PipelineStage(mlp(), [4, 4], chunks=4)
-    record.clear()  # what the start-up check sent is not the step's
+    transport.ProcessGroupTransport.issue = recording  # type: ignore[method-assign]
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble}[schedule]
+    stage = PipelineStage(mlp(), [4] * world if world == 2 else [2] * world, chunks=4)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y if stage.is_last else None)
+    kind(stage, _mse).step(x if stage.is_first else None, y if stage.is_last else None)
     return record
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13, part 1: listener threads post receives while the rank's thread "
-    "sends, and both ranks begin by sending to each other; the transport that obeys "
-    "NCCL's rules turns this test green (then drop this mark)",
-)
-def test_a_step_issues_what_nccl_would_run() -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_a_step_issues_what_nccl_would_run(schedule: str) -> None:
     from nccl_rules import NCCLRules
 
-    records = spawn(_recorded_rank, 2)
+    records = spawn(_recorded_rank, 2, schedule)
     rules = NCCLRules(2)
     for rank, record in enumerate(records):
-        for thread, op, peer, nbytes in record:
-            rules.issue(rank, peer, "send" if op == "send" else "recv", nbytes, thread=thread)
+        assert record, "no transfers were issued"
+        for thread, ops in record:
+            rules.group(rank, ops, thread=thread)
     rules.check()

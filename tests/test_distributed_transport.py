@@ -18,6 +18,7 @@ from distributed_helpers import run_threads, spawn
 from torch import Tensor
 
 from torchgpipe.distributed import LocalTransport, ProcessGroupTransport, TransportError
+from torchgpipe.distributed.transport import Transfer, pack, packed_size, unpack
 
 # LocalTransport
 
@@ -204,6 +205,47 @@ def test_local_transport_mesh_rejects_a_bad_timeout(timeout: float) -> None:
         LocalTransport.mesh(2, timeout=timeout)
 
 
+def test_local_transfers_match_in_issue_order_and_refuse_another_size() -> None:
+    seen: list[Any] = []
+    t0, t1 = LocalTransport.mesh(2, timeout=0.5, observe=lambda *group: seen.append(group))
+    first, second = torch.arange(4, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)
+    t0.issue([Transfer("send", 1, first), Transfer("send", 1, second)])
+    a, b = torch.empty(4, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)
+    wait_a, wait_b = t1.issue([Transfer("recv", 0, a), Transfer("recv", 0, b)])
+    wait_b.wait()  # fills the earlier receive first, as NCCL matches in order
+    assert torch.equal(a, first)
+    assert torch.equal(b, second)
+    wait_a.wait()
+    assert seen == [(0, [(1, "send", 4), (1, "send", 8)]), (1, [(0, "recv", 4), (0, "recv", 8)])]
+    t0.issue([Transfer("send", 1, first)])
+    (wrong,) = t1.issue([Transfer("recv", 0, torch.empty(5, dtype=torch.uint8))])
+    with pytest.raises(RuntimeError, match="received 4 bytes from rank 0 into a buffer of 5"):
+        wrong.wait()
+
+
+def test_local_transfer_from_a_closed_or_silent_peer_raises() -> None:
+    t0, t1 = LocalTransport.mesh(2, timeout=0.05)
+    (silent,) = t1.issue([Transfer("recv", 0, torch.empty(1, dtype=torch.uint8))])
+    with pytest.raises(TransportError, match=r"sent no transfer to rank 1 in 0\.05 s"):
+        silent.wait()
+    (waiting,) = t1.issue([Transfer("recv", 0, torch.empty(1, dtype=torch.uint8))])
+    t0.close()
+    with pytest.raises(TransportError, match="rank 0 closed its transport"):
+        waiting.wait()
+
+
+def test_pack_and_unpack_round_trip_every_kind_of_tensor() -> None:
+    tensors = _messages()[0][1]
+    layout = [(tuple(t.shape), t.dtype) for t in tensors]
+    buffer = pack(tensors, torch.device("cpu"))
+    assert buffer is not None
+    assert buffer.numel() == packed_size(layout)
+    for got, want in zip(unpack(buffer, layout, torch.device("cpu")), tensors, strict=True):
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+    assert pack([torch.empty(0)], torch.device("cpu")) is None
+
+
 # ProcessGroupTransport, between two processes
 
 
@@ -275,3 +317,44 @@ def test_process_group_transport_round_trips_headers_and_tensors_of_every_kind()
             assert got.shape == want.shape, (k, want.shape)
             assert got.device == torch.device("cpu")
             assert torch.equal(got, want), (k, want)
+
+
+def _transfers_rank(rank: int, world: int) -> dict[str, Any]:
+    side = dist.new_group([0, 1], backend="gloo")
+    lone = dist.new_group([0], backend="gloo")
+    out: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            ProcessGroupTransport(side_group=lone)
+        except ValueError as error:
+            out["refused"] = str(error)
+    transport = ProcessGroupTransport(side_group=side)
+    sets = (_messages()[0][1], [torch.arange(5.0) * 2])
+    mine = sets[rank]
+    theirs = [(tuple(t.shape), t.dtype) for t in sets[1 - rank]]
+    buffer = pack(mine, transport.wire)
+    assert buffer is not None
+    incoming = torch.empty(packed_size(theirs), dtype=torch.uint8)
+    # Both ranks send to each other in one group: no hang.
+    works = transport.issue(
+        [Transfer("send", 1 - rank, buffer), Transfer("recv", 1 - rank, incoming)]
+    )
+    for work in works:
+        work.wait()
+    out["received"] = [t.clone() for t in unpack(incoming, theirs, torch.device("cpu"))]
+    transport.send(1 - rank, ("side", rank), [])  # the side channel on the group given
+    out["side"] = transport.recv(1 - rank)[0]
+    dist.barrier()
+    return out
+
+
+@pytest.mark.distributed
+def test_process_group_transport_transfers_a_group_both_ways_and_takes_a_side_group() -> None:
+    results = spawn(_transfers_rank, 2)
+    assert "side_group must be a gloo group of the pipeline's 2 processes" in results[0]["refused"]
+    for got, want in zip(results[1]["received"], _messages()[0][1], strict=True):
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+    torch.testing.assert_close(results[0]["received"][0], torch.arange(5.0) * 2)
+    assert results[0]["side"] == ("side", 1)
+    assert results[1]["side"] == ("side", 0)

@@ -189,9 +189,10 @@ class StepRun:
                 use_stream(self.compute[r]),
                 self.state.apply(grad_enabled=grad),
             ):
-                for action in actions:
+                for position, action in enumerate(actions):
                     if self.post.halted:
                         return
+                    self.post.begin(position)
                     with profiled(action):
                         if action.kind == "F":
                             self.forward(action.stage, action.i)

@@ -65,6 +65,13 @@ class Mailbox:
                 return self._box.pop(key)
             raise Stopped
 
+    def begin(self, position: int) -> None:
+        """Called by a rank before its action ``position`` (of those the run gives it).
+
+        Nothing to do in one process; across processes, the transfers that must be
+        issued before that action are (``distributed/exchange.py``).
+        """
+
     def fail(self, error: BaseException, action: Action) -> None:
         """Record that ``action`` raised ``error``, and halt the step."""
         with self._lock:

@@ -168,13 +168,27 @@ class Schedule:
             raise ScheduleError(
                 "the schedule is not valid:\n" + "\n".join(f"  - {p}" for p in problems)
             )
+        return self.dry_run()
+
+    def dry_run(self, kinds: str = "FBW") -> list[list[Action | None]]:
+        """Each step's action per rank (None: idle), of the actions of ``kinds`` only.
+
+        Every rank whose next action has all it needs runs it, one action per rank per
+        step. ``kinds="F"`` is the forward alone (a forward-only step); the processes of
+        a pipeline order their transfers by these steps (``distributed/plan.py``).
+
+        Raises:
+            ScheduleError: the dry run stalls (the message names the step, the waiting
+                actions and what they wait for, and shows the steps so far).
+        """
+        ranks = [tuple(a for a in rank if a.kind in kinds) for rank in self.ranks]
         done: set[Action] = set()
-        position = [0] * len(self.ranks)
+        position = [0] * len(ranks)
         steps: list[list[Action | None]] = []
-        total = sum(len(rank) for rank in self.ranks)
+        total = sum(len(rank) for rank in ranks)
         while len(done) < total:
             row: list[Action | None] = []
-            for r, rank in enumerate(self.ranks):
+            for r, rank in enumerate(ranks):
                 nxt = rank[position[r]] if position[r] < len(rank) else None
                 ready = nxt is not None and all(d in done for d in nxt.needs(self.stages))
                 row.append(nxt if ready else None)
@@ -184,7 +198,7 @@ class Schedule:
                     + ", ".join(
                         str(d) for d in rank[position[r]].needs(self.stages) if d not in done
                     )
-                    for r, rank in enumerate(self.ranks)
+                    for r, rank in enumerate(ranks)
                     if position[r] < len(rank)
                 ]
                 raise ScheduleError(

@@ -22,9 +22,9 @@ step fail: the rank that raised re-raises its exception, the others a
 """
 
 from torchgpipe.distributed.exchange import RemoteError
+from torchgpipe.distributed.local import LocalTransport
 from torchgpipe.distributed.stage import PipelineStage, all_reduce_gradients
 from torchgpipe.distributed.transport import (
-    LocalTransport,
     ProcessGroupTransport,
     Transport,
     TransportError,

@@ -2,23 +2,35 @@
 
 The actions of a step put and take messages by key (``("F", s, i)``: the input of
 stage ``s`` for micro-batch ``i``). A key whose stage runs here stays in the local
-mailbox; any other is sent to the rank that runs it. Each peer has a listener thread
-that receives its messages, in the order sent, into the mailbox, so a send never waits
-for the receiving rank to reach the matching action::
+mailbox; any other goes to the rank that runs it, in two parts:
 
-    rank 0                               rank 1
-    actions ──put(F,1,i)── send ───────▶ listener(0) ──▶ mailbox ──take(F,1,i)──▶ actions
-    mailbox ◀── listener(1) ◀───────── send ──put(G,0,i)──────────────────────── actions
-    ...
-    end(status) ──────────────────────▶ listener(0) stops      (and the other way round)
+- its **metadata** (the key, the value's structure, non-tensor values, shapes and
+  dtypes) at once, on the transport's side channel, where a listener thread per peer
+  receives it;
+- its **tensors**, as one flat buffer, in the round of the step's plan (``plan.py``)
+  where the action that made it ran: before its next action, the rank's own thread
+  issues every round of earlier steps as one group of sends and receives, each receive
+  sized by the metadata that came ahead. So the transfers on the pipeline's process
+  group come from one thread per process, in the same order on both ranks of a pair.
 
-A step ends with every rank sending ``end`` to every other, with its status: whether it
-failed or stopped, where and why, and what it lost track of. A listener stops at its
-peer's ``end``, and a rank's step is over when all its listeners have stopped: then it
-knows every rank's status. A failing rank sends ``end`` at once, which stops the takes
-waiting on the others; they send theirs in turn. So a failure anywhere makes every rank
-fail, naming the rank, the stage and the action where it started. A rank that dies is
-seen by the transport (``TransportError``) and reported the same way.
+::
+
+    rank 0 (thread of its actions)            rank 1
+    0F0: put (F,1,0) ─ metadata ─ side ──────▶ listener: metadata of (F,1,0)
+    before 0F1: round 0 [send (F,1,0)] ═══════ before 1F0: round 0 [recv (F,1,0)]
+    ...                                        1F0: take (F,1,0) ◀═ the receive's buffer
+    end(status) ───────────── side ──────────▶ listener(0) stops      (and the other way)
+
+A step ends with every rank sending ``end`` to every other on the side channel, with
+its status: whether it failed or stopped, where and why, and what it lost track of.
+``end`` also says that no more metadata follows: a rank that stopped half-way then
+still issues the rest of its rounds, with the transfers whose metadata went out (its
+sends) or came in (its receives) and no others, so both ranks of every pair issue the
+same operations, and the process group is left clean for the next step. A failing
+rank sends ``end`` at once, which stops the takes waiting on the others; they send
+theirs in turn. So a failure anywhere makes every rank fail, naming the rank, the stage
+and the action where it started. A rank that dies is seen by the transport
+(``TransportError``) and reported the same way.
 """
 
 from __future__ import annotations
@@ -26,12 +38,23 @@ from __future__ import annotations
 import threading
 import traceback
 from collections.abc import Callable
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from torchgpipe.distributed.transport import Transport, TransportError
+from torchgpipe.distributed.plan import Message, RankPlan
+from torchgpipe.distributed.transport import (
+    Pending,
+    Transfer,
+    Transport,
+    TransportError,
+    pack,
+    packed_size,
+    unpack,
+)
 from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.schedules import Action
@@ -130,40 +153,180 @@ class Exchange(Mailbox):
         self.ends: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
         self.lost: dict[int, str] = {}
         self._listening = {p: threading.Event() for p in self.peers}
+        # The plan's transfers (all on the thread of this rank's actions, but metadata).
+        self._plan: RankPlan | None = None
+        self._round = 0  # the plan's next round to issue
+        self._outbox: dict[Key, Tensor | None] = {}  # wire key: the bytes to send
+        self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None]] = {}
+        self._sending: list[tuple[int, Pending]] = []
+        # Metadata that came ahead (wire key: header), and the peers that will send no
+        # more of it (they ended or were lost); guarded by _arrived.
+        self._arrived = threading.Condition()
+        self._metadata: dict[Key, Any] = {}
+        self._silent: set[int] = set()
         for k, peer in enumerate(self.peers):
             pool.submit(k, self._listener(peer), partial(self._listener_failed, peer))
 
     # Messages
 
+    def follow(self, plan: RankPlan) -> None:
+        """Transfer the step's tensors by ``plan``; :meth:`begin` before each action."""
+        self._plan = plan
+
+    def begin(self, position: int) -> None:
+        """Issue the rounds of the steps before that of this rank's action ``position``.
+
+        Raises:
+            Stopped: the step halted, or a peer cannot be reached.
+        """
+        plan = self._plan
+        if plan is None:
+            return
+        step = plan.steps[position]
+        while self._round < len(plan.rounds) and plan.rounds[self._round][0] < step:
+            self._issue(plan.rounds[self._round][1], draining=False)
+            self._round += 1
+
     def put(self, key: Key, value: Any) -> None:
         owner = self._owner(key)
         if owner == self.rank:
             super().put(key, value)
-        else:
+        elif self._plan is None:
             self.send(owner, key, value)
+        else:
+            self._post(owner, key, value)
+
+    def take(self, key: Key) -> Any:
+        wire_key = self._wire(key) if key[0] in _PLANNED else key
+        entry = self._incoming.pop(wire_key, None)
+        if entry is None:
+            if self._plan is not None and wire_key in self._plan.receives:
+                raise RuntimeError(
+                    f"torchgpipe: rank {self.rank} takes {key} before the round that "
+                    f"receives it was issued (a bug in the step's plan)"
+                )
+            return super().take(key)
+        header, buffer, pending = entry
+        if pending is not None:
+            self._wait(pending)
+        return self._value(header, buffer)
 
     def send(self, peer: int, key: Key, value: Any) -> None:
-        """Send ``value`` under ``key`` to rank ``peer``'s mailbox.
+        """Send ``value`` under ``key`` to rank ``peer``'s mailbox, all on the side channel.
+
+        For what is not a step's activation or gradient: the start of a step, traces.
 
         Raises:
             Stopped: ``peer`` cannot be reached; the step halts.
         """
         leaves, spec = flatten(value)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
-        header = (
-            "data",
-            self._wire(key),
-            spec,
-            [None if isinstance(x, Tensor) else x for x in leaves],
-            slots,
-            [x.requires_grad for x in tensors],
-        )
+        header = ("value", self._wire(key), spec, *_shell(leaves))
+        self._side(peer, header, tensors)
+
+    def _post(self, peer: int, key: Key, value: Any) -> None:
+        """Send the metadata of ``value`` now; keep its bytes for the plan's round."""
+        leaves, spec = flatten(value)
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        wire_key = self._wire(key)
+        layout = [(tuple(t.shape), t.dtype) for t in tensors]
+        self._outbox[wire_key] = pack(tensors, self.transport.wire)
+        self._side(peer, ("metadata", wire_key, spec, *_shell(leaves), layout), [])
+
+    def _side(self, peer: int, header: Any, tensors: list[Tensor]) -> None:
         try:
             self.transport.send(peer, header, tensors)
         except TransportError as error:
             self._lose(peer, _unreachable(error))
             raise Stopped from error
+
+    def _issue(self, messages: tuple[Message, ...], *, draining: bool) -> None:
+        """Issue one round: this rank's sends and receives of it, as one group.
+
+        Draining (after the end), a message whose metadata never went out or came in is
+        left out on both sides of its pair.
+        """
+        headers = {
+            m.key: self._await_metadata(m, draining=draining)
+            for m in messages
+            if m.dst == self.rank
+        }
+        transfers: list[Transfer] = []
+        receives: list[tuple[Key, Any, Tensor | None, int | None]] = []
+        for message in messages:
+            if message.src == self.rank:
+                if message.key not in self._outbox:
+                    if draining:
+                        continue
+                    raise RuntimeError(
+                        f"torchgpipe: rank {self.rank} has nothing to send for "
+                        f"{message.key} (a bug in the step's plan)"
+                    )
+                buffer = self._outbox.pop(message.key)
+                if buffer is not None:
+                    transfers.append(Transfer("send", message.dst, buffer))
+                continue
+            header = headers[message.key]
+            if header is None:  # draining: it never came
+                continue
+            size = packed_size(header[-1])
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.transport.wire)
+            slot = None
+            if size:
+                slot = len(transfers)
+                transfers.append(Transfer("recv", message.src, buffer))
+            receives.append((message.key, header, buffer if size else None, slot))
+        if not transfers:
+            pending: list[Pending] = []
+        else:
+            try:
+                pending = self.transport.issue(transfers)
+            except TransportError as error:
+                self._lose(error.peer, _unreachable(error))
+                raise Stopped from error
+        for transfer, work in zip(transfers, pending, strict=True):
+            if transfer.kind == "send":
+                self._sending.append((transfer.peer, work))
+        for key, header, buffer, slot in receives:
+            self._incoming[key] = (header, buffer, None if slot is None else pending[slot])
+
+    def _await_metadata(self, message: Message, *, draining: bool) -> Any:
+        """The metadata of ``message``; None if its sender ended or was lost without it.
+
+        Raises:
+            Stopped: not draining, and the step halted or the sender went silent first.
+        """
+        with self._arrived:
+            while True:
+                header = self._metadata.pop(message.key, None)
+                if header is not None:
+                    return header
+                if message.src in self._silent:
+                    if draining:
+                        return None
+                    raise Stopped
+                if self.halted and not draining:
+                    raise Stopped
+                self._arrived.wait()
+
+    def _wait(self, pending: Pending) -> None:
+        try:
+            pending.wait()
+        except TransportError as error:
+            self._lose(error.peer, _unreachable(error))
+            raise Stopped from error
+
+    def _value(self, header: Any, buffer: Tensor | None) -> Any:
+        """The value a message carries, its tensors on this rank's device."""
+        _, _, spec, leaves, slots, wants, *rest = header
+        leaves = list(leaves)
+        if header[0] == "metadata":
+            tensors = unpack(buffer, rest[0], self.transport.device)
+        else:
+            tensors = rest[0]
+        for slot, tensor, grad in zip(slots, tensors, wants, strict=True):
+            leaves[slot] = tensor.requires_grad_(True) if grad else tensor
+        return unflatten(leaves, spec)
 
     def _listener(self, peer: int) -> Callable[[], None]:
         def listen() -> None:
@@ -180,39 +343,56 @@ class Exchange(Mailbox):
         return listen
 
     def _receive(self, peer: int) -> bool:
-        """Receive one message from ``peer``; False once it was the step's last."""
+        """Receive one side-channel message from ``peer``; False once it was the last."""
         header, tensors = self.transport.recv(peer)
         if header[0] == "end":
             status = header[1]
             self.ends[peer] = (status, tensors)
+            self._go_silent(peer)
             if status["failed"]:
                 self.halt()
             return False
         try:
-            _, wire_key, spec, leaves, slots, wants = header
-            for slot, tensor, grad in zip(slots, tensors, wants, strict=True):
-                leaves[slot] = tensor.requires_grad_(True) if grad else tensor
-            super().put(self._unwire(wire_key), unflatten(leaves, spec))
+            if header[0] == "metadata":
+                with self._arrived:
+                    self._metadata[header[1]] = header
+                    self._arrived.notify_all()
+            else:
+                key = self._unwire(header[1])
+                super().put(key, self._value((*header, tensors), None))
         except BaseException as error:  # keep listening: the peer goes on sending
             self._lose(peer, f"sent a message that could not be read: {error!r}")
         return True
 
+    def _go_silent(self, peer: int) -> None:
+        with self._arrived:
+            self._silent.add(peer)
+            self._arrived.notify_all()
+
+    def halt(self) -> None:
+        super().halt()
+        with self._arrived:
+            self._arrived.notify_all()
+
     def _listener_failed(self, peer: int, error: BaseException) -> None:
         self.lost.setdefault(peer, f"could not be listened to: {error!r}")
+        self._go_silent(peer)
         self._listening[peer].set()
         self.halt()
 
     def _lose(self, peer: int, reason: str) -> None:
         self.lost.setdefault(peer, reason)
+        self._go_silent(peer)
         self.halt()
 
     # The end of the step
 
     def finish(self, status: dict[str, Any], tensors: list[Tensor]) -> None:
-        """Send this rank's ``end`` to every peer and wait for theirs (or their loss).
+        """Send this rank's ``end`` to every peer, finish the transfers, wait for theirs.
 
         ``status`` says whether this rank ``failed`` (it raised, or stopped because
         another did) and ``error``: the description of its own failure, if it raised.
+        Call it on the thread of this rank's actions: it issues the plan's last rounds.
         """
         status = {**status, "lost": dict(self.lost)}
         for peer in self.peers:
@@ -222,12 +402,32 @@ class Exchange(Mailbox):
                 self.transport.send(peer, ("end", status), tensors)
             except TransportError as error:
                 self._lose(peer, _unreachable(error))
+        self._drain()
         try:
             self.transport.flush()
         except TransportError as error:
             self.lost.setdefault(error.peer, _unreachable(error))
         for peer in self.peers:
             self._listening[peer].wait()
+
+    def _drain(self) -> None:
+        """Issue the plan's remaining rounds, and wait for every transfer to be done."""
+        plan = self._plan
+        if plan is not None:
+            for _, messages in plan.rounds[self._round :]:
+                with suppress(Stopped):  # a peer was lost: its transfers fail, others go on
+                    self._issue(messages, draining=True)
+            self._round = len(plan.rounds)
+        works = [work for _, _, work in self._incoming.values() if work is not None]
+        works += [work for _, work in self._sending]
+        self._incoming.clear()
+        self._outbox.clear()
+        self._sending = []
+        for work in works:
+            try:
+                work.wait()
+            except TransportError as error:
+                self._lose(error.peer, _unreachable(error))
 
     def remote_failure(self) -> RemoteError | None:
         """The failure of another rank that stopped this step, or None if none did."""
@@ -260,6 +460,16 @@ class Exchange(Mailbox):
         if self.halted:  # pragma: no cover - a halt always has a cause above
             return RemoteError("the step stopped on another rank", rank=-1, stages=())
         return None
+
+
+_PLANNED = frozenset({"F", "G", "S", "SG"})  # the kinds of key a step's plan transfers
+
+
+def _shell(leaves: list[Any]) -> tuple[list[Any], list[int], list[bool]]:
+    """The leaves without their tensors, where the tensors were, which want a gradient."""
+    slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
+    wants = [leaves[k].requires_grad for k in slots]
+    return [None if isinstance(x, Tensor) else x for x in leaves], slots, wants
 
 
 def _unreachable(error: TransportError) -> str:

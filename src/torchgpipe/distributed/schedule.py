@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from torchgpipe.distributed.exchange import Exchange, describe
+from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
@@ -146,8 +148,13 @@ def _start(
     *,
     forward_only: bool = False,
 ) -> tuple[int, list[int], Schedule, list[Any], list[Any]]:
-    """Agree on the step's micro-batches and table; split the input and target."""
+    """Agree on the step's micro-batches and table; split the input and target.
+
+    As soon as this rank knows rank 0's table, its exchange follows the table's plan of
+    transfers, so that it issues its share of them even if it then fails.
+    """
     batches: list[Any] = []
+    kinds = "F" if forward_only else "FBW"
     if stage.is_first:
         if input is None:
             raise ValueError(
@@ -157,10 +164,20 @@ def _start(
         batches = scatter(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.table(m)
+        exchange.follow(_plan(stage, table, kinds))
         for peer in exchange.peers:
-            exchange.send(peer, ("start",), (m, sizes, table.text()))
+            exchange.send(peer, ("start",), (m, sizes, table.text(), forward_only))
     else:
-        m, sizes, text = exchange.take(("start",))
+        m, sizes, text, first_forward_only = exchange.take(("start",))
+        kinds = "F" if first_forward_only else "FBW"
+        exchange.follow(_plan(stage, _parsed(text, len(stage.balance)), kinds))
+        if first_forward_only != forward_only:
+            calls = ("forward_only", "step")
+            said, mine = calls if first_forward_only else calls[::-1]
+            raise ValueError(
+                f"rank 0 runs schedule.{said}() but rank {stage.rank} runs "
+                f"schedule.{mine}(); call the same one in every process"
+            )
         table = steps.table(m)
         if table.text() != text:
             raise ValueError(
@@ -182,6 +199,18 @@ def _start(
                 f"the input into {sizes}; give them the same batch size"
             )
     return m, sizes, table, batches, targets
+
+
+@lru_cache(maxsize=64)
+def _parsed(text: str, stages: int) -> Schedule:
+    """Rank 0's table, from the text it sent (kept: steps repeat it)."""
+    return Schedule.parse(text, stages=stages)
+
+
+def _plan(stage: PipelineStage, table: Schedule, kinds: str) -> RankPlan:
+    """This rank's transfers in a step of ``table`` (``plan.py``)."""
+    routes = tuple((r.stash_partition, r.pop_partition) for r in stage.skip_layout.routes)
+    return plan(table, routes, stage.rank, kinds)
 
 
 def _result(

@@ -1,33 +1,44 @@
-"""Transports: how the processes of one pipeline hand each other messages.
+"""Transports: how the processes of one pipeline hand each other messages and tensors.
 
-A message is a header (any picklable value) and a list of tensors. Between two ranks,
-messages arrive in the order they were sent; a receiver learns the shapes and dtypes
-from the header, so nothing about them is fixed in advance. Every failure to reach a
-peer (it died, it closed, it timed out) raises :class:`TransportError`.
+A transport has two channels:
 
-:class:`ProcessGroupTransport` uses ``torch.distributed``'s point-to-point ``send`` and
-``recv`` on a process group (gloo on CPU, NCCL on GPU): one fixed-size message carries
-the pickled header (a second follows if it does not fit), and one more carries all the
-tensors' bytes in a single buffer, so a message costs two transfers however many
-tensors it holds. :class:`LocalTransport` passes messages between threads of one
-process, for tests of the protocol above it without processes.
+- **The side channel** (:meth:`Transport.send`, :meth:`Transport.recv`): messages of a
+  header (any picklable value) and a few CPU tensors, in the order sent between two
+  ranks, from any thread. It carries what a step's transfers need to be sized (keys,
+  structure, shapes, dtypes, non-tensor values) and the step's start and end.
+- **Transfers** (:meth:`Transport.issue`): the activations and gradients themselves,
+  flat byte buffers on the pipeline's process group, issued as groups of sends and
+  receives (``batch_isend_irecv``) by one thread per process, in an order both ranks
+  of a pair derive from the schedule (``plan.py``): NCCL's rules.
+
+Every failure to reach a peer (it died, it closed, it timed out) raises
+:class:`TransportError`.
+
+:class:`ProcessGroupTransport` runs the transfers on the pipeline's process group (gloo
+on CPU, NCCL on GPU) and the side channel on a gloo group (the pipeline's own when it
+is gloo, under another tag). ``local.py`` holds :class:`LocalTransport`, which connects
+threads of one process, for tests of the protocol above it without processes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import pickle
-import queue
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["LocalTransport", "ProcessGroupTransport", "Transport", "TransportError"]
+__all__ = [
+    "Pending",
+    "ProcessGroupTransport",
+    "Transfer",
+    "Transport",
+    "TransportError",
+]
 
 Message = tuple[Any, list[Tensor]]
 
@@ -47,22 +58,48 @@ class TransportError(ConnectionError):
         return (type(self), (self.args[0], self.peer))
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One operation of a group: send ``buffer`` to ``peer``, or receive into it.
+
+    ``buffer`` is a flat ``uint8`` tensor on the transport's ``wire`` device; a receive
+    must be given as many bytes as the matching send moves.
+    """
+
+    kind: Literal["send", "recv"]
+    peer: int
+    buffer: Tensor
+
+
+class Pending(Protocol):
+    """A transfer in flight."""
+
+    def wait(self) -> None:
+        """Wait until it is done (on CUDA: make the current stream wait for it).
+
+        Raises:
+            TransportError: the peer cannot be reached.
+        """
+
+
 class Transport(ABC):
-    """Ordered messages between the ranks of one pipeline.
+    """Ordered messages and transfers between the ranks of one pipeline.
 
     Attributes:
         rank: this process's rank among the pipeline's ``world_size`` processes.
         world_size: how many processes the pipeline has.
         device: where received tensors are put.
+        wire: where the buffers of transfers live (the device, or the CPU for gloo).
     """
 
     rank: int
     world_size: int
     device: torch.device
+    wire: torch.device
 
     @abstractmethod
     def send(self, peer: int, header: Any, tensors: Sequence[Tensor]) -> None:
-        """Send ``header`` and ``tensors`` to rank ``peer``.
+        """Send ``header`` and ``tensors`` to rank ``peer`` on the side channel.
 
         May block until ``peer`` receives it. The tensors may be changed once this
         returns.
@@ -73,10 +110,22 @@ class Transport(ABC):
 
     @abstractmethod
     def recv(self, peer: int) -> Message:
-        """The next message from rank ``peer``: its header and its tensors.
+        """The next side-channel message from rank ``peer``: its header and its tensors.
 
         Raises:
             TransportError: ``peer`` cannot be reached, or sent nothing in time.
+        """
+
+    @abstractmethod
+    def issue(self, transfers: Sequence[Transfer]) -> list[Pending]:
+        """Start ``transfers`` as one group; one :class:`Pending` each, in order.
+
+        Call it from one thread per process, in the order of the step's plan
+        (``plan.py``): NCCL matches the operations of two ranks in the order each
+        issued them. A send's buffer must not change until its transfer is done.
+
+        Raises:
+            TransportError: a peer cannot be reached.
         """
 
     def flush(self) -> None:  # noqa: B027  # a no-op for transports whose send waits
@@ -87,125 +136,47 @@ class Transport(ABC):
         """
 
 
-# LocalTransport
-
-
-class _Closed:
-    """Left in a queue by a closing rank, so that a receiver waiting on it wakes up."""
-
-
-class _Mesh:
-    def __init__(self, world_size: int) -> None:
-        self.queues = {
-            (src, dst): queue.SimpleQueue[Message | _Closed]()
-            for src in range(world_size)
-            for dst in range(world_size)
-            if src != dst
-        }
-        self.closed: set[int] = set()
-        self.lock = threading.Lock()
-
-
-class LocalTransport(Transport):
-    """Messages between threads of one process; for tests.
-
-    Each thread plays one rank with its own transport from :meth:`mesh`. Tensors are
-    copied on the way, as between processes. :meth:`close` plays a rank that dies: its
-    peers' ``recv`` and ``send`` raise :class:`TransportError`.
-    """
-
-    def __init__(self, mesh: _Mesh, rank: int, world_size: int, *, timeout: float) -> None:
-        self._mesh = mesh
-        self.rank = rank
-        self.world_size = world_size
-        self.device = torch.device("cpu")
-        self.timeout = timeout
-
-    @classmethod
-    def mesh(cls, world_size: int, *, timeout: float = 60.0) -> list[LocalTransport]:
-        """One transport per rank, ``world_size`` of them, connected to each other.
-
-        ``timeout`` bounds the seconds a ``recv`` waits for a message.
-
-        Raises:
-            ValueError: ``world_size`` is not positive or ``timeout`` not positive.
-        """
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not timeout > 0 or timeout == float("inf"):
-            raise ValueError(
-                f"timeout must be a finite positive number of seconds, got {timeout!r}"
-            )
-        shared = _Mesh(world_size)
-        return [cls(shared, r, world_size, timeout=timeout) for r in range(world_size)]
-
-    def send(self, peer: int, header: Any, tensors: Sequence[Tensor]) -> None:
-        """Queue a copy of the message for ``peer``; see :meth:`Transport.send`."""
-        self._check_open(peer)
-        pickle.dumps(header)  # what could not cross a process boundary fails here too
-        copies = [t.detach().clone() for t in tensors]
-        self._mesh.queues[(self.rank, peer)].put((header, copies))
-
-    def recv(self, peer: int) -> Message:
-        """Wait for ``peer``'s next message; see :meth:`Transport.recv`."""
-        self._check_open(None)
-        deadline = time.monotonic() + self.timeout
-        source = self._mesh.queues[(peer, self.rank)]
-        while True:
-            try:
-                item = source.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                self._check_open(peer)  # closed meanwhile, here or there
-                if time.monotonic() >= deadline:
-                    raise TransportError(
-                        f"rank {peer} sent nothing to rank {self.rank} in {self.timeout} s", peer
-                    ) from None
-                continue
-            if isinstance(item, _Closed):
-                raise TransportError(f"rank {peer} closed its transport", peer)
-            return item
-
-    def close(self) -> None:
-        """Leave the mesh, as a process that dies would: peers fail to reach this rank."""
-        with self._mesh.lock:
-            self._mesh.closed.add(self.rank)
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._mesh.queues[(self.rank, peer)].put(_Closed())
-
-    def _check_open(self, peer: int | None) -> None:
-        if self.rank in self._mesh.closed:
-            raise TransportError(f"rank {self.rank} closed its transport", self.rank)
-        if peer is not None and peer in self._mesh.closed:
-            raise TransportError(f"rank {peer} closed its transport", peer)
-
-
 # ProcessGroupTransport
 
 _HEAD = 512  # bytes of the first transfer of a message: the header's length, then it
 _LENGTH = 8
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in the data buffer
-_TAG = 0x7467  # apart from the tags of the user's own point-to-point messages
+_TAG = 0x7467  # the side channel's, apart from the user's own point-to-point messages
+_DATA_TAG = 0x7468  # the transfers' (gloo matches by tag; NCCL ignores tags)
 
 
 class ProcessGroupTransport(Transport):
-    """Messages over ``torch.distributed`` point-to-point operations on a process group.
+    """Transfers on a ``torch.distributed`` process group; the side channel on gloo.
 
     Args:
         group: the pipeline's processes; ``None``: every process (the default group).
             Call ``torch.distributed.init_process_group`` first (``torchrun`` sets its
-            environment).
+            environment). Every process of the group builds its transport at once.
         device: where received tensors go. Default: CPU with gloo, the current CUDA
             device with NCCL (which moves CUDA tensors only). With gloo and a CUDA
-            device, messages cross in CPU memory (gloo's point-to-point operations
+            device, transfers cross in CPU memory (gloo's point-to-point operations
             read and write host memory only) and are copied onto the device on arrival.
+        side_group: a gloo group of the same processes for the side channel. Default:
+            ``group`` itself when it is gloo (under another tag), else a new gloo group
+            of its processes (``new_group(..., use_local_synchronization=True)``, which
+            only they call).
+
+    The side channel sends one fixed-size buffer with the pickled header (a second
+    follows if it does not fit), and one more with the bytes of all its tensors.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not available or not initialized.
-        ValueError: NCCL with a device that is not a CUDA device.
+        ValueError: NCCL with a device that is not a CUDA device; a side group that is
+            not gloo or not of the same size.
     """
 
-    def __init__(self, group: Any = None, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        side_group: Any = None,
+    ) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -230,20 +201,41 @@ class ProcessGroupTransport(Transport):
                 f"pass device=torch.device('cuda', local_rank), or use gloo for CPU stages"
             )
         # Where the transfers' buffers live: NCCL moves device memory, gloo host memory.
-        self._wire = self.device if self.backend == "nccl" else torch.device("cpu")
+        self.wire = self.device if self.backend == "nccl" else torch.device("cpu")
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        # Sends in flight, with their buffers: a send does not wait for the receiver,
-        # whose listener may be slow to take the GIL from a thread that computes.
+        self.side_group = self._side_group(side_group)
+        self._side_global = [
+            dist.get_global_rank(self.side_group, r) for r in range(self.world_size)
+        ]
+        # Side-channel sends in flight, with their buffers: a send does not wait for the
+        # receiver, whose listener may be slow to take the GIL from a thread that computes.
         self._pending: list[tuple[Any, Tensor, int]] = []
+        # NCCL sets up a communicator at its first operation, which must then be a
+        # collective of every rank of the group, not a batch of point-to-point ones.
+        dist.all_reduce(torch.zeros(1, device=self.wire), group=self.group)
+
+    def _side_group(self, given: Any) -> Any:
+        dist = self._dist
+        if given is None:
+            if self.backend == "gloo":
+                return self.group
+            return dist.new_group(self._global, backend="gloo", use_local_synchronization=True)
+        backend = str(dist.get_backend(given))
+        if backend != "gloo" or dist.get_world_size(given) != self.world_size:
+            raise ValueError(
+                f"side_group must be a gloo group of the pipeline's {self.world_size} "
+                f"processes, got a {backend} group of {dist.get_world_size(given)}; leave "
+                f"it out to let the transport make one"
+            )
+        return given
 
     def send(self, peer: int, header: Any, tensors: Sequence[Tensor]) -> None:
-        """Send the message; blocks until ``peer`` receives it. See :meth:`Transport.send`."""
-        metas = []
-        offset = 0
-        for t in tensors:
-            metas.append((tuple(t.shape), t.dtype, offset))
-            offset += _aligned(t.numel() * t.element_size())
-        payload = pickle.dumps((header, metas), protocol=pickle.HIGHEST_PROTOCOL)
+        """Send on the side channel; returns before ``peer`` receives it.
+
+        See :meth:`Transport.send`.
+        """
+        layout = [(tuple(t.shape), t.dtype) for t in tensors]
+        payload = pickle.dumps((header, layout), protocol=pickle.HIGHEST_PROTOCOL)
         length = len(payload).to_bytes(_LENGTH, "little")
         first = bytearray(_HEAD)
         fits = payload[: _HEAD - _LENGTH]
@@ -252,21 +244,16 @@ class ProcessGroupTransport(Transport):
         if len(payload) > len(fits):
             rest = bytearray(payload[len(fits) :])
             transfers.append(torch.frombuffer(rest, dtype=torch.uint8))
-        if tensors:
-            data = torch.empty(offset, dtype=torch.uint8, device=self._wire)
-            for t, (_, _, start) in zip(tensors, metas, strict=True):
-                size = t.numel() * t.element_size()
-                if size:
-                    data[start : start + size].copy_(_bytes(t))
+        data = pack(tensors, torch.device("cpu"))
+        if data is not None:
             transfers.append(data)
         self._pending = [item for item in self._pending if not item[0].is_completed()]
         for buffer in transfers:
-            buffer = buffer.to(self._wire)
-            work = self._transfer("send", buffer, peer)
+            work = self._side("send", buffer, peer)
             self._pending.append((work, buffer, peer))
 
     def flush(self) -> None:
-        """Wait for the sends in flight; see :meth:`Transport.flush`."""
+        """Wait for the side-channel sends in flight; see :meth:`Transport.flush`."""
         pending, self._pending = self._pending, []
         for work, _, peer in pending:
             try:
@@ -277,51 +264,121 @@ class ProcessGroupTransport(Transport):
                 ) from error
 
     def recv(self, peer: int) -> Message:
-        """Receive ``peer``'s next message onto this device; see :meth:`Transport.recv`."""
-        first = torch.empty(_HEAD, dtype=torch.uint8, device=self._wire)
-        self._transfer("recv", first, peer)
+        """Receive ``peer``'s next side-channel message; see :meth:`Transport.recv`."""
+        first = torch.empty(_HEAD, dtype=torch.uint8)
+        self._side("recv", first, peer)
         raw = _to_bytes(first)
         length = int.from_bytes(raw[:_LENGTH], "little")
         payload = raw[_LENGTH : _LENGTH + length]
         if length > len(payload):
-            rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self._wire)
-            self._transfer("recv", rest, peer)
+            rest = torch.empty(length - len(payload), dtype=torch.uint8)
+            self._side("recv", rest, peer)
             payload += _to_bytes(rest)
-        header, metas = pickle.loads(payload)
-        if not metas:
-            return header, []
-        total = max(
-            start + _aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype, start in metas
-        )
-        data = torch.empty(total, dtype=torch.uint8, device=self._wire)
-        self._transfer("recv", data, peer)
-        if data.device != self.device:
-            data = data.to(self.device)
-            if data.is_cuda:  # ready before another thread's stream reads it
-                torch.cuda.current_stream(data.device).synchronize()
-        tensors = []
-        for shape, dtype, start in metas:
-            size = _numel(shape) * _itemsize(dtype)
-            if size == 0:
-                tensors.append(torch.empty(shape, dtype=dtype, device=self.device))
-            else:
-                tensors.append(data[start : start + size].view(dtype).view(shape))
-        return header, tensors
+        header, layout = pickle.loads(payload)
+        size = packed_size(layout)
+        data = None
+        if size:
+            data = torch.empty(size, dtype=torch.uint8)
+            self._side("recv", data, peer)
+        return header, unpack(data, layout, torch.device("cpu"))
 
-    def _transfer(self, op: str, buffer: Tensor, peer: int) -> Any:
+    def issue(self, transfers: Sequence[Transfer]) -> list[Pending]:
+        """Start ``transfers`` as one ``batch_isend_irecv``; see :meth:`Transport.issue`."""
+        dist = self._dist
+        ops = [
+            dist.P2POp(
+                dist.isend if t.kind == "send" else dist.irecv,
+                t.buffer,
+                self._global[t.peer],
+                group=self.group,
+                tag=_DATA_TAG,
+            )
+            for t in transfers
+        ]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as error:  # gloo and NCCL report a lost peer this way
+            peer = transfers[0].peer
+            raise TransportError(
+                f"rank {self.rank} could not start transfers with ranks "
+                f"{sorted({t.peer for t in transfers})}: {error}",
+                peer,
+            ) from error
+        return [_Work(work, t, self.rank) for work, t in zip(works, transfers, strict=True)]
+
+    def _side(self, op: str, buffer: Tensor, peer: int) -> Any:
         dist = self._dist
         try:
             if op == "send":
-                return dist.isend(buffer, self._global[peer], group=self.group, tag=_TAG)
-            dist.recv(buffer, self._global[peer], group=self.group, tag=_TAG)
-            if buffer.is_cuda:  # ready before another thread's stream reads it
-                torch.cuda.current_stream(buffer.device).synchronize()
+                return dist.isend(buffer, self._side_global[peer], group=self.side_group, tag=_TAG)
+            dist.recv(buffer, self._side_global[peer], group=self.side_group, tag=_TAG)
             return None
-        except RuntimeError as error:  # gloo and NCCL report a lost peer this way
+        except RuntimeError as error:  # gloo reports a lost peer this way
             direction = "to" if op == "send" else "from"
             raise TransportError(
                 f"rank {self.rank} could not {op} {direction} rank {peer}: {error}", peer
             ) from error
+
+
+class _Work:
+    """A transfer of a ProcessGroupTransport in flight."""
+
+    def __init__(self, work: Any, transfer: Transfer, rank: int) -> None:
+        self._work = work
+        self._transfer = transfer
+        self._rank = rank
+
+    def wait(self) -> None:
+        """Wait for it (NCCL: the current stream waits); a lost peer raises."""
+        try:
+            self._work.wait()
+        except RuntimeError as error:
+            kind, peer = self._transfer.kind, self._transfer.peer
+            direction = "to" if kind == "send" else "from"
+            raise TransportError(
+                f"rank {self._rank} could not {kind} {direction} rank {peer}: {error}", peer
+            ) from error
+
+
+Layout = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def packed_size(layout: Layout) -> int:
+    """The bytes of the buffer that :func:`pack` makes for tensors of ``layout``."""
+    return sum(_aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype in layout)
+
+
+def pack(tensors: Sequence[Tensor], wire: torch.device) -> Tensor | None:
+    """The tensors' bytes one after another (each aligned) in one buffer on ``wire``.
+
+    None when they have no bytes at all. Their layout (shapes and dtypes) travels apart.
+    """
+    total = packed_size([(tuple(t.shape), t.dtype) for t in tensors])
+    if not total:
+        return None
+    buffer = torch.empty(total, dtype=torch.uint8, device=wire)
+    offset = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if size:
+            buffer[offset : offset + size].copy_(_bytes(t))
+        offset += _aligned(size)
+    return buffer
+
+
+def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[Tensor]:
+    """The tensors of a buffer made by :func:`pack`, on ``device`` (views of one copy)."""
+    if buffer is not None and buffer.device != device:
+        buffer = buffer.to(device)
+    tensors, offset = [], 0
+    for shape, dtype in layout:
+        size = _numel(shape) * _itemsize(dtype)
+        if size == 0 or buffer is None:
+            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+        else:
+            tensors.append(buffer[offset : offset + size].view(dtype).view(shape))
+        offset += _aligned(size)
+    return tensors
 
 
 def _aligned(size: int) -> int:

@@ -1,0 +1,260 @@
+"""Every schedule's step, played under NCCL's point-to-point rules (issue 13, part 2).
+
+Threads play the ranks on a LocalTransport mesh that reports every group of transfers
+to :class:`nccl_rules.NCCLRules` as it is issued: a second issuing thread in a rank
+fails that rank at once, and ``check()`` afterwards plays the groups out as NCCL would
+and fails where it would hang or mismatch. Each step must also give the unwrapped
+model's loss, output and gradients: the same data, moved by the new transfers.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from distributed_helpers import record_net, run_threads, skip_net
+from nccl_rules import NCCLRules
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.distributed import (
+    PipelineStage,
+    RemoteError,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+    Transport,
+)
+
+SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zero-bubble": ScheduleZeroBubble,
+    "interleaved": ScheduleInterleaved1F1B,
+}
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _batch(seed: int, *shape: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def bn_net8(seed: int = 0) -> nn.Sequential:
+    """Eight layers with batch norm in three places, for deferred batch norm."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(4, 6),
+        nn.BatchNorm1d(6),
+        nn.ReLU(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Tanh(),
+        nn.Linear(6, 4),
+        nn.BatchNorm1d(4),
+    )
+
+
+def _balance(world: int, schedule: str, layers: int) -> list[int]:
+    stages = world * (2 if schedule == "interleaved" else 1)
+    return [layers // stages] * stages
+
+
+def _play(
+    world: int,
+    schedule: str,
+    build: Callable[[], nn.Sequential],
+    batches: list[tuple[Tensor, Tensor]],
+    **options: Any,
+) -> tuple[list[Any], NCCLRules]:
+    """Steps of ``schedule`` over ``build()``'s stages on ``world`` ranks, under the rules."""
+    rules = NCCLRules(world)
+    models = [build() for _ in range(world)]  # before the threads: the global RNG
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(
+            models[transport.rank],
+            _balance(world, schedule, len(models[0])),
+            transport=transport,
+            **options,
+        )
+        driver = SCHEDULES[schedule](stage, _mse)
+        steps = []
+        for x, y in batches:
+            stage.zero_grad()
+            result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+            grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+            steps.append((result.loss, result.output, grads))
+        return steps, stage.state_dict()
+
+    return run_threads(rank, world, timeout=30.0, observe=rules.group), rules
+
+
+def _check_against_plain(
+    results: list[Any],
+    build: Callable[[], nn.Sequential],
+    batches: list[tuple[Tensor, Tensor]],
+    *,
+    reference: Callable[[nn.Sequential], nn.Module] = lambda model: model,
+) -> None:
+    """Each step's loss, output and gradients, and the state after, as ``reference``'s.
+
+    ``reference`` wraps the plain model (in a GPipe, for deferred batch norm, whose
+    normalization is per micro-batch).
+    """
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    model = reference(copy.deepcopy(build()))
+    for k, (x, y) in enumerate(batches):
+        model.zero_grad()
+        output = model(x)
+        loss = _mse(output, y)
+        loss.backward()
+        grads: dict[str, Tensor] = {}
+        for steps, _ in results:
+            grads.update(steps[k][2])
+        expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert sorted(grads) == sorted(expected)
+        for name, grad in expected.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        for steps, _ in results:
+            torch.testing.assert_close(steps[k][0], loss.detach(), rtol=1e-5, atol=1e-6)
+        last_output = results[-1][0][k][1]
+        torch.testing.assert_close(last_output, output.detach(), rtol=1e-5, atol=1e-6)
+    state: dict[str, Tensor] = {}
+    for _, part in results:
+        state.update(part)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value, msg=name)
+
+
+# Two steps of different batch sizes: shapes change between steps.
+BATCHES = [(_batch(1, 8, 4), _batch(2, 8, 4)), (_batch(3, 12, 4), _batch(4, 12, 4))]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_with_skips_obeys_nccl_rules(
+    world: int, schedule: str, checkpoint: str
+) -> None:
+    results, rules = _play(world, schedule, skip_net, BATCHES, chunks=4, checkpoint=checkpoint)
+    _check_against_plain(results, skip_net, BATCHES)
+    rules.check()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_deferred_batch_norm_obeys_nccl_rules(world: int, schedule: str) -> None:
+    results, rules = _play(world, schedule, bn_net8, BATCHES, chunks=4, deferred_batch_norm=True)
+    _check_against_plain(
+        results,
+        bn_net8,
+        BATCHES,
+        reference=lambda model: GPipe(model, [4, 4], chunks=4, deferred_batch_norm=True),
+    )
+    rules.check()
+
+
+def test_structured_values_obey_nccl_rules() -> None:
+    # Dicts, lists, strings and a bool mask between the stages.
+    batches = [(_batch(5, 4, 3, 4), _batch(6, 4, 4)), (_batch(7, 4, 5, 4), _batch(8, 4, 4))]
+    results, rules = _play(2, "1f1b", record_net, batches, chunks=2)
+    _check_against_plain(results, record_net, batches)
+    rules.check()
+
+
+def test_a_failed_step_leaves_the_transfers_matched_and_the_next_step_works() -> None:
+    rules = NCCLRules(2)
+    models = [skip_net() for _ in range(2)]
+
+    class Fails(nn.Module):
+        armed = True
+
+        def forward(self, x: Tensor) -> Tensor:
+            if Fails.armed and x.shape[0] == 2 and x.sum() > -1e9:
+                Fails.armed = False
+                raise RuntimeError("boom, once")
+            return x
+
+    def rank(transport: Transport) -> Any:
+        model = models[transport.rank]
+        model[5] = nn.Sequential(model[5], Fails())  # stage 1 of 2 fails once
+        stage = PipelineStage(model, [4, 4], transport=transport, chunks=4)
+        driver = Schedule1F1B(stage, _mse)
+        x, y = BATCHES[0]
+        outcomes = []
+        for _ in range(2):
+            try:
+                result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+                outcomes.append(float(result.loss))
+            except BaseException as error:
+                outcomes.append(error)
+        return outcomes
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    first = [outcomes[0] for outcomes in results]
+    assert isinstance(first[0], RemoteError)
+    assert first[0].rank == 1
+    assert isinstance(first[1], RuntimeError)
+    assert "boom" in str(first[1])
+    second = [outcomes[1] for outcomes in results]
+    assert all(isinstance(loss, float) for loss in second), second
+    assert second[0] == second[1]
+    rules.check()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_forward_only_obeys_nccl_rules(schedule: str) -> None:
+    rules = NCCLRules(4)
+    models = [skip_net() for _ in range(4)]
+    x = _batch(9, 8, 4)
+
+    def rank(transport: Transport) -> Any:
+        balance = _balance(4, schedule, 8)
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
+        return SCHEDULES[schedule](stage, _mse).forward_only(x if stage.is_first else None)
+
+    results = run_threads(rank, 4, timeout=30.0, observe=rules.group)
+    assert results[:3] == [None, None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(results[3], skip_net()(x))
+    rules.check()
+
+
+def test_ranks_that_disagree_on_the_call_fail_and_leave_the_transfers_matched() -> None:
+    # Rank 0 serves (forward_only) while rank 1 trains (step): rank 1 refuses, after
+    # taking in what rank 0 sent by rank 0's plan; both then run a step together.
+    rules = NCCLRules(2)
+    models = [skip_net() for _ in range(2)]
+    x, y = BATCHES[0]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [4, 4], transport=transport, chunks=4)
+        driver = Schedule1F1B(stage, _mse)
+        outcomes: list[Any] = []
+        try:
+            if stage.is_first:
+                outcomes.append(driver.forward_only(x))
+            else:
+                outcomes.append(driver.step(None, y))
+        except BaseException as error:
+            outcomes.append(error)
+        result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+        return [*outcomes, float(result.loss)]
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    assert isinstance(results[1][0], ValueError)
+    assert "rank 0 runs schedule.forward_only() but rank 1 runs schedule.step()" in str(
+        results[1][0]
+    )
+    assert isinstance(results[0][0], RemoteError)
+    assert results[0][0].rank == 1
+    assert results[0][1] == results[1][1]
+    rules.check()
