@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_helpers import record_net, run_threads, skip_net
+from distributed_helpers import mlp, record_net, run_threads, skip_net
 from nccl_rules import NCCLRules
 from torch import Tensor, nn
 
 from torchgpipe import GPipe
 from torchgpipe.distributed import (
+    LocalTransport,
     PipelineStage,
     RemoteError,
     Schedule1F1B,
@@ -257,4 +258,128 @@ def test_ranks_that_disagree_on_the_call_fail_and_leave_the_transfers_matched() 
     assert isinstance(results[0][0], RemoteError)
     assert results[0][0].rank == 1
     assert results[0][1] == results[1][1]
+    rules.check()
+
+
+def test_a_value_that_cannot_cross_fails_its_rank_and_leaves_the_transfers_matched() -> None:
+    # Stage 0's output holds a lambda once: its metadata cannot be pickled, so no bytes
+    # may go either; the next step works on both ranks.
+    rules = NCCLRules(2)
+
+    class Wrap(nn.Module):
+        calls = 0
+
+        def forward(self, x: Tensor) -> Any:
+            Wrap.calls += 1
+            return (x, (lambda: 0) if Wrap.calls == 2 else None)
+
+    class Unwrap(nn.Module):
+        def forward(self, pair: Any) -> Tensor:
+            return pair[0]
+
+    def build() -> nn.Sequential:
+        layers = list(skip_net())
+        return nn.Sequential(*layers[:3], Wrap(), Unwrap(), *layers[3:])
+
+    models = [build() for _ in range(2)]
+    x, y = BATCHES[0]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [4, 6], transport=transport, chunks=4)
+        driver = Schedule1F1B(stage, _mse)
+        outcomes: list[Any] = []
+        for _ in range(2):
+            try:
+                result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+                outcomes.append(float(result.loss))
+            except BaseException as error:
+                outcomes.append(error)
+        return outcomes
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    assert "pickle" in str(results[0][0])
+    assert isinstance(results[1][0], RemoteError)
+    with torch.no_grad():
+        expected = float(_mse(build()(x), y))
+    assert results[0][1] == pytest.approx(expected, rel=1e-6)
+    assert results[1][1] == pytest.approx(expected, rel=1e-6)
+    rules.check()
+
+
+def test_a_rank_halted_before_the_start_came_still_takes_its_part(monkeypatch: Any) -> None:
+    # Three ranks; the last has no target and fails. Rank 1 hears of it before rank 0's
+    # start (played by its take of the start raising Stopped): rank 0 may already have
+    # sent it metadata, so rank 1 must still issue the matching receives.
+    from torchgpipe.distributed import exchange
+
+    rules = NCCLRules(3)
+    models = [mlp() for _ in range(3)]
+    real_take = exchange.Exchange.take
+    first = {"done": False}
+
+    def take(self: Any, key: Any) -> Any:
+        if key == ("start",) and self.rank == 1 and not first["done"]:
+            first["done"] = True
+            self.wait_for(("hold",), 2)  # until rank 2 has ended: it failed
+            raise exchange.Stopped
+        return real_take(self, key)
+
+    monkeypatch.setattr(exchange.Exchange, "take", take)
+    x, y = BATCHES[0]
+
+    def rank(transport: Transport) -> Any:
+        balance = [2, 2, 4]
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
+        driver = Schedule1F1B(stage, _mse)
+        outcomes: list[Any] = []
+        for target in (None, y):  # the first step forgets the target on the last rank
+            try:
+                result = driver.step(x if stage.is_first else None, target)
+                outcomes.append(float(result.loss))
+            except BaseException as error:
+                outcomes.append(error)
+        return outcomes
+
+    results = run_threads(rank, 3, timeout=30.0, observe=rules.group)
+    assert isinstance(results[2][0], ValueError)
+    assert all(isinstance(r[0], RemoteError) for r in results[:2])
+    with torch.no_grad():
+        expected = float(_mse(mlp()(x), y))
+    assert [r[1] for r in results] == pytest.approx([expected] * 3, rel=1e-6)
+    rules.check()
+
+
+def test_a_round_that_cannot_be_built_is_left_whole_for_the_drain() -> None:
+    # Rank 1's round: two receives from rank 0. The second's metadata is not there (the
+    # step halts meanwhile): nothing of the round may be used up, so that the drain
+    # issues both receives, matching rank 0's two sends.
+    from torchgpipe.distributed.plan import Message, RankPlan
+    from torchgpipe.distributed.transfers import Transfers
+    from torchgpipe.distributed.transport import Transfer, pack
+    from torchgpipe.mailbox import Stopped
+
+    rules = NCCLRules(2)
+    t0, t1 = LocalTransport.mesh(2, timeout=5.0, observe=rules.group)
+    messages = (Message(("F", 1, 0), 0, 1), Message(("S", 0, 0), 0, 1))
+    frames = {m.key: ("metadata", m.key, [((2,), torch.float32)], b"") for m in messages}
+    consumed: list[Any] = []
+
+    def metadata(message: Message, draining: bool) -> Any:
+        if message.key == ("S", 0, 0) and not draining:
+            raise Stopped
+        return frames[message.key]
+
+    transfers = Transfers(
+        t1, metadata=metadata, consume=consumed.append, lose=print, lost=lambda peer: False
+    )
+    transfers.follow(RankPlan(steps=(1,), rounds=((0, messages),), receives=frozenset()))
+    with pytest.raises(Stopped):
+        transfers.issue_before(0)
+    assert consumed == []
+    sent = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    t0.issue([Transfer("send", 1, pack([t], torch.device("cpu"))) for t in sent])
+    got = [transfers.receive(m.key) for m in messages]  # nothing yet: not issued
+    assert got == [None, None]
+    transfers.drain()
+    assert consumed == [("F", 1, 0), ("S", 0, 0)]
     rules.check()

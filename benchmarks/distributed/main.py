@@ -1,41 +1,52 @@
-"""Distributed schedules: each one's step across processes against its simulated makespan.
+"""Distributed schedules against torch.distributed.pipelining's, interleaved in one run.
 
-One process per rank, gloo on loopback, one thread each. The layers are the sleep layers
-of ``benchmarks/schedules``: a forward sleeps ``f``, a backward ``2 f`` (``f`` towards
-the layer's input, the ``B`` of a split backward, and ``f`` towards its weight, the
-``W``). Stage 0's input wants no gradient, so its backward sleeps ``f`` only (and its
-``B`` nothing); the simulated makespan charges exactly that. For GPipe, 1F1B, ZB-H1
-(one stage per process) and interleaved 1F1B (two stages per process, layers of
-``f / 2``), ``n`` processes and ``m`` micro-batches, each rank builds its
-``torchgpipe.distributed.PipelineStage``, runs a warm-up step, then ``repeats`` timed
-steps between barriers; the row keeps rank 0's median. Cells are not checkpointed.
+One process per rank, gloo on loopback, one thread each. In the same processes, on
+the same layers, every rank builds our four schedules (``torchgpipe.distributed``:
+GPipe, 1F1B, ZB-H1, interleaved 1F1B) and torch's ``ScheduleGPipe`` and
+``Schedule1F1B`` (``torch.distributed.pipelining``), warms each up with one step, then
+runs rounds: in each round every schedule steps once, in turn (ours, torch's, ours,
+torch's...), each step between two barriers, timed on rank 0. So the machine's swings
+hit both alike, and each row's ratio to torch's counterpart is the median of the
+per-round ratios (ZB-H1 and interleaved 1F1B are compared with torch's 1F1B).
 
-In the same run, as the reference: ``torch.distributed.pipelining``'s ``ScheduleGPipe``
-and ``Schedule1F1B`` on the same layers and processes (``benchmarks/schedules/
-reference.py``), against the makespan of the same tables.
+Two workloads:
+
+- **sleep**: the sleep layers of ``benchmarks/schedules`` (a forward sleeps ``f``, a
+  backward ``2 f``: ``f`` towards the input, the ``B`` of a split backward, and ``f``
+  towards the weight, the ``W``), one per stage (two of ``f / 2`` per process for
+  interleaving); ``m`` micro-batches of one sample. The row also gives each schedule's
+  step over the makespan that ``torchgpipe.schedules.simulate`` gives for its table.
+- **compute**: 8 blocks of ``Linear(1024, 1024)`` and ``Tanh``, a batch of 256 in 8
+  micro-batches, the blocks split evenly over the stages.
+
+Our stages are not checkpointed (``checkpoint='never'``): torch's schedules keep every
+activation too.
 
 Run from the repository root::
 
-    python benchmarks/distributed/main.py            # about four minutes
+    python benchmarks/distributed/main.py            # about ten minutes
     python benchmarks/distributed/main.py --quick    # a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed import pipelining
 
 from torchgpipe.distributed import (
     PipelineSchedule,
@@ -49,28 +60,28 @@ from torchgpipe.schedules import Action, Schedule, gpipe, one_f_one_b, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules"))
-from common import environment, settings, write_json  # benchmarks/common.py
-from reference import (  # benchmarks/schedules/reference.py
-    FEATURES,
-    SleepLayer,
-    free_port,
-    measure_reference,
-    mse,
-)
+from common import environment, free_port, settings, write_json  # benchmarks/common.py
+from reference import FEATURES, SleepLayer, mse  # benchmarks/schedules/reference.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
-# name: (stages per process, schedule class)
-RUNNERS: dict[str, tuple[int, type[PipelineSchedule]]] = {
-    "GPipe": (1, ScheduleGPipe),
-    "1F1B": (1, Schedule1F1B),
-    "interleaved-1F1B": (2, ScheduleInterleaved1F1B),
-    "ZB-H1": (1, ScheduleZeroBubble),
+# name: (stages per process, schedule class, torch's counterpart)
+OURS: dict[str, tuple[int, type[PipelineSchedule], str]] = {
+    "GPipe": (1, ScheduleGPipe, "torch ScheduleGPipe"),
+    "1F1B": (1, Schedule1F1B, "torch Schedule1F1B"),
+    "ZB-H1": (1, ScheduleZeroBubble, "torch Schedule1F1B"),
+    "interleaved-1F1B": (2, ScheduleInterleaved1F1B, "torch Schedule1F1B"),
 }
+TORCH = {
+    "torch ScheduleGPipe": pipelining.ScheduleGPipe,
+    "torch Schedule1F1B": pipelining.Schedule1F1B,
+}
+
+BLOCKS, WIDTH, BATCH, COMPUTE_M = 8, 1024, 256, 8  # the compute workload
 
 
 def makespan(table: Schedule, f: float, v: int) -> float:
-    """The simulated makespan of ``table`` with layers of ``f / v``.
+    """The simulated makespan of ``table`` with sleep layers of ``f / v``.
 
     A forward and a weight gradient cost a layer's sleep; an input gradient too, and a
     whole backward twice that, except on stage 0, whose input wants no gradient.
@@ -87,33 +98,119 @@ def makespan(table: Schedule, f: float, v: int) -> float:
     return simulate(table, cost).makespan
 
 
-def _time_schedule(
-    rank: int, n: int, m: int, name: str, f: float, repeats: int
-) -> tuple[float, Schedule]:
-    v, factory = RUNNERS[name]
-    layers = nn.Sequential(*[SleepLayer(f / v) for _ in range(n * v)])
-    stage = PipelineStage(layers, [1] * (n * v), chunks=m, checkpoint="never")
-    schedule = factory(stage, mse)
+def model(workload: str, stages: int, f: float) -> nn.Sequential:
+    """The whole model: a sleep layer of ``f`` per stage, or the compute blocks."""
+    if workload == "sleep":
+        return nn.Sequential(*[SleepLayer(f) for _ in range(stages)])
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
+    )
+
+
+def batch(workload: str, m: int) -> tuple[Tensor, Tensor]:
+    """The input and target, the same on every rank."""
     generator = torch.Generator().manual_seed(m)
-    x = torch.randn(m, FEATURES, generator=generator)
-    target = torch.randn(m, FEATURES, generator=generator)
+    if workload == "sleep":
+        shape: tuple[int, ...] = (m, FEATURES)
+    else:
+        shape = (BATCH, WIDTH)
+    return torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
+
+
+def _ours(workload: str, n: int, m: int, f: float, name: str) -> tuple[Callable[[], None], Any]:
+    v, factory, _ = OURS[name]
+    stages = n * v
+    layers = model(workload, stages, f / v)
+    balance = [len(layers) // stages] * stages
+    stage = PipelineStage(layers, balance, chunks=m, checkpoint="never")
+    schedule = factory(stage, mse)
+    x, target = batch(workload, m)
 
     def step() -> None:
         stage.zero_grad(set_to_none=True)
         schedule.step(x if stage.is_first else None, target if stage.is_last else None)
 
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), schedule.table(m)
+    return step, schedule.table(m)
 
 
-def _worker(rank: int, n: int, ms: list[int], f: float, repeats: int, port: int, out: Any) -> None:
+def _torch(workload: str, rank: int, n: int, m: int, f: float, name: str) -> Callable[[], None]:
+    layers = model(workload, n, f)
+    per = len(layers) // n
+    submodule = copy.deepcopy(nn.Sequential(*layers[rank * per : (rank + 1) * per]))
+    stage = pipelining.PipelineStage(
+        submodule, stage_index=rank, num_stages=n, device=torch.device("cpu")
+    )
+    schedule = TORCH[name](stage, n_microbatches=m, loss_fn=mse)
+    x, target = batch(workload, m)
+
+    def step() -> None:
+        submodule.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(x)
+        elif rank == n - 1:
+            schedule.step(target=target, losses=[])
+        else:
+            schedule.step()
+
+    return step
+
+
+def _timed(step: Callable[[], None]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _rows(rank: int, n: int, workload: str, m: int, f: float, rounds: int) -> list[dict[str, Any]]:
+    """Every schedule, ours and torch's, over ``rounds`` interleaved rounds."""
+    steps: dict[str, Callable[[], None]] = {}
+    spans: dict[str, float] = {}
+    for name, (v, _, reference) in OURS.items():
+        if v > 1 and m % n:
+            continue  # interleaving sends micro-batches in groups of n
+        if workload == "compute" and BLOCKS % (n * v):
+            continue
+        steps[name], table = _ours(workload, n, m, f, name)
+        spans[name] = makespan(table, f, v) if workload == "sleep" else 0.0
+        if reference not in steps:
+            steps[reference] = _torch(workload, rank, n, m, f, reference)
+    for step in steps.values():
+        step()  # warm-up: torch's first step also infers the shapes
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(_timed(step))
+    rows = []
+    for name, measured in times.items():
+        row: dict[str, Any] = {
+            "workload": workload,
+            "n": n,
+            "m": m,
+            "schedule": name,
+            "step_s": statistics.median(measured),
+        }
+        if name in OURS:
+            reference = OURS[name][2]
+            ratios = [a / b for a, b in zip(measured, times[reference], strict=True)]
+            row["reference"] = reference
+            row["over_reference"] = statistics.median(ratios)
+        if workload == "sleep":
+            span = spans[name] if name in OURS else makespan(_torch_table(name, n, m), f, 1)
+            row["makespan_s"] = span
+            row["over_makespan"] = row["step_s"] / span
+        rows.append(row)
+    return rows
+
+
+def _torch_table(name: str, n: int, m: int) -> Schedule:
+    """The table that torch's schedule ``name`` follows."""
+    return gpipe(n, m) if name == "torch ScheduleGPipe" else one_f_one_b(n, m)
+
+
+def _worker(rank: int, n: int, args: argparse.Namespace, port: int, out: Any) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -123,23 +220,12 @@ def _worker(rank: int, n: int, ms: list[int], f: float, repeats: int, port: int,
             world_size=n,
             timeout=datetime.timedelta(seconds=600),
         )
+        f = args.sleep_ms / 1e3
         rows = []
-        for m in ms:
-            for name, (v, _) in RUNNERS.items():
-                if v > 1 and m % n:
-                    continue  # interleaving sends micro-batches in groups of n
-                step_s, table = _time_schedule(rank, n, m, name, f, repeats)
-                span = makespan(table, f, v)
-                rows.append(
-                    {
-                        "n": n,
-                        "m": m,
-                        "schedule": name,
-                        "step_s": step_s,
-                        "makespan_s": span,
-                        "ratio": step_s / span,
-                    }
-                )
+        for m in args.micro_batches:
+            rows += _rows(rank, n, "sleep", m, f, args.rounds)
+        if args.compute:
+            rows += _rows(rank, n, "compute", COMPUTE_M, f, args.rounds)
         dist.barrier()
         if rank == 0:
             out.put(("rows", rows))
@@ -150,19 +236,18 @@ def _worker(rank: int, n: int, ms: list[int], f: float, repeats: int, port: int,
     os._exit(0)
 
 
-def measure(n: int, ms: list[int], f: float, repeats: int) -> list[dict[str, Any]]:
-    """Every schedule of torchgpipe.distributed on ``n`` processes; rank 0's rows."""
+def measure(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every row on ``n`` processes; rank 0's."""
     context = mp.get_context("spawn")
     out = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_worker, args=(r, n, ms, f, repeats, port, out), daemon=True)
-        for r in range(n)
+        context.Process(target=_worker, args=(r, n, args, port, out), daemon=True) for r in range(n)
     ]
     for process in processes:
         process.start()
     try:
-        kind, value = out.get(timeout=1800)
+        kind, value = out.get(timeout=3600)
     finally:
         for process in processes:
             process.join(timeout=30)
@@ -173,32 +258,20 @@ def measure(n: int, ms: list[int], f: float, repeats: int) -> list[dict[str, Any
     return list(value)
 
 
-def reference(n: int, ms: list[int], f: float, repeats: int) -> list[dict[str, Any]]:
-    """torch.distributed.pipelining's schedules on the same layers and processes."""
-    tables = {"ScheduleGPipe": gpipe, "Schedule1F1B": one_f_one_b}
-    rows = []
-    for row in measure_reference(n, [m for m in ms if m >= n], f, repeats):
-        span = makespan(tables[row["schedule"]](n, row["m"]), f, 1)
-        rows.append(
-            {
-                **row,
-                "schedule": f"torch {row['schedule']}",
-                "makespan_s": span,
-                "ratio": row["step_s"] / span,
-            }
-        )
-    return rows
-
-
 def table_text(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "ratio = measured step / simulated makespan (1.0: no overhead at all)",
-        f"{'n':>3} {'m':>4}  {'schedule':<22} {'makespan ms':>12} {'step ms':>9} {'ratio':>7}",
+        "/torch: our step over torch's counterpart's, median of per-round ratios "
+        "(ZB-H1, interleaved: over torch's 1F1B)",
+        "/makespan: the step over the simulated makespan of its table (sleep layers)",
+        f"{'workload':<8} {'n':>2} {'m':>3}  {'schedule':<20} {'step ms':>9} "
+        f"{'/torch':>7} {'/makespan':>10}",
     ]
     for r in rows:
+        over = f"{r['over_reference']:.3f}" if "over_reference" in r else ""
+        span = f"{r['over_makespan']:.3f}" if "over_makespan" in r else ""
         lines.append(
-            f"{r['n']:>3} {r['m']:>4}  {r['schedule']:<22} {r['makespan_s'] * 1e3:>12.1f} "
-            f"{r['step_s'] * 1e3:>9.1f} {r['ratio']:>7.3f}"
+            f"{r['workload']:<8} {r['n']:>2} {r['m']:>3}  {r['schedule']:<20} "
+            f"{r['step_s'] * 1e3:>9.1f} {over:>7} {span:>10}"
         )
     return "\n".join(lines)
 
@@ -208,31 +281,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--sleep-ms", type=float, default=10.0, help="forward sleep per layer")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row")
-    parser.add_argument("--no-reference", action="store_true", help="skip torch's schedules")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row")
+    parser.add_argument("--no-compute", dest="compute", action="store_false")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
         args.processes, args.micro_batches = [2], [4]
-        args.sleep_ms, args.repeats = 2.0, 1
+        args.sleep_ms, args.rounds, args.compute = 2.0, 1, False
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    f = args.sleep_ms / 1e3
     rows: list[dict[str, Any]] = []
     for n in args.processes:
-        rows += measure(n, args.micro_batches, f, args.repeats)
-        print(table_text(rows[-1:]).splitlines()[-1], flush=True)
-        if not args.no_reference:
-            rows += reference(n, args.micro_batches, f, args.repeats)
-    rows.sort(key=lambda r: (r["n"], r["m"]))
+        measured = measure(n, args)
+        print(table_text(measured), flush=True)
+        rows += measured
     print()
     print(table_text(rows), flush=True)
-    parameters = settings(args)
-    write_json(args.out, {"environment": environment(), "parameters": parameters, "rows": rows})
+    write_json(args.out, {"environment": environment(), "parameters": settings(args), "rows": rows})
     print(f"\nwrote {args.out}")
 
 

@@ -113,9 +113,20 @@ class Schedule:
         """Whether the backward is split into ``B`` (input grad) and ``W`` (weight grad)."""
         return any(a.kind == "W" for rank in self.ranks for a in rank)
 
+    def __hash__(self) -> int:  # kept: a step looks its table up in caches
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.stages, self.micro_batches, self.ranks, self.placement))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def text(self) -> str:
         """One line of actions per rank; :meth:`parse` reads it back."""
-        return "\n".join(" ".join(map(str, rank)) for rank in self.ranks)
+        cached: str | None = self.__dict__.get("_text")
+        if cached is None:
+            cached = "\n".join(" ".join(map(str, rank)) for rank in self.ranks)
+            object.__setattr__(self, "_text", cached)
+        return cached
 
     @classmethod
     def parse(

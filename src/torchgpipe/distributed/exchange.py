@@ -4,14 +4,17 @@ The actions of a step put and take messages by key (``("F", s, i)``: the input o
 stage ``s`` for micro-batch ``i``). A key whose stage runs here stays in the local
 mailbox; any other goes to the rank that runs it, in two parts:
 
-- its **metadata** (the key, the value's structure, non-tensor values, shapes and
-  dtypes) at once, on the transport's side channel, where a listener thread per peer
-  receives it;
+- its **metadata** at once, on the transport's side channel, where a listener thread
+  per peer receives it: a frame with the key and the tensors' shapes and dtypes, which
+  any process can read, and the value's structure and non-tensor leaves pickled apart
+  (a value that a process cannot unpickle fails the action that takes it, not the
+  transfers);
 - its **tensors**, as one flat buffer, in the round of the step's plan (``plan.py``)
   where the action that made it ran: before its next action, the rank's own thread
   issues every round of earlier steps as one group of sends and receives, each receive
-  sized by the metadata that came ahead. So the transfers on the pipeline's process
-  group come from one thread per process, in the same order on both ranks of a pair.
+  sized by the metadata that came ahead (``transfers.py``). So the transfers on the
+  pipeline's process group come from one thread per process, in the same order on
+  both ranks of a pair.
 
 ::
 
@@ -35,26 +38,18 @@ and the action where it started. A rank that dies is seen by the transport
 
 from __future__ import annotations
 
+import pickle
 import threading
 import traceback
 from collections.abc import Callable
-from contextlib import suppress
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from torchgpipe.distributed.plan import Message, RankPlan
-from torchgpipe.distributed.transport import (
-    Pending,
-    Transfer,
-    Transport,
-    TransportError,
-    pack,
-    packed_size,
-    unpack,
-)
+from torchgpipe.distributed.transfers import Transfers
+from torchgpipe.distributed.transport import Transport, TransportError, pack, unpack
 from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.schedules import Action
@@ -153,17 +148,19 @@ class Exchange(Mailbox):
         self.ends: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
         self.lost: dict[int, str] = {}
         self._listening = {p: threading.Event() for p in self.peers}
-        # The plan's transfers (all on the thread of this rank's actions, but metadata).
-        self._plan: RankPlan | None = None
-        self._round = 0  # the plan's next round to issue
-        self._outbox: dict[Key, Tensor | None] = {}  # wire key: the bytes to send
-        self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None]] = {}
-        self._sending: list[tuple[int, Pending]] = []
-        # Metadata that came ahead (wire key: header), and the peers that will send no
-        # more of it (they ended or were lost); guarded by _arrived.
+        # Metadata that came ahead (wire key: frame), and the peers that will send no
+        # more of it (they ended or were lost); guarded by _arrived, which also wakes
+        # wait_for() when a side-channel value arrives.
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
         self._silent: set[int] = set()
+        self.transfers = Transfers(
+            transport,
+            metadata=self._peek_metadata,
+            consume=self._consume_metadata,
+            lose=lambda error: self._lose(error.peer, _unreachable(error)),
+            lost=lambda peer: peer in self.lost,
+        )
         for k, peer in enumerate(self.peers):
             pool.submit(k, self._listener(peer), partial(self._listener_failed, peer))
 
@@ -171,45 +168,57 @@ class Exchange(Mailbox):
 
     def follow(self, plan: RankPlan) -> None:
         """Transfer the step's tensors by ``plan``; :meth:`begin` before each action."""
-        self._plan = plan
+        self.transfers.follow(plan)
 
     def begin(self, position: int) -> None:
-        """Issue the rounds of the steps before that of this rank's action ``position``.
-
-        Raises:
-            Stopped: the step halted, or a peer cannot be reached.
-        """
-        plan = self._plan
-        if plan is None:
-            return
-        step = plan.steps[position]
-        while self._round < len(plan.rounds) and plan.rounds[self._round][0] < step:
-            self._issue(plan.rounds[self._round][1], draining=False)
-            self._round += 1
+        """Issue the transfers due before this rank's action ``position`` (``plan.py``)."""
+        self.transfers.issue_before(position)
 
     def put(self, key: Key, value: Any) -> None:
         owner = self._owner(key)
         if owner == self.rank:
             super().put(key, value)
-        elif self._plan is None:
+        elif self.transfers.plan is None:
             self.send(owner, key, value)
         else:
             self._post(owner, key, value)
 
     def take(self, key: Key) -> Any:
         wire_key = self._wire(key) if key[0] in _PLANNED else key
-        entry = self._incoming.pop(wire_key, None)
-        if entry is None:
-            if self._plan is not None and wire_key in self._plan.receives:
+        got = self.transfers.receive(wire_key)
+        if got is None:
+            if self.transfers.expects(wire_key):
                 raise RuntimeError(
                     f"torchgpipe: rank {self.rank} takes {key} before the round that "
                     f"receives it was issued (a bug in the step's plan)"
                 )
             return super().take(key)
-        header, buffer, pending = entry
-        if pending is not None:
-            self._wait(pending)
-        return self._value(header, buffer)
+        frame, buffer = got
+        _, _, layout, body = frame
+        try:
+            spec, leaves, slots, wants = pickle.loads(body)
+        except Exception as error:
+            raise RuntimeError(
+                f"rank {self.rank} could not read the value that came under {key}: "
+                f"{error!r}; every process must be able to unpickle what passes between "
+                f"stages (import the classes of its non-tensor values)"
+            ) from error
+        tensors = unpack(buffer, layout, self.transport.device)
+        return _filled(spec, leaves, slots, wants, tensors)
+
+    def wait_for(self, key: Key, peer: int) -> Any:
+        """The side-channel value under ``key`` from ``peer``, even after a halt.
+
+        None once ``peer`` ended (or was lost) without sending it.
+        """
+        with self._arrived:
+            while True:
+                with self._lock:
+                    if key in self._box:
+                        return self._box.pop(key)
+                if peer in self._silent:
+                    return None
+                self._arrived.wait()
 
     def send(self, peer: int, key: Key, value: Any) -> None:
         """Send ``value`` under ``key`` to rank ``peer``'s mailbox, all on the side channel.
@@ -221,17 +230,23 @@ class Exchange(Mailbox):
         """
         leaves, spec = flatten(value)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        header = ("value", self._wire(key), spec, *_shell(leaves))
-        self._side(peer, header, tensors)
+        self._side(peer, ("value", self._wire(key), spec, *_shell(leaves)), tensors)
 
     def _post(self, peer: int, key: Key, value: Any) -> None:
-        """Send the metadata of ``value`` now; keep its bytes for the plan's round."""
+        """Send the metadata of ``value`` now; keep its bytes for the plan's round.
+
+        The frame holds the key and the tensors' layout, which every process can read;
+        the rest (structure, non-tensor values) is pickled apart, so that a value this
+        process cannot unpickle fails its action without breaking the transfers.
+        """
         leaves, spec = flatten(value)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         wire_key = self._wire(key)
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
-        self._outbox[wire_key] = pack(tensors, self.transport.wire)
-        self._side(peer, ("metadata", wire_key, spec, *_shell(leaves), layout), [])
+        body = pickle.dumps((spec, *_shell(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = pack(tensors, self.transport.wire)
+        self._side(peer, ("metadata", wire_key, layout, body), [])
+        self.transfers.hold(wire_key, buffer)  # only once its metadata went out
 
     def _side(self, peer: int, header: Any, tensors: list[Tensor]) -> None:
         try:
@@ -240,67 +255,17 @@ class Exchange(Mailbox):
             self._lose(peer, _unreachable(error))
             raise Stopped from error
 
-    def _issue(self, messages: tuple[Message, ...], *, draining: bool) -> None:
-        """Issue one round: this rank's sends and receives of it, as one group.
-
-        Draining (after the end), a message whose metadata never went out or came in is
-        left out on both sides of its pair.
-        """
-        headers = {
-            m.key: self._await_metadata(m, draining=draining)
-            for m in messages
-            if m.dst == self.rank
-        }
-        transfers: list[Transfer] = []
-        receives: list[tuple[Key, Any, Tensor | None, int | None]] = []
-        for message in messages:
-            if message.src == self.rank:
-                if message.key not in self._outbox:
-                    if draining:
-                        continue
-                    raise RuntimeError(
-                        f"torchgpipe: rank {self.rank} has nothing to send for "
-                        f"{message.key} (a bug in the step's plan)"
-                    )
-                buffer = self._outbox.pop(message.key)
-                if buffer is not None:
-                    transfers.append(Transfer("send", message.dst, buffer))
-                continue
-            header = headers[message.key]
-            if header is None:  # draining: it never came
-                continue
-            size = packed_size(header[-1])
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.transport.wire)
-            slot = None
-            if size:
-                slot = len(transfers)
-                transfers.append(Transfer("recv", message.src, buffer))
-            receives.append((message.key, header, buffer if size else None, slot))
-        if not transfers:
-            pending: list[Pending] = []
-        else:
-            try:
-                pending = self.transport.issue(transfers)
-            except TransportError as error:
-                self._lose(error.peer, _unreachable(error))
-                raise Stopped from error
-        for transfer, work in zip(transfers, pending, strict=True):
-            if transfer.kind == "send":
-                self._sending.append((transfer.peer, work))
-        for key, header, buffer, slot in receives:
-            self._incoming[key] = (header, buffer, None if slot is None else pending[slot])
-
-    def _await_metadata(self, message: Message, *, draining: bool) -> Any:
-        """The metadata of ``message``; None if its sender ended or was lost without it.
+    def _peek_metadata(self, message: Message, draining: bool) -> Any:
+        """The metadata frame of ``message``, left in place; None if it will not come.
 
         Raises:
             Stopped: not draining, and the step halted or the sender went silent first.
         """
         with self._arrived:
             while True:
-                header = self._metadata.pop(message.key, None)
-                if header is not None:
-                    return header
+                frame = self._metadata.get(message.key)
+                if frame is not None:
+                    return frame
                 if message.src in self._silent:
                     if draining:
                         return None
@@ -309,24 +274,9 @@ class Exchange(Mailbox):
                     raise Stopped
                 self._arrived.wait()
 
-    def _wait(self, pending: Pending) -> None:
-        try:
-            pending.wait()
-        except TransportError as error:
-            self._lose(error.peer, _unreachable(error))
-            raise Stopped from error
-
-    def _value(self, header: Any, buffer: Tensor | None) -> Any:
-        """The value a message carries, its tensors on this rank's device."""
-        _, _, spec, leaves, slots, wants, *rest = header
-        leaves = list(leaves)
-        if header[0] == "metadata":
-            tensors = unpack(buffer, rest[0], self.transport.device)
-        else:
-            tensors = rest[0]
-        for slot, tensor, grad in zip(slots, tensors, wants, strict=True):
-            leaves[slot] = tensor.requires_grad_(True) if grad else tensor
-        return unflatten(leaves, spec)
+    def _consume_metadata(self, key: Key) -> None:
+        with self._arrived:
+            del self._metadata[key]
 
     def _listener(self, peer: int) -> Callable[[], None]:
         def listen() -> None:
@@ -352,16 +302,18 @@ class Exchange(Mailbox):
             if status["failed"]:
                 self.halt()
             return False
+        if header[0] == "metadata":
+            with self._arrived:
+                self._metadata[header[1]] = header
+                self._arrived.notify_all()
+            return True
         try:
-            if header[0] == "metadata":
-                with self._arrived:
-                    self._metadata[header[1]] = header
-                    self._arrived.notify_all()
-            else:
-                key = self._unwire(header[1])
-                super().put(key, self._value((*header, tensors), None))
+            _, wire_key, spec, leaves, slots, wants = header
+            super().put(self._unwire(wire_key), _filled(spec, leaves, slots, wants, tensors))
         except BaseException as error:  # keep listening: the peer goes on sending
             self._lose(peer, f"sent a message that could not be read: {error!r}")
+        with self._arrived:
+            self._arrived.notify_all()  # for wait_for()
         return True
 
     def _go_silent(self, peer: int) -> None:
@@ -402,32 +354,15 @@ class Exchange(Mailbox):
                 self.transport.send(peer, ("end", status), tensors)
             except TransportError as error:
                 self._lose(peer, _unreachable(error))
-        self._drain()
         try:
-            self.transport.flush()
-        except TransportError as error:
-            self.lost.setdefault(error.peer, _unreachable(error))
-        for peer in self.peers:
-            self._listening[peer].wait()
-
-    def _drain(self) -> None:
-        """Issue the plan's remaining rounds, and wait for every transfer to be done."""
-        plan = self._plan
-        if plan is not None:
-            for _, messages in plan.rounds[self._round :]:
-                with suppress(Stopped):  # a peer was lost: its transfers fail, others go on
-                    self._issue(messages, draining=True)
-            self._round = len(plan.rounds)
-        works = [work for _, _, work in self._incoming.values() if work is not None]
-        works += [work for _, work in self._sending]
-        self._incoming.clear()
-        self._outbox.clear()
-        self._sending = []
-        for work in works:
+            self.transfers.drain()
+        finally:
             try:
-                work.wait()
+                self.transport.flush()
             except TransportError as error:
-                self._lose(error.peer, _unreachable(error))
+                self.lost.setdefault(error.peer, _unreachable(error))
+            for peer in self.peers:
+                self._listening[peer].wait()
 
     def remote_failure(self) -> RemoteError | None:
         """The failure of another rank that stopped this step, or None if none did."""
@@ -470,6 +405,14 @@ def _shell(leaves: list[Any]) -> tuple[list[Any], list[int], list[bool]]:
     slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
     wants = [leaves[k].requires_grad for k in slots]
     return [None if isinstance(x, Tensor) else x for x in leaves], slots, wants
+
+
+def _filled(spec: Any, leaves: list[Any], slots: list[int], wants: list[bool], tensors: Any) -> Any:
+    """The value of a message: its tensors back in their slots, wanting grad as sent."""
+    leaves = list(leaves)
+    for slot, tensor, grad in zip(slots, tensors, wants, strict=True):
+        leaves[slot] = tensor.requires_grad_(True) if grad else tensor
+    return unflatten(leaves, spec)
 
 
 def _unreachable(error: TransportError) -> str:

@@ -165,14 +165,29 @@ class LocalTransport(Transport):
             raise TransportError(f"rank {peer} closed its transport", peer)
 
 
-class _Done:
+class _Waited:
+    """Refuses a second wait, which a gloo transfer would not survive (it hangs)."""
+
+    _waited = False
+
+    def _once(self) -> None:
+        if self._waited:
+            raise RuntimeError(
+                "a transfer was waited for twice; gloo would hang there (a bug in the "
+                "caller: wait for each transfer once)"
+            )
+        self._waited = True
+
+
+class _Done(_Waited):
     """A local send: its bytes were copied when it was issued."""
 
     def wait(self) -> None:
-        """Nothing to wait for."""
+        """Nothing to wait for, once."""
+        self._once()
 
 
-class _LocalReceive:
+class _LocalReceive(_Waited):
     """A receive of a LocalTransport, filled in the order receives from its peer were issued."""
 
     def __init__(self, transport: LocalTransport, peer: int, buffer: Tensor) -> None:
@@ -183,6 +198,7 @@ class _LocalReceive:
 
     def wait(self) -> None:
         """Fill the receives from the peer issued before this one, then this one."""
+        self._once()
         waiting = self._transport._receiving[self._peer]
         while not self._done:
             waiting[0]._fill()

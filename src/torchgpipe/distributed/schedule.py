@@ -168,9 +168,17 @@ def _start(
         for peer in exchange.peers:
             exchange.send(peer, ("start",), (m, sizes, table.text(), forward_only))
     else:
-        m, sizes, text, first_forward_only = exchange.take(("start",))
-        kinds = "F" if first_forward_only else "FBW"
-        exchange.follow(_plan(stage, _parsed(text, len(stage.balance)), kinds))
+        try:
+            start = exchange.take(("start",))
+        except Stopped:
+            # Halted before rank 0's start came: if rank 0 did start, it may have sent
+            # this rank metadata, whose transfers this rank must take part in.
+            start = exchange.wait_for(("start",), 0)
+            if start is not None:
+                _follow(stage, exchange, start)
+            raise
+        m, sizes, text, first_forward_only = start
+        _follow(stage, exchange, start)
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
             said, mine = calls if first_forward_only else calls[::-1]
@@ -199,6 +207,13 @@ def _start(
                 f"the input into {sizes}; give them the same batch size"
             )
     return m, sizes, table, batches, targets
+
+
+def _follow(stage: PipelineStage, exchange: Exchange, start: tuple[Any, ...]) -> None:
+    """Follow the plan of the table that rank 0 started (its text in ``start``)."""
+    _, _, text, forward_only = start
+    table = _parsed(text, len(stage.balance))
+    exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"))
 
 
 @lru_cache(maxsize=64)

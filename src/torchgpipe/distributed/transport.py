@@ -298,12 +298,13 @@ class ProcessGroupTransport(Transport):
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as error:  # gloo and NCCL report a lost peer this way
-            peer = transfers[0].peer
+            peers = sorted({t.peer for t in transfers})
             raise TransportError(
-                f"rank {self.rank} could not start transfers with ranks "
-                f"{sorted({t.peer for t in transfers})}: {error}",
-                peer,
+                f"rank {self.rank} could not start transfers with ranks {peers}: {error}",
+                peers[0],
             ) from error
+        if len(works) != len(transfers):  # NCCL coalesces a batch into one work
+            works = works[:1] * len(transfers)
         return [_Work(work, t, self.rank) for work, t in zip(works, transfers, strict=True)]
 
     def _side(self, op: str, buffer: Tensor, peer: int) -> Any:
@@ -404,4 +405,4 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)  # torch >= 2.1

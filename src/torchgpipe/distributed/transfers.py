@@ -1,0 +1,215 @@
+"""A step's transfers on the pipeline's process group, issued round by round.
+
+:class:`Transfers` follows this rank's :class:`~torchgpipe.distributed.plan.RankPlan`
+on the thread that runs the rank's actions (the only thread that issues on the group):
+before the action of step ``t`` it issues every round of the steps before ``t``, each
+as one group of the round's sends (the bytes the rank's actions left with :meth:`hold`)
+and receives (sized by the metadata that came ahead on the side channel). A round is
+built whole before it is issued, and only then taken off the books: a failure while
+building it (a peer that goes silent, memory) leaves it as it was, for the drain.
+
+After the step's end (``exchange.py``), :meth:`drain` issues the remaining rounds with
+the transfers whose metadata went out (sends) or came in (receives) and no others:
+both ranks of a pair then issue the same operations, so the group is left clean for
+the next step. Transfers with a peer that was lost are left out: on NCCL they would
+never finish (after losing a process, rebuild the process group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.distributed.plan import Key, Message, RankPlan
+from torchgpipe.distributed.transport import (
+    Pending,
+    Transfer,
+    Transport,
+    TransportError,
+    packed_size,
+)
+from torchgpipe.mailbox import Stopped
+
+__all__ = ["Transfers"]
+
+
+class Transfers:
+    """This rank's transfers of one step; see the module's documentation.
+
+    Args:
+        transport: issues the groups.
+        metadata: ``metadata(message, draining)``: the metadata frame of an incoming
+            message, waiting for it (without taking it); None if its sender went
+            silent without it (raises :class:`Stopped` then, unless draining).
+        consume: takes a frame that a round used off the side channel's books.
+        lose: reports a peer that cannot be reached (the step halts).
+        lost: whether a peer was lost.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        metadata: Callable[[Message, bool], Any],
+        consume: Callable[[Key], None],
+        lose: Callable[[TransportError], None],
+        lost: Callable[[int], bool],
+    ) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self._metadata = metadata
+        self._consume = consume
+        self._lose = lose
+        self._lost = lost
+        self.plan: RankPlan | None = None
+        self._round = 0  # the plan's next round to issue
+        self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
+        # A message received: its frame, its bytes, their transfer, the sender.
+        self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None, int]] = {}
+        self._sending: list[tuple[int, Pending]] = []  # sends issued, with their peer
+
+    def follow(self, plan: RankPlan) -> None:
+        """Issue this step's transfers by ``plan``."""
+        self.plan = plan
+
+    def expects(self, key: Key) -> bool:
+        """Whether the plan receives the message ``key`` (in its wire form)."""
+        return self.plan is not None and key in self.plan.receives
+
+    def hold(self, key: Key, buffer: Tensor | None) -> None:
+        """Keep the bytes of message ``key``, whose metadata went out, for its round."""
+        self._outbox[key] = buffer
+
+    def issue_before(self, position: int) -> None:
+        """Issue the rounds of the steps before that of this rank's action ``position``.
+
+        Raises:
+            Stopped: the step halted, or a peer cannot be reached.
+        """
+        plan = self.plan
+        if plan is None:
+            return
+        step = plan.steps[position]
+        while self._round < len(plan.rounds) and plan.rounds[self._round][0] < step:
+            self._issue(plan.rounds[self._round][1], draining=False)
+
+    def receive(self, key: Key) -> tuple[Any, Tensor | None] | None:
+        """The metadata frame and the bytes of message ``key``; None if not planned.
+
+        Raises:
+            Stopped: its sender cannot be reached.
+        """
+        entry = self._incoming.pop(key, None)
+        if entry is None:
+            return None
+        frame, buffer, pending, _ = entry
+        if pending is not None:
+            try:
+                pending.wait()
+            except TransportError as error:
+                self._lose(error)
+                raise Stopped from error
+        return frame, buffer
+
+    def drain(self) -> None:
+        """Issue the remaining rounds; wait for every transfer; forget the step."""
+        plan = self.plan
+        if plan is not None:
+            while self._round < len(plan.rounds):
+                with suppress(Stopped):  # a peer was lost as it issued: its round is spent
+                    self._issue(plan.rounds[self._round][1], draining=True)
+        works, self._sending = self._sending, []
+        # Receives never taken (the step stopped): a work is waited for only once.
+        works += [(peer, work) for _, _, work, peer in self._incoming.values() if work]
+        self._incoming.clear()
+        self._outbox.clear()
+        self.plan, self._round = None, 0
+        for peer, work in works:
+            if self._lost(peer):
+                continue
+            try:
+                work.wait()
+            except TransportError as error:
+                self._lose(error)
+        if self.transport.wire.type == "cuda":
+            # The buffers go back to the allocator: the sends must have read them.
+            torch.cuda.current_stream(self.transport.wire).synchronize()
+
+    def _issue(self, messages: tuple[Message, ...], *, draining: bool) -> None:
+        """Build one round's group, issue it, then take it off the books.
+
+        Draining, a message whose metadata never went out or came in is left out on
+        both sides of its pair, and so is one with a lost peer.
+        """
+        me = self.rank
+        frames = {m.key: self._metadata(m, draining) for m in messages if m.dst == me}
+        transfers: list[Transfer] = []
+        sent: list[Key] = []
+        received: list[tuple[Message, Any, Tensor | None, int | None]] = []
+        for message in messages:
+            peer = message.dst if message.src == me else message.src
+            if draining and self._lost(peer):
+                continue
+            if message.src == me:
+                if message.key not in self._outbox:
+                    if draining:  # the action never ran, or its metadata never went out
+                        continue
+                    raise RuntimeError(
+                        f"torchgpipe: rank {me} has nothing to send for {message.key} "
+                        f"(a bug in the step's plan)"
+                    )
+                buffer = self._outbox[message.key]
+                sent.append(message.key)
+                if buffer is not None:
+                    transfers.append(Transfer("send", peer, buffer))
+                continue
+            frame = frames[message.key]
+            if frame is None:  # draining: it never came
+                continue
+            size = packed_size(frame[2])
+            slot = None
+            buffer = None
+            if size:
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.transport.wire)
+                slot = len(transfers)
+                transfers.append(Transfer("recv", peer, buffer))
+            received.append((message, frame, buffer, slot))
+        pending: list[Pending] = []
+        failure: TransportError | None = None
+        if transfers:
+            try:
+                pending = self.transport.issue(transfers)
+            except TransportError as error:  # some may have started: the round is spent
+                failure = error
+        self._round += 1
+        for key in sent:
+            del self._outbox[key]
+        for message, frame, buffer, slot in received:
+            self._consume(message.key)
+            work: Pending | None = None
+            if failure is not None:
+                work = _Failed(failure)
+            elif slot is not None:
+                work = pending[slot]
+            self._incoming[message.key] = (frame, buffer, work, message.src)
+        if failure is not None:
+            self._lose(failure)
+            raise Stopped from failure
+        self._sending += [
+            (t.peer, work) for t, work in zip(transfers, pending, strict=True) if t.kind == "send"
+        ]
+
+
+class _Failed:
+    """A receive of a round whose issue failed: waiting for it raises that failure."""
+
+    def __init__(self, error: TransportError) -> None:
+        self._error = error
+
+    def wait(self) -> None:
+        """Raise the failure."""
+        raise self._error
