@@ -8,6 +8,11 @@ other before their receive wait on each other forever, unless the four operation
 issued as one group (``batch_isend_irecv``), which NCCL runs together. Operations issued
 from several threads of one process come in an order left to chance.
 
+The model: each process runs its groups (a lone operation is a group of one) one after
+another; an operation finishes once the peer has reached the group that holds its
+match (that group started, or already finished); a group finishes when all its
+operations have, and only then does the process start its next one.
+
 :class:`NCCLRules` records what each process issues (``issue``, or ``group`` for a
 ``batch_isend_irecv``) and says what NCCL would do with it:
 
@@ -127,7 +132,7 @@ class NCCLRules:
                 for r in range(self.world)
                 if heads[r] < len(self._units[r])
                 and all(
-                    heads[unit_of[partner[op]][0]] == unit_of[partner[op]][1]
+                    heads[unit_of[partner[op]][0]] >= unit_of[partner[op]][1]
                     for op in self._units[r][heads[r]]
                 )
             ]

@@ -130,6 +130,7 @@ def _stages(world: int, balance: list[int], **options: Any) -> list[PipelineStag
         ({"chunks": 2.0}, TypeError, "chunks must be an int"),
         ({"checkpoint": "sometimes"}, ValueError, "unknown checkpoint mode 'sometimes'"),
         ({"deferred_batch_norm": 1}, TypeError, "deferred_batch_norm must be a bool"),
+        ({"static_shapes": "yes"}, TypeError, "static_shapes must be a bool"),
     ],
 )
 def test_stage_rejects_bad_arguments_before_talking_to_peers(

@@ -85,3 +85,16 @@ def test_a_second_issuing_thread_is_refused_at_once() -> None:
     assert len(raised) == 1
     assert isinstance(raised[0], Violation)
     assert "from two threads" in str(raised[0])
+
+
+def test_a_group_with_two_peers_finishes_after_one_of_them_moved_on() -> None:
+    # Rank 1 receives from rank 0 and sends to rank 2 in one group. Rank 0's send
+    # finishes as soon as that group starts, and rank 0 goes on to its next operation
+    # while rank 1's group still waits for rank 2: the group must still finish.
+    rules = NCCLRules(3)
+    rules.issue(0, 1, "send", 8)
+    rules.issue(0, 2, "recv", 4)
+    rules.group(1, [(0, "recv", 8), (2, "send", 4)])
+    rules.issue(2, 0, "send", 4)
+    rules.issue(2, 1, "recv", 4)
+    rules.check()

@@ -370,9 +370,14 @@ def test_a_round_that_cannot_be_built_is_left_whole_for_the_drain() -> None:
         return frames[message.key]
 
     transfers = Transfers(
-        t1, metadata=metadata, consume=consumed.append, lose=print, lost=lambda peer: False
+        t1,
+        metadata=metadata,
+        arrived=lambda message: False,
+        consume=consumed.append,
+        lose=print,
+        lost=lambda peer: False,
     )
-    transfers.follow(RankPlan(steps=(1,), rounds=((0, messages),), receives=frozenset()))
+    transfers.follow(RankPlan(starts=(1.0,), rounds=((0.0, messages),), receives=frozenset()))
     with pytest.raises(Stopped):
         transfers.issue_before(0)
     assert consumed == []
@@ -382,4 +387,107 @@ def test_a_round_that_cannot_be_built_is_left_whole_for_the_drain() -> None:
     assert got == [None, None]
     transfers.drain()
     assert consumed == [("F", 1, 0), ("S", 0, 0)]
+    rules.check()
+
+
+def _counting(transport: Transport, counts: list[int]) -> Transport:
+    """``transport``, counting the metadata it sends on the side channel."""
+    send = transport.send
+
+    def counted(peer: int, header: Any, tensors: Any) -> None:
+        if header[0] == "metadata":
+            counts.append(transport.rank)
+        send(peer, header, tensors)
+
+    transport.send = counted  # type: ignore[method-assign]
+    return transport
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_static_shapes_send_no_metadata_once_the_input_repeats(schedule: str) -> None:
+    rules = NCCLRules(2)
+    models = [skip_net() for _ in range(2)]
+    first, second = BATCHES
+    batches = [first, first, second, second, first]  # a new input shape, then the old
+    counts: list[list[int]] = [[] for _ in batches]
+
+    def rank(transport: Transport) -> Any:
+        seen: list[int] = []
+        stage = PipelineStage(
+            models[transport.rank],
+            _balance(2, schedule, 8),
+            transport=_counting(transport, seen),
+            chunks=4,
+            static_shapes=True,
+        )
+        driver = SCHEDULES[schedule](stage, _mse)
+        out = []
+        for k, (x, y) in enumerate(batches):
+            stage.zero_grad()
+            before = len(seen)
+            result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+            counts[k] += seen[before:]
+            grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+            out.append((result.loss, result.output, grads))
+        return out, stage.state_dict()
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    _check_against_plain(results, skip_net, batches)
+    sent = [len(c) for c in counts]
+    assert sent[0] > 0  # the first step sends metadata
+    assert sent[2] == sent[0]  # and so does the first with a new input shape
+    assert sent[1] == sent[3] == 0  # the repeats send none
+    assert sent[4] == sent[0]  # the last step saw another input, so it sends again
+    rules.check()
+
+
+def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matched() -> None:
+    # The second step's stage 0 output is one feature wider at the same input shape.
+    rules = NCCLRules(2)
+
+    class Widen(nn.Module):
+        step = 0
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.cat([x, x[:, :1]], dim=1) if Widen.step == 1 else x
+
+    class Narrow(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x[:, :8]
+
+    def build() -> nn.Sequential:
+        layers = list(mlp())
+        return nn.Sequential(*layers[:3], Widen(), Narrow(), *layers[3:])
+
+    models = [build() for _ in range(2)]
+    x, y = _batch(1, 4, 4), _batch(2, 4, 4)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(
+            models[transport.rank], [4, 6], transport=transport, chunks=4, static_shapes=True
+        )
+        driver = Schedule1F1B(stage, _mse)
+        outcomes: list[Any] = []
+        for k in range(3):
+            if stage.is_first:
+                Widen.step = k  # stage 0 alone runs it
+            try:
+                result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+                outcomes.append(float(result.loss))
+            except BaseException as error:
+                outcomes.append(error)
+        return outcomes
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    error = results[0][1]
+    assert isinstance(error, ValueError)
+    assert "static_shapes=True, but the value under ('F', 1, 0)" in str(error)
+    assert "tensors [1, 8] float32 then, [1, 9] float32 now" in str(error)
+    assert isinstance(results[1][1], RemoteError)
+    Widen.step = 0
+    with torch.no_grad():
+        expected = float(_mse(build()(x), y))
+    for outcomes in results:
+        assert outcomes[0] == pytest.approx(expected, rel=1e-6)
+        assert outcomes[2] == pytest.approx(expected, rel=1e-6)  # then a step that works
     rules.check()

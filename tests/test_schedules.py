@@ -10,6 +10,7 @@ from torchgpipe.schedules import (
     interleaved_one_f_one_b,
     one_f_one_b,
     simulate,
+    timeline,
     zero_bubble_h1,
 )
 
@@ -136,6 +137,17 @@ def test_public_names() -> None:
             "interleaved_one_f_one_b",
             "one_f_one_b",
             "simulate",
+            "timeline",
             "zero_bubble_h1",
         ]
     )
+
+
+def test_timeline_plays_a_part_of_the_table_with_given_costs() -> None:
+    table = one_f_one_b(2, 3)
+    start, end = timeline(table, lambda a: {"F": 1.0, "B": 2.0}[a.kind])
+    assert (start[Action(1, "F", 0)], end[Action(1, "B", 0)]) == (1.0, 4.0)
+    assert start[Action(0, "B", 0)] == 4.0  # after the gradient of 1B0
+    forward_start, forward_end = timeline(table, lambda a: 1.0, kinds="F")
+    assert set(forward_start) == {a for rank in table.ranks for a in rank if a.kind == "F"}
+    assert max(forward_end.values()) == 4.0  # m + n - 1 ticks

@@ -218,7 +218,9 @@ def test_schedules_benchmark_quick_measures_every_schedule_and_the_reference(tmp
     names = {row["schedule"] for row in rows}
     assert names == {
         "GPipe",
+        "GPipe static",
         "1F1B",
+        "1F1B static",
         "interleaved-1F1B",
         "ZB-H1",
         "torch ScheduleGPipe",
@@ -247,7 +249,9 @@ def test_distributed_benchmark_quick_measures_every_schedule_and_the_reference(t
     rows = json.loads(out_file.read_text())["rows"]
     assert {row["schedule"] for row in rows} == {
         "GPipe",
+        "GPipe static",
         "1F1B",
+        "1F1B static",
         "interleaved-1F1B",
         "ZB-H1",
         "torch ScheduleGPipe",

@@ -2,7 +2,8 @@
 
 One process per rank, gloo on loopback, one thread each. In the same processes, on
 the same layers, every rank builds our four schedules (``torchgpipe.distributed``:
-GPipe, 1F1B, ZB-H1, interleaved 1F1B) and torch's ``ScheduleGPipe`` and
+GPipe, 1F1B, ZB-H1, interleaved 1F1B; GPipe and 1F1B also with ``static_shapes=True``,
+torch's own assumption, which sends no metadata) and torch's ``ScheduleGPipe`` and
 ``Schedule1F1B`` (``torch.distributed.pipelining``), warms each up with one step, then
 runs rounds: in each round every schedule steps once, in turn (ours, torch's, ours,
 torch's...), each step between two barriers, timed on rank 0. So the machine's swings
@@ -65,12 +66,14 @@ from reference import FEATURES, SleepLayer, mse  # benchmarks/schedules/referenc
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
-# name: (stages per process, schedule class, torch's counterpart)
-OURS: dict[str, tuple[int, type[PipelineSchedule], str]] = {
-    "GPipe": (1, ScheduleGPipe, "torch ScheduleGPipe"),
-    "1F1B": (1, Schedule1F1B, "torch Schedule1F1B"),
-    "ZB-H1": (1, ScheduleZeroBubble, "torch Schedule1F1B"),
-    "interleaved-1F1B": (2, ScheduleInterleaved1F1B, "torch Schedule1F1B"),
+# name: (stages per process, schedule class, torch's counterpart, static shapes)
+OURS: dict[str, tuple[int, type[PipelineSchedule], str, bool]] = {
+    "GPipe": (1, ScheduleGPipe, "torch ScheduleGPipe", False),
+    "GPipe static": (1, ScheduleGPipe, "torch ScheduleGPipe", True),
+    "1F1B": (1, Schedule1F1B, "torch Schedule1F1B", False),
+    "1F1B static": (1, Schedule1F1B, "torch Schedule1F1B", True),
+    "ZB-H1": (1, ScheduleZeroBubble, "torch Schedule1F1B", False),
+    "interleaved-1F1B": (2, ScheduleInterleaved1F1B, "torch Schedule1F1B", False),
 }
 TORCH = {
     "torch ScheduleGPipe": pipelining.ScheduleGPipe,
@@ -119,11 +122,11 @@ def batch(workload: str, m: int) -> tuple[Tensor, Tensor]:
 
 
 def _ours(workload: str, n: int, m: int, f: float, name: str) -> tuple[Callable[[], None], Any]:
-    v, factory, _ = OURS[name]
+    v, factory, _, static = OURS[name]
     stages = n * v
     layers = model(workload, stages, f / v)
     balance = [len(layers) // stages] * stages
-    stage = PipelineStage(layers, balance, chunks=m, checkpoint="never")
+    stage = PipelineStage(layers, balance, chunks=m, checkpoint="never", static_shapes=static)
     schedule = factory(stage, mse)
     x, target = batch(workload, m)
 
@@ -168,7 +171,7 @@ def _rows(rank: int, n: int, workload: str, m: int, f: float, rounds: int) -> li
     """Every schedule, ours and torch's, over ``rounds`` interleaved rounds."""
     steps: dict[str, Callable[[], None]] = {}
     spans: dict[str, float] = {}
-    for name, (v, _, reference) in OURS.items():
+    for name, (v, _, reference, _) in OURS.items():
         if v > 1 and m % n:
             continue  # interleaving sends micro-batches in groups of n
         if workload == "compute" and BLOCKS % (n * v):

@@ -38,6 +38,7 @@ __all__ = [
     "interleaved_one_f_one_b",
     "one_f_one_b",
     "simulate",
+    "timeline",
     "zero_bubble_h1",
 ]
 
@@ -283,26 +284,7 @@ def simulate(
     """
     schedule.validate()
     cost: Callable[[Action], float] = costs if callable(costs) else (lambda a: float(costs[a.kind]))
-    end: dict[Action, float] = {}
-    start: dict[Action, float] = {}
-    free = [0.0] * len(schedule.ranks)
-    position = [0] * len(schedule.ranks)
-    remaining = sum(len(rank) for rank in schedule.ranks)
-    while remaining:
-        progressed = False
-        for r, rank in enumerate(schedule.ranks):
-            while position[r] < len(rank):
-                action = rank[position[r]]
-                needs = action.needs(schedule.stages)
-                if any(d not in end for d in needs):
-                    break
-                begin = max([free[r], *(end[d] for d in needs)])
-                start[action], end[action] = begin, begin + cost(action)
-                free[r] = end[action]
-                position[r] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, "validate() found no deadlock"
+    start, end = timeline(schedule, cost)
     makespan = max(end.values())
     busy = tuple(sum(end[a] - start[a] for a in rank) for rank in schedule.ranks)
     bubble = 1 - sum(busy) / (len(schedule.ranks) * makespan) if makespan > 0 else 0.0
@@ -319,6 +301,40 @@ def simulate(
             peak = max(peak, count)
         holding.append(peak)
     return Simulation(makespan, bubble, busy, tuple(holding), start)
+
+
+def timeline(
+    schedule: Schedule, cost: Callable[[Action], float], kinds: str = "FBW"
+) -> tuple[dict[Action, float], dict[Action, float]]:
+    """When each action of ``kinds`` starts and ends, each taking ``cost(action)``.
+
+    Each action starts when its rank is free and its dependencies are done;
+    communication is free. For a valid schedule (:meth:`Schedule.validate`); with
+    ``kinds="F"``, the forward alone.
+    """
+    ranks = [tuple(a for a in rank if a.kind in kinds) for rank in schedule.ranks]
+    end: dict[Action, float] = {}
+    start: dict[Action, float] = {}
+    free = [0.0] * len(ranks)
+    position = [0] * len(ranks)
+    remaining = sum(len(rank) for rank in ranks)
+    while remaining:
+        progressed = False
+        for r, rank in enumerate(ranks):
+            while position[r] < len(rank):
+                action = rank[position[r]]
+                needs = action.needs(schedule.stages)
+                if any(d not in end for d in needs):
+                    break
+                begin = max([free[r], *(end[d] for d in needs)])
+                start[action], end[action] = begin, begin + cost(action)
+                free[r] = end[action]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(f"the schedule cannot finish:\n{schedule.grid()}")
+    return start, end
 
 
 def gpipe(n: int, m: int) -> Schedule:

@@ -21,9 +21,10 @@ step fail: the rank that raised re-raises its exception, the others a
 :class:`RemoteError` naming it.
 """
 
+from torchgpipe.distributed.data_parallel import all_reduce_gradients
 from torchgpipe.distributed.exchange import RemoteError
 from torchgpipe.distributed.local import LocalTransport
-from torchgpipe.distributed.stage import PipelineStage, all_reduce_gradients
+from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.distributed.transport import (
     ProcessGroupTransport,
     Transport,

@@ -10,8 +10,8 @@ mailbox; any other goes to the rank that runs it, in two parts:
   (a value that a process cannot unpickle fails the action that takes it, not the
   transfers);
 - its **tensors**, as one flat buffer, in the round of the step's plan (``plan.py``)
-  where the action that made it ran: before its next action, the rank's own thread
-  issues every round of earlier steps as one group of sends and receives, each receive
+  where the action that made it sent it: before its next action, the rank's own thread
+  issues every round due by then, each as one group of sends and receives, each receive
   sized by the metadata that came ahead (``transfers.py``). So the transfers on the
   pipeline's process group come from one thread per process, in the same order on
   both ranks of a pair.
@@ -154,9 +154,11 @@ class Exchange(Mailbox):
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
         self._silent: set[int] = set()
+        self.signature: bytes | None = None  # the layout of the step's input (rank 0's)
         self.transfers = Transfers(
             transport,
             metadata=self._peek_metadata,
+            arrived=lambda message: message.key in self._metadata,
             consume=self._consume_metadata,
             lose=lambda error: self._lose(error.peer, _unreachable(error)),
             lost=lambda peer: peer in self.lost,
@@ -166,9 +168,13 @@ class Exchange(Mailbox):
 
     # Messages
 
-    def follow(self, plan: RankPlan) -> None:
-        """Transfer the step's tensors by ``plan``; :meth:`begin` before each action."""
-        self.transfers.follow(plan)
+    def follow(self, plan: RankPlan, frames: dict[Key, Any] | None = None) -> None:
+        """Transfer the step's tensors by ``plan``; :meth:`begin` before each action.
+
+        ``frames``: the metadata of every message, the same as the last step's (static
+        shapes): none goes on the side channel (``transfers.py``).
+        """
+        self.transfers.follow(plan, frames)
 
     def begin(self, position: int) -> None:
         """Issue the transfers due before this rank's action ``position`` (``plan.py``)."""
@@ -244,9 +250,22 @@ class Exchange(Mailbox):
         wire_key = self._wire(key)
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
         body = pickle.dumps((spec, *_shell(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
+        frame = ("metadata", wire_key, layout, body)
+        static = self.transfers.static
+        if static is not None:
+            if frame != static[wire_key]:
+                self.transfers.hold(wire_key, static[wire_key], self.transfers.zeros(wire_key))
+                raise ValueError(
+                    f"static_shapes=True, but the value under {key} is not laid out as in "
+                    f"the last step with this input ({_layout_change(static[wire_key], frame)});"
+                    f" build the PipelineStage with static_shapes=False for values whose "
+                    f"shapes vary at a given input shape"
+                )
+            self.transfers.hold(wire_key, frame, pack(tensors, self.transport.wire))
+            return
         buffer = pack(tensors, self.transport.wire)
-        self._side(peer, ("metadata", wire_key, layout, body), [])
-        self.transfers.hold(wire_key, buffer)  # only once its metadata went out
+        self._side(peer, frame, [])
+        self.transfers.hold(wire_key, frame, buffer)  # only once its metadata went out
 
     def _side(self, peer: int, header: Any, tensors: list[Tensor]) -> None:
         try:
@@ -413,6 +432,19 @@ def _filled(spec: Any, leaves: list[Any], slots: list[int], wants: list[bool], t
     for slot, tensor, grad in zip(slots, tensors, wants, strict=True):
         leaves[slot] = tensor.requires_grad_(True) if grad else tensor
     return unflatten(leaves, spec)
+
+
+def _layout_change(before: Any, now: Any) -> str:
+    """What differs between two frames of one message, in words."""
+    if before[2] != now[2]:
+        return f"tensors {_shapes(before[2])} then, {_shapes(now[2])} now"
+    return "its structure or non-tensor values changed"
+
+
+def _shapes(layout: list[tuple[tuple[int, ...], Any]]) -> str:
+    return ", ".join(
+        f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in layout
+    )
 
 
 def _unreachable(error: TransportError) -> str:

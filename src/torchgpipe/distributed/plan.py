@@ -8,24 +8,30 @@ threads issuing on one communicator leave the order to chance. So each process i
 its transfers from one thread (the one that runs its actions), in an order that both
 ranks of every pair compute from the same data, the table:
 
-1. A dry run of the table (:meth:`Schedule.dry_run`) gives each action a step: every
-   rank runs its next action at the first step where all it needs ran at earlier ones.
-2. The messages that the actions of step ``t`` send to other processes make round
-   ``t``. A rank's part of a round is one group (``batch_isend_irecv``): the sends of
-   its own action of step ``t`` and the receives of what the others sent at step ``t``.
-3. A rank issues its rounds in order, and all those of steps before ``t`` before it
-   runs its action of step ``t``::
+1. The table is played on paper (:func:`~torchgpipe.schedules.timeline`) with a
+   forward costing 1, a backward 2 (1 each for the ``B`` and ``W`` of a split one):
+   each action gets a start and an end time.
+2. A message is sent at the end of the action that makes it; the messages sent at
+   time ``τ`` make round ``τ`` (two rounds when forwards and backwards end together:
+   the forwards' first, since a forward is the shorter and ends first in a real run).
+   A rank's part of a round is one group (``batch_isend_irecv``): its sends at ``τ``
+   and its receives of what others sent at ``τ``, exchanged together.
+3. A rank issues its rounds in order of time, and all those up to ``τ`` before it runs
+   an action that starts at ``τ``::
 
-       step        0         1             2
-       rank 0     0F0       0F1           0B0
-       rank 1      .        1F0           1B0
-       round 0: rank 0 -> rank 1 (F, 1, 0)
-       round 1: rank 0 -> rank 1 (F, 1, 1)
-       round 2: rank 1 -> rank 0 (G, 0, 0)
+       time        0    1    2    3    4    5
+       rank 0     0F0  0F1   .    .   0B0  0B0
+       rank 1      .   1F0  1B0  1B0  1F1 ...
+       round 1: rank 0 -> rank 1 (F, 1, 0)     round 2: rank 0 -> rank 1 (F, 1, 1)
+       round 4: rank 1 -> rank 0 (G, 0, 0)
 
-Why it cannot hang: take the first round ``t`` not finished. Its actions (step ``t``)
-needed only messages of earlier rounds, which finished, so every rank of the round
-reaches it, and the round is every one of its ranks' next group: NCCL runs it.
+Why it cannot hang: take the first round ``τ`` not finished. The actions that ended at
+``τ`` started before it and needed only messages of earlier rounds, which finished; so
+did every action that starts before ``τ`` on the round's ranks. So each of them
+reaches the round, which is its next group: NCCL runs it. The costs only decide how
+close the order comes to the one the run takes: a backward that ends after a forward
+that started with it sends later, and a rank does not wait for its gradient to send
+the activation it made first (as a round per step of the table's dry run would).
 
 The metadata of a message (its key, the structure of the value, shapes and dtypes) goes
 ahead on the CPU side channel as soon as the action produces it (``exchange.py``); the
@@ -34,11 +40,12 @@ receiver needs it to size its buffers before it issues the round.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from torchgpipe.schedules import Action, Schedule
+from torchgpipe.schedules import Action, Schedule, timeline
 
 __all__ = ["Message", "RankPlan", "plan"]
 
@@ -64,14 +71,16 @@ class RankPlan:
     """What one rank issues in a step, and when.
 
     Attributes:
-        steps: the dry run's step of each of the rank's actions that the step runs.
-        rounds: ``(step, messages)`` for each round the rank takes part in, in order;
-            the messages it sends and receives in it, in the order both ranks issue them.
+        starts: the time on paper at which each of the rank's actions (of those the step
+            runs) starts.
+        rounds: ``(time, messages)`` for each round the rank takes part in, in order of
+            time; the messages it sends and receives in it, in the order both ranks
+            issue them.
         receives: the keys of every message the rank receives in the step.
     """
 
-    steps: tuple[int, ...]
-    rounds: tuple[tuple[int, tuple[Message, ...]], ...]
+    starts: tuple[float, ...]
+    rounds: tuple[tuple[float, tuple[Message, ...]], ...]
     receives: frozenset[Key]
 
 
@@ -85,27 +94,33 @@ def plan(
     cross stages); ``kinds="F"`` for a forward-only step.
 
     Raises:
-        ScheduleError: the table's dry run stalls.
+        ScheduleError: the table cannot finish.
     """
     placement = table.placement
-    steps: list[int] = []
-    rounds: list[tuple[int, tuple[Message, ...]]] = []
+    start, end = timeline(table, _cost(table.splits_backward), kinds)
+    mine = [a for a in table.ranks[rank] if a.kind in kinds]
+    # Every action, by the time it sends, then by rank and place in its rank's order.
+    order = {a: (r, k) for r, actions in enumerate(table.ranks) for k, a in enumerate(actions)}
+    # A round per time and direction: at a tie, what forwards go before gradients.
+    rounds: dict[tuple[float, int], list[Message]] = {}
     receives: set[Key] = set()
-    for t, row in enumerate(table.dry_run(kinds)):
-        mine: list[Message] = []
-        for action in row:  # rank order: the same on every rank
-            if action is None:
-                continue
-            if placement[action.stage] == rank:
-                steps.append(t)
-            for message in _sent_by(action, table.stages, routes, placement):
-                if rank in (message.src, message.dst):
-                    mine.append(message)
-                if message.dst == rank:
-                    receives.add(message.key)
-        if mine:
-            rounds.append((t, tuple(mine)))
-    return RankPlan(tuple(steps), tuple(rounds), frozenset(receives))
+    for action in sorted(end, key=lambda a: (end[a], a.kind != "F", order[a])):
+        for message in _sent_by(action, table.stages, routes, placement):
+            if rank in (message.src, message.dst):
+                rounds.setdefault((end[action], action.kind != "F"), []).append(message)
+            if message.dst == rank:
+                receives.add(message.key)
+    return RankPlan(
+        starts=tuple(start[a] for a in mine),
+        rounds=tuple((time, tuple(messages)) for (time, _), messages in sorted(rounds.items())),
+        receives=frozenset(receives),
+    )
+
+
+def _cost(split: bool) -> Callable[[Action], float]:
+    """The paper costs: a forward 1, a backward 2, or 1 each for a split one's B and W."""
+    costs = {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+    return lambda action: costs[action.kind]
 
 
 def _sent_by(

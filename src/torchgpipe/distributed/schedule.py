@@ -14,6 +14,7 @@ rank::
 
 from __future__ import annotations
 
+import pickle
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import lru_cache
@@ -27,7 +28,7 @@ from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
-from torchgpipe.microbatch import gather, scatter
+from torchgpipe.microbatch import flatten, gather, scatter
 from torchgpipe.schedules import (
     Action,
     Schedule,
@@ -125,13 +126,17 @@ def _run(
         },
         [torch.stack(losses).cpu()] if losses else [],
     )
+    remote = exchange.remote_failure()
+    # Static shapes: what a step that ended well sent and received, for the next ones.
+    signature = exchange.signature
+    ended_well = failure is None and remote is None and signature is not None
+    stage.shapes = (signature, exchange.transfers.seen) if ended_well and signature else None
     if failure is not None:
         raised, action = failure
         if action is not None:
             place = f"stage {action.stage} on rank {stage.rank}, {stage.device}"
             add_note(raised, where(action, place, m or 0))
         raise raised
-    remote = exchange.remote_failure()
     if remote is not None:
         raise remote
     assert step is not None  # no failure: the step ran
@@ -154,7 +159,6 @@ def _start(
     transfers, so that it issues its share of them even if it then fails.
     """
     batches: list[Any] = []
-    kinds = "F" if forward_only else "FBW"
     if stage.is_first:
         if input is None:
             raise ValueError(
@@ -164,9 +168,13 @@ def _start(
         batches = scatter(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.table(m)
-        exchange.follow(_plan(stage, table, kinds))
+        signature = _signature(table, forward_only, batches)
+        static = stage.static_shapes and stage.shapes is not None
+        static = static and stage.shapes is not None and stage.shapes[0] == signature
+        start = (m, sizes, table.text(), forward_only, signature, static)
+        _follow(stage, exchange, start)
         for peer in exchange.peers:
-            exchange.send(peer, ("start",), (m, sizes, table.text(), forward_only))
+            exchange.send(peer, ("start",), start)
     else:
         try:
             start = exchange.take(("start",))
@@ -177,7 +185,7 @@ def _start(
             if start is not None:
                 _follow(stage, exchange, start)
             raise
-        m, sizes, text, first_forward_only = start
+        m, sizes, text, first_forward_only, _, _ = start
         _follow(stage, exchange, start)
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
@@ -210,10 +218,29 @@ def _start(
 
 
 def _follow(stage: PipelineStage, exchange: Exchange, start: tuple[Any, ...]) -> None:
-    """Follow the plan of the table that rank 0 started (its text in ``start``)."""
-    _, _, text, forward_only = start
+    """Follow the plan of the table that rank 0 started (as ``start`` says)."""
+    _, _, text, forward_only, signature, static = start
     table = _parsed(text, len(stage.balance))
-    exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"))
+    frames = None
+    if static:  # rank 0 saw the last step end well, on an input laid out as this one
+        if stage.shapes is None or stage.shapes[0] != signature:
+            raise RuntimeError(  # pragma: no cover - every rank sees a step end alike
+                f"rank {stage.rank} did not see the last step end as rank 0 did"
+            )
+        frames = stage.shapes[1]
+    exchange.signature = signature
+    exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"), frames)
+
+
+def _signature(table: Schedule, forward_only: bool, batches: list[Any]) -> bytes:
+    """What decides the layout of every message, given static shapes: the step's input."""
+    layout = []
+    for batch in batches:
+        leaves, spec = flatten(batch)
+        layout.append(
+            (spec, [(tuple(x.shape), x.dtype) if isinstance(x, Tensor) else x for x in leaves])
+        )
+    return pickle.dumps((table.text(), forward_only, layout))
 
 
 @lru_cache(maxsize=64)

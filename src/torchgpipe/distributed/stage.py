@@ -15,9 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
@@ -48,7 +47,7 @@ from torchgpipe.stream import PartitionStreams
 from torchgpipe.trace import Trace
 from torchgpipe.worker import WorkerPool
 
-__all__ = ["PipelineStage", "all_reduce_gradients"]
+__all__ = ["PipelineStage"]
 
 
 class PipelineStage(nn.Module, StageHolder):
@@ -91,6 +90,13 @@ class PipelineStage(nn.Module, StageHolder):
             module's own ``reset_parameters()`` (:mod:`torchgpipe.materialize`).
         state_dict: for a model built on the meta device, the plain model's state dict
             (or the part of it with this process's layers) to fill them from instead.
+        static_shapes: whether the values between stages are laid out the same (shapes,
+            dtypes, structure, non-tensor values) at every step whose input is laid out
+            the same, as ``torch.distributed.pipelining`` assumes. Then, after the first
+            such step, no metadata travels and receives are posted without waiting: a
+            faster step. A value that changes anyway fails its step with an error that
+            says so (the transfers stay matched). Default False: each step sends each
+            value's metadata ahead, so anything may change.
 
     Raises:
         TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``, or a
@@ -114,6 +120,7 @@ class PipelineStage(nn.Module, StageHolder):
         transport: Transport | None = None,
         init: Init | None = None,
         state_dict: Mapping[str, Tensor] | None = None,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -130,6 +137,11 @@ class PipelineStage(nn.Module, StageHolder):
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
         self.deferred_batch_norm = deferred_batch_norm
+        if not isinstance(static_shapes, bool):
+            raise TypeError(f"static_shapes must be a bool, got {static_shapes!r}")
+        self.static_shapes = static_shapes
+        # The last step that ended well: its input's layout and every message's frame.
+        self.shapes: tuple[bytes, dict[Any, Any]] | None = None
         wanted = None if device is None else as_device(device)
         if transport is None:
             transport = ProcessGroupTransport(group, device=wanted)
@@ -416,6 +428,7 @@ def _fingerprint(module: nn.Sequential, stage: PipelineStage) -> dict[str, Any]:
         "chunks": stage.chunks,
         "checkpoint": stage.checkpoint,
         "deferred_batch_norm": stage.deferred_batch_norm,
+        "static_shapes": stage.static_shapes,
         "layers": layers,
     }
 
@@ -444,44 +457,3 @@ def _layer_difference(base: list[str], other: list[str], rank: int) -> str:
         return f"the model has {len(base)} layers on rank 0 but {len(other)} on rank {rank}"
     k = next(k for k, (a, b) in enumerate(zip(base, other, strict=True)) if a != b)
     return f"layer {k} is {base[k]} on rank 0 but {other[k]} on rank {rank}"
-
-
-def all_reduce_gradients(
-    module: nn.Module, group: Any, *, op: Literal["mean", "sum"] = "mean"
-) -> None:
-    """Average (or sum) ``module``'s gradients over a data-parallel ``group``.
-
-    For pipelines replicated over data-parallel groups: after each step, every replica
-    of a stage calls this with the group of its replicas, then steps its optimizer. A
-    parameter without a gradient counts as a zero gradient, so replicas that did not all
-    reach a parameter still agree. Gradients of one dtype and device travel together.
-
-    Raises:
-        ValueError: an unknown ``op``.
-        RuntimeError: ``torch.distributed`` is not initialized.
-    """
-    import torch.distributed as dist
-
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
-    params = [p for p in module.parameters() if p.requires_grad]
-    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        buckets.setdefault((p.dtype, p.device), []).append(p)
-    size = dist.get_world_size(group)
-    for bucket in buckets.values():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        if op == "mean":
-            flat /= size
-        offset = 0
-        for p, g in zip(bucket, grads, strict=True):
-            part: Tensor = flat[offset : offset + g.numel()].view_as(g)
-            offset += g.numel()
-            if p.grad is None:
-                p.grad = part.clone()
-            else:
-                p.grad.copy_(part)

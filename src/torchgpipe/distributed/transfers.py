@@ -2,7 +2,7 @@
 
 :class:`Transfers` follows this rank's :class:`~torchgpipe.distributed.plan.RankPlan`
 on the thread that runs the rank's actions (the only thread that issues on the group):
-before the action of step ``t`` it issues every round of the steps before ``t``, each
+before an action that starts at time ``τ`` on paper it issues every round up to ``τ``, each
 as one group of the round's sends (the bytes the rank's actions left with :meth:`hold`)
 and receives (sized by the metadata that came ahead on the side channel). A round is
 built whole before it is issued, and only then taken off the books: a failure while
@@ -13,6 +13,12 @@ the transfers whose metadata went out (sends) or came in (receives) and no other
 both ranks of a pair then issue the same operations, so the group is left clean for
 the next step. Transfers with a peer that was lost are left out: on NCCL they would
 never finish (after losing a process, rebuild the process group).
+
+With static shapes (``PipelineStage(static_shapes=True)``, and a step whose input is
+laid out as the last one's), the frames come from the last step (``follow(plan,
+frames)``): no metadata crosses, a receive is issued without waiting for anything, and
+every planned transfer takes place, a message that its action never made as zeros of
+its size, so that the two sides still match.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Transfers:
         metadata: ``metadata(message, draining)``: the metadata frame of an incoming
             message, waiting for it (without taking it); None if its sender went
             silent without it (raises :class:`Stopped` then, unless draining).
+        arrived: whether the metadata of an incoming message is there already.
         consume: takes a frame that a round used off the side channel's books.
         lose: reports a peer that cannot be reached (the step halts).
         lost: whether a peer was lost.
@@ -55,6 +62,7 @@ class Transfers:
         transport: Transport,
         *,
         metadata: Callable[[Message, bool], Any],
+        arrived: Callable[[Message], bool],
         consume: Callable[[Key], None],
         lose: Callable[[TransportError], None],
         lost: Callable[[int], bool],
@@ -62,30 +70,43 @@ class Transfers:
         self.transport = transport
         self.rank = transport.rank
         self._metadata = metadata
+        self._arrived = arrived
         self._consume = consume
         self._lose = lose
         self._lost = lost
         self.plan: RankPlan | None = None
+        self.static: dict[Key, Any] | None = None  # the frames of every message, if known
+        self.seen: dict[Key, Any] = {}  # the frames of this step's messages, both ways
         self._round = 0  # the plan's next round to issue
         self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
         # A message received: its frame, its bytes, their transfer, the sender.
         self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None, int]] = {}
         self._sending: list[tuple[int, Pending]] = []  # sends issued, with their peer
 
-    def follow(self, plan: RankPlan) -> None:
-        """Issue this step's transfers by ``plan``."""
+    def follow(self, plan: RankPlan, frames: dict[Key, Any] | None = None) -> None:
+        """Issue this step's transfers by ``plan``; with ``frames``, shapes are static."""
         self.plan = plan
+        self.static = frames
+        if frames is not None:
+            self.seen = frames
 
     def expects(self, key: Key) -> bool:
         """Whether the plan receives the message ``key`` (in its wire form)."""
         return self.plan is not None and key in self.plan.receives
 
-    def hold(self, key: Key, buffer: Tensor | None) -> None:
+    def hold(self, key: Key, frame: Any, buffer: Tensor | None) -> None:
         """Keep the bytes of message ``key``, whose metadata went out, for its round."""
         self._outbox[key] = buffer
+        self.seen[key] = frame
+
+    def zeros(self, key: Key) -> Tensor | None:
+        """Zeros of the size that message ``key`` has with static shapes."""
+        assert self.static is not None
+        size = packed_size(self.static[key][2])
+        return torch.zeros(size, dtype=torch.uint8, device=self.transport.wire) if size else None
 
     def issue_before(self, position: int) -> None:
-        """Issue the rounds of the steps before that of this rank's action ``position``.
+        """Issue the rounds up to the time this rank's action ``position`` starts.
 
         Raises:
             Stopped: the step halted, or a peer cannot be reached.
@@ -93,9 +114,14 @@ class Transfers:
         plan = self.plan
         if plan is None:
             return
-        step = plan.steps[position]
-        while self._round < len(plan.rounds) and plan.rounds[self._round][0] < step:
-            self._issue(plan.rounds[self._round][1], draining=False)
+        start = plan.starts[position]
+        rounds = plan.rounds
+        while self._round < len(rounds) and rounds[self._round][0] <= start:
+            self._issue(rounds[self._round][1], draining=False)
+        # Receives of later rounds whose sizes are known go out now: their bytes then
+        # flow as soon as their senders send, not when this rank comes to need them.
+        while self._round < len(rounds) and self._ready(rounds[self._round][1]):
+            self._issue(rounds[self._round][1], draining=False)
 
     def receive(self, key: Key) -> tuple[Any, Tensor | None] | None:
         """The metadata frame and the bytes of message ``key``; None if not planned.
@@ -139,6 +165,12 @@ class Transfers:
             # The buffers go back to the allocator: the sends must have read them.
             torch.cuda.current_stream(self.transport.wire).synchronize()
 
+    def _ready(self, messages: tuple[Message, ...]) -> bool:
+        """Whether a round only receives, and its sizes are known (issued without waiting)."""
+        if any(m.src == self.rank for m in messages):
+            return False
+        return self.static is not None or all(self._arrived(m) for m in messages)
+
     def _issue(self, messages: tuple[Message, ...], *, draining: bool) -> None:
         """Build one round's group, issue it, then take it off the books.
 
@@ -146,7 +178,12 @@ class Transfers:
         both sides of its pair, and so is one with a lost peer.
         """
         me = self.rank
-        frames = {m.key: self._metadata(m, draining) for m in messages if m.dst == me}
+        static = self.static
+        frames = {
+            m.key: static[m.key] if static is not None else self._metadata(m, draining)
+            for m in messages
+            if m.dst == me
+        }
         transfers: list[Transfer] = []
         sent: list[Key] = []
         received: list[tuple[Message, Any, Tensor | None, int | None]] = []
@@ -155,9 +192,11 @@ class Transfers:
             if draining and self._lost(peer):
                 continue
             if message.src == me:
-                if message.key not in self._outbox:
-                    if draining:  # the action never ran, or its metadata never went out
+                if message.key not in self._outbox and draining:
+                    if static is None:  # the action never ran, or its metadata never went out
                         continue
+                    self._outbox[message.key] = self.zeros(message.key)
+                if message.key not in self._outbox:
                     raise RuntimeError(
                         f"torchgpipe: rank {me} has nothing to send for {message.key} "
                         f"(a bug in the step's plan)"
@@ -189,7 +228,9 @@ class Transfers:
         for key in sent:
             del self._outbox[key]
         for message, frame, buffer, slot in received:
-            self._consume(message.key)
+            if static is None:
+                self._consume(message.key)
+                self.seen[message.key] = frame
             work: Pending | None = None
             if failure is not None:
                 work = _Failed(failure)
