@@ -456,7 +456,7 @@ def test_a_meta_model_traced_then_served_across_processes() -> None:
 
 
 def _recorded_rank(rank: int, world: int, schedule: str) -> list[tuple[str, list[Any]]]:
-    """One step, each group of point-to-point operations recorded as the transport issues it."""
+    """Steps, each group of point-to-point operations recorded as the transport issues it."""
     from torchgpipe.distributed import transport
 
     record: list[tuple[str, list[Any]]] = []
@@ -468,14 +468,19 @@ def _recorded_rank(rank: int, world: int, schedule: str) -> list[tuple[str, list
         return real(self, transfers)
 
     transport.ProcessGroupTransport.issue = recording  # type: ignore[method-assign]
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble}[schedule]
-    stage = PipelineStage(mlp(), [4] * world if world == 2 else [2] * world, chunks=4)
+    name, _, static = schedule.partition(" ")
+    factory = {**SCHEDULES, "interleaved": ScheduleInterleaved1F1B}[name]
+    stages = world * (2 if name == "interleaved" else 1)
+    stage = PipelineStage(
+        skip_net(), [8 // stages] * stages, chunks=4, static_shapes=static == "static"
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    kind(stage, _mse).step(x if stage.is_first else None, y if stage.is_last else None)
+    for _ in range(2):
+        _step(factory(stage, _mse), x, y)
     return record
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved", "1f1b static"])
 def test_a_step_issues_what_nccl_would_run(schedule: str) -> None:
     from nccl_rules import NCCLRules
 

@@ -154,7 +154,7 @@ class Exchange(Mailbox):
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
         self._silent: set[int] = set()
-        self.signature: bytes | None = None  # the layout of the step's input (rank 0's)
+        self.signature = b""  # rank 0: the layout of the step's input
         self.transfers = Transfers(
             transport,
             metadata=self._peek_metadata,
@@ -199,6 +199,8 @@ class Exchange(Mailbox):
                     f"receives it was issued (a bug in the step's plan)"
                 )
             return super().take(key)
+        if self.halted:  # with static shapes, a failed sender's drain sends zeros
+            raise Stopped
         frame, buffer = got
         _, _, layout, body = frame
         try:

@@ -128,9 +128,8 @@ def _run(
     )
     remote = exchange.remote_failure()
     # Static shapes: what a step that ended well sent and received, for the next ones.
-    signature = exchange.signature
-    ended_well = failure is None and remote is None and signature is not None
-    stage.shapes = (signature, exchange.transfers.seen) if ended_well and signature else None
+    ended_well = failure is None and remote is None and step is not None
+    stage.shapes = (exchange.signature, exchange.transfers.seen) if ended_well else None
     if failure is not None:
         raised, action = failure
         if action is not None:
@@ -169,23 +168,28 @@ def _start(
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.table(m)
         signature = _signature(table, forward_only, batches)
+        exchange.signature = signature
         static = stage.static_shapes and stage.shapes is not None
         static = static and stage.shapes is not None and stage.shapes[0] == signature
-        start = (m, sizes, table.text(), forward_only, signature, static)
+        text = table.text()
+        start = (m, sizes, text, forward_only, static)
         _follow(stage, exchange, start)
+        # The table's text goes once: the next starts say None while it is the same.
+        brief = (m, sizes, None if text == stage.table_text else text, forward_only, static)
+        stage.table_text = text
         for peer in exchange.peers:
-            exchange.send(peer, ("start",), start)
+            exchange.send(peer, ("start",), brief)
     else:
         try:
-            start = exchange.take(("start",))
+            start = _full(stage, exchange.take(("start",)))
         except Stopped:
             # Halted before rank 0's start came: if rank 0 did start, it may have sent
             # this rank metadata, whose transfers this rank must take part in.
             start = exchange.wait_for(("start",), 0)
             if start is not None:
-                _follow(stage, exchange, start)
+                _follow(stage, exchange, _full(stage, start))
             raise
-        m, sizes, text, first_forward_only, _, _ = start
+        m, sizes, text, first_forward_only, _ = start
         _follow(stage, exchange, start)
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
@@ -217,18 +221,26 @@ def _start(
     return m, sizes, table, batches, targets
 
 
+def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Rank 0's start with the table's text, which it sends only when it changes."""
+    m, sizes, text, forward_only, static = start
+    if text is None:
+        text = stage.table_text
+    stage.table_text = text
+    return m, sizes, text, forward_only, static
+
+
 def _follow(stage: PipelineStage, exchange: Exchange, start: tuple[Any, ...]) -> None:
     """Follow the plan of the table that rank 0 started (as ``start`` says)."""
-    _, _, text, forward_only, signature, static = start
+    _, _, text, forward_only, static = start
     table = _parsed(text, len(stage.balance))
     frames = None
-    if static:  # rank 0 saw the last step end well, on an input laid out as this one
-        if stage.shapes is None or stage.shapes[0] != signature:
+    if static:  # rank 0 saw the last step end well (so did every rank), on this input
+        if stage.shapes is None:
             raise RuntimeError(  # pragma: no cover - every rank sees a step end alike
                 f"rank {stage.rank} did not see the last step end as rank 0 did"
             )
         frames = stage.shapes[1]
-    exchange.signature = signature
     exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"), frames)
 
 

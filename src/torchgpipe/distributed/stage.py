@@ -140,8 +140,10 @@ class PipelineStage(nn.Module, StageHolder):
         if not isinstance(static_shapes, bool):
             raise TypeError(f"static_shapes must be a bool, got {static_shapes!r}")
         self.static_shapes = static_shapes
-        # The last step that ended well: its input's layout and every message's frame.
+        # For distributed/schedule.py. The last step that ended well: its input's
+        # layout (on rank 0) and every message's frame; and the last table started.
         self.shapes: tuple[bytes, dict[Any, Any]] | None = None
+        self.table_text: str | None = None
         wanted = None if device is None else as_device(device)
         if transport is None:
             transport = ProcessGroupTransport(group, device=wanted)
