@@ -491,3 +491,74 @@ def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matche
         assert outcomes[0] == pytest.approx(expected, rel=1e-6)
         assert outcomes[2] == pytest.approx(expected, rel=1e-6)  # then a step that works
     rules.check()
+
+
+def test_an_input_that_cannot_be_pickled_stays_on_rank_0() -> None:
+    class Apply(nn.Module):
+        def forward(self, pair: Any) -> Tensor:
+            x, fn = pair
+            return fn(x)
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(Apply(), *mlp())
+
+    models = [build() for _ in range(2)]
+    x, y = BATCHES[0]
+    double = lambda v: v * 2  # noqa: E731  # what cannot be pickled
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [5, 4], transport=transport, chunks=4)
+        result = Schedule1F1B(stage, _mse).step((x, double) if stage.is_first else None, y)
+        return float(result.loss)
+
+    results = run_threads(rank, 2, timeout=30.0)
+    with torch.no_grad():
+        expected = float(_mse(build()((x, double)), y))
+    assert results == pytest.approx([expected, expected], rel=1e-6)
+
+
+def test_static_shapes_name_a_change_of_which_tensors_want_a_gradient() -> None:
+    models = [mlp() for _ in range(2)]
+    x, y = BATCHES[0]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(
+            models[transport.rank], [4, 4], transport=transport, chunks=4, static_shapes=True
+        )
+        driver = Schedule1F1B(stage, _mse)
+        driver.step(x if stage.is_first else None, y if stage.is_last else None)
+        stage.requires_grad_(False)  # frozen on every rank: stage 0's output wants none
+        try:
+            driver.step(x if stage.is_first else None, y if stage.is_last else None)
+        except BaseException as error:
+            return error
+        return None
+
+    results = run_threads(rank, 2, timeout=30.0)
+    assert isinstance(results[0], ValueError)
+    assert "which tensors want a gradient: [True] then, [False] now" in str(results[0])
+
+
+def test_a_static_message_marks_real_data_apart_from_a_failed_senders_zeros() -> None:
+    from torchgpipe.distributed.plan import Message, RankPlan
+    from torchgpipe.distributed.transfers import Transfers
+    from torchgpipe.distributed.transport import MARK, pack
+
+    (transport,) = LocalTransport.mesh(1)
+    key = ("F", 1, 0)
+    frame = ("metadata", key, [((2,), torch.float32)], b"")
+    transfers = Transfers(
+        transport,
+        metadata=lambda message, draining: None,
+        arrived=lambda message: False,
+        consume=lambda key: None,
+        lose=print,
+        lost=lambda peer: False,
+    )
+    plan = RankPlan(starts=(), rounds=((0.0, (Message(key, 0, 1),)),), receives=frozenset())
+    transfers.follow(plan, {key: frame})
+    real = pack([torch.ones(2)], torch.device("cpu"), mark=True)
+    assert real is not None
+    assert real.numel() == 16 + MARK
+    assert not transfers.filler(real)
+    assert transfers.filler(transfers.zeros(key))

@@ -200,7 +200,7 @@ def _rows(rank: int, n: int, workload: str, m: int, f: float, rounds: int) -> li
             ratios = [a / b for a, b in zip(measured, times[reference], strict=True)]
             row["reference"] = reference
             row["over_reference"] = statistics.median(ratios)
-        if workload == "sleep":
+        if workload == "sleep" and f > 0:  # --sleep-ms 0: the libraries' own cost alone
             span = spans[name] if name in OURS else makespan(_torch_table(name, n, m), f, 1)
             row["makespan_s"] = span
             row["over_makespan"] = row["step_s"] / span

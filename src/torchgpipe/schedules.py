@@ -114,6 +114,10 @@ class Schedule:
         """Whether the backward is split into ``B`` (input grad) and ``W`` (weight grad)."""
         return any(a.kind == "W" for rank in self.ranks for a in rank)
 
+    def __getstate__(self) -> dict[str, object]:
+        # Not the kept hash and text: a string's hash differs from process to process.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_text")}
+
     def __hash__(self) -> int:  # kept: a step looks its table up in caches
         cached: int | None = self.__dict__.get("_hash")
         if cached is None:

@@ -191,6 +191,8 @@ class Exchange(Mailbox):
 
     def take(self, key: Key) -> Any:
         wire_key = self._wire(key) if key[0] in _PLANNED else key
+        if self.halted and self.transfers.expects(wire_key):
+            raise Stopped  # its transfer, if issued, is the drain's to wait for
         got = self.transfers.receive(wire_key)
         if got is None:
             if self.transfers.expects(wire_key):
@@ -199,9 +201,10 @@ class Exchange(Mailbox):
                     f"receives it was issued (a bug in the step's plan)"
                 )
             return super().take(key)
-        if self.halted:  # with static shapes, a failed sender's drain sends zeros
-            raise Stopped
         frame, buffer = got
+        # With static shapes, a failed sender's drain sends zeros in place of data.
+        if self.halted or self.transfers.filler(buffer):
+            raise Stopped
         _, _, layout, body = frame
         try:
             spec, leaves, slots, wants = pickle.loads(body)
@@ -263,7 +266,7 @@ class Exchange(Mailbox):
                     f" build the PipelineStage with static_shapes=False for values whose "
                     f"shapes vary at a given input shape"
                 )
-            self.transfers.hold(wire_key, frame, pack(tensors, self.transport.wire))
+            self.transfers.hold(wire_key, frame, pack(tensors, self.transport.wire, mark=True))
             return
         buffer = pack(tensors, self.transport.wire)
         self._side(peer, frame, [])
@@ -440,7 +443,15 @@ def _layout_change(before: Any, now: Any) -> str:
     """What differs between two frames of one message, in words."""
     if before[2] != now[2]:
         return f"tensors {_shapes(before[2])} then, {_shapes(now[2])} now"
-    return "its structure or non-tensor values changed"
+    (spec, leaves, _, wants), (new_spec, new_leaves, _, new_wants) = (
+        pickle.loads(before[3]),
+        pickle.loads(now[3]),
+    )
+    if wants != new_wants:
+        return f"which tensors want a gradient: {wants} then, {new_wants} now"
+    if spec != new_spec:
+        return "its structure changed"
+    return f"its non-tensor values changed: {leaves} then, {new_leaves} now"
 
 
 def _shapes(layout: list[tuple[tuple[int, ...], Any]]) -> str:

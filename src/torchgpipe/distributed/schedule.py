@@ -76,13 +76,14 @@ def _run(
 ) -> tuple[Exchange, Step, list[int], int]:
     """Run this rank's actions, end the step with every rank, raise its failure if any."""
     exchange = stage.exchange()
+    shapes, stage.shapes = stage.shapes, None  # kept only by a step that ends well
     step: Step | None = None
     m: int | None = None
     sizes: list[int] = []
     failure: tuple[BaseException, Action | None] | None = None
     try:
         m, sizes, table, batches, targets = _start(
-            stage, steps, exchange, input, target, forward_only=forward_only
+            stage, steps, exchange, input, target, forward_only=forward_only, shapes=shapes
         )
         stage.expect_micro_batches(m)
         step = Step(len(stage.balance), m)
@@ -151,6 +152,7 @@ def _start(
     target: Any,
     *,
     forward_only: bool = False,
+    shapes: tuple[bytes, dict[Any, Any]] | None = None,
 ) -> tuple[int, list[int], Schedule, list[Any], list[Any]]:
     """Agree on the step's micro-batches and table; split the input and target.
 
@@ -167,18 +169,19 @@ def _start(
         batches = scatter(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.table(m)
-        signature = _signature(table, forward_only, batches)
-        exchange.signature = signature
-        static = stage.static_shapes and stage.shapes is not None
-        static = static and stage.shapes is not None and stage.shapes[0] == signature
+        static = False
+        if stage.static_shapes:
+            signature = _signature(table, forward_only, batches)
+            exchange.signature = signature
+            static = bool(signature) and shapes is not None and shapes[0] == signature
         text = table.text()
         start = (m, sizes, text, forward_only, static)
-        _follow(stage, exchange, start)
+        _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
         brief = (m, sizes, None if text == stage.table_text else text, forward_only, static)
-        stage.table_text = text
         for peer in exchange.peers:
             exchange.send(peer, ("start",), brief)
+        stage.table_text = text
     else:
         try:
             start = _full(stage, exchange.take(("start",)))
@@ -187,10 +190,10 @@ def _start(
             # this rank metadata, whose transfers this rank must take part in.
             start = exchange.wait_for(("start",), 0)
             if start is not None:
-                _follow(stage, exchange, _full(stage, start))
+                _follow(stage, exchange, _full(stage, start), shapes)
             raise
         m, sizes, text, first_forward_only, _ = start
-        _follow(stage, exchange, start)
+        _follow(stage, exchange, start, shapes)
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
             said, mine = calls if first_forward_only else calls[::-1]
@@ -230,29 +233,44 @@ def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
     return m, sizes, text, forward_only, static
 
 
-def _follow(stage: PipelineStage, exchange: Exchange, start: tuple[Any, ...]) -> None:
-    """Follow the plan of the table that rank 0 started (as ``start`` says)."""
+def _follow(
+    stage: PipelineStage,
+    exchange: Exchange,
+    start: tuple[Any, ...],
+    shapes: tuple[bytes, dict[Any, Any]] | None,
+) -> None:
+    """Follow the plan of the table that rank 0 started (as ``start`` says).
+
+    ``shapes``: what the last step that ended well sent and received, if it did.
+    """
     _, _, text, forward_only, static = start
     table = _parsed(text, len(stage.balance))
     frames = None
     if static:  # rank 0 saw the last step end well (so did every rank), on this input
-        if stage.shapes is None:
+        if shapes is None:
             raise RuntimeError(  # pragma: no cover - every rank sees a step end alike
-                f"rank {stage.rank} did not see the last step end as rank 0 did"
+                f"rank {stage.rank} did not see the last step end as rank 0 did; after a "
+                f"lost process, build the process group and the stages anew"
             )
-        frames = stage.shapes[1]
+        frames = shapes[1]
     exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"), frames)
 
 
 def _signature(table: Schedule, forward_only: bool, batches: list[Any]) -> bytes:
-    """What decides the layout of every message, given static shapes: the step's input."""
+    """What decides the layout of every message, given static shapes: the step's input.
+
+    Empty (never the same as another) when the input holds what cannot be pickled.
+    """
     layout = []
     for batch in batches:
         leaves, spec = flatten(batch)
         layout.append(
             (spec, [(tuple(x.shape), x.dtype) if isinstance(x, Tensor) else x for x in leaves])
         )
-    return pickle.dumps((table.text(), forward_only, layout))
+    try:
+        return pickle.dumps((table.text(), forward_only, layout))
+    except Exception:  # a lambda, a lock: no static step for this input
+        return b""
 
 
 @lru_cache(maxsize=64)

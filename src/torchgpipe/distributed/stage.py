@@ -91,8 +91,9 @@ class PipelineStage(nn.Module, StageHolder):
         state_dict: for a model built on the meta device, the plain model's state dict
             (or the part of it with this process's layers) to fill them from instead.
         static_shapes: whether the values between stages are laid out the same (shapes,
-            dtypes, structure, non-tensor values) at every step whose input is laid out
-            the same, as ``torch.distributed.pipelining`` assumes. Then, after the first
+            dtypes, structure, non-tensor values, which tensors want a gradient) at
+            every step whose input is laid out the same, as
+            ``torch.distributed.pipelining`` assumes. Then, after the first
             such step, no metadata travels and receives are posted without waiting: a
             faster step. A value that changes anyway fails its step with an error that
             says so (the transfers stay matched). Default False: each step sends each

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from torchgpipe.distributed.plan import Key, Message, RankPlan
 from torchgpipe.distributed.transport import (
+    MARK,
     Pending,
     Transfer,
     Transport,
@@ -99,11 +100,25 @@ class Transfers:
         self._outbox[key] = buffer
         self.seen[key] = frame
 
-    def zeros(self, key: Key) -> Tensor | None:
-        """Zeros of the size that message ``key`` has with static shapes."""
+    def zeros(self, key: Key) -> Tensor:
+        """Zeros of the size of message ``key`` with static shapes: its mark says filler."""
         assert self.static is not None
-        size = packed_size(self.static[key][2])
-        return torch.zeros(size, dtype=torch.uint8, device=self.transport.wire) if size else None
+        size = self._size(self.static[key])
+        return torch.zeros(size, dtype=torch.uint8, device=self.transport.wire)
+
+    def _size(self, frame: Any) -> int:
+        """The bytes of a message: its tensors', and a mark with static shapes."""
+        return packed_size(frame[2]) + (MARK if self.static is not None else 0)
+
+    def filler(self, buffer: Tensor | None) -> bool:
+        """Whether a received buffer is a failed sender's zeros (static shapes, on CPU).
+
+        On a GPU the check would wait for the transfer: there the step's halt, which
+        the sender's end brings, is the only guard.
+        """
+        if self.static is None or buffer is None or buffer.device.type != "cpu":
+            return False
+        return int(buffer[-MARK]) == 0
 
     def issue_before(self, position: int) -> None:
         """Issue the rounds up to the time this rank's action ``position`` starts.
@@ -118,9 +133,15 @@ class Transfers:
         rounds = plan.rounds
         while self._round < len(rounds) and rounds[self._round][0] <= start:
             self._issue(rounds[self._round][1], draining=False)
-        # Receives of later rounds whose sizes are known go out now: their bytes then
-        # flow as soon as their senders send, not when this rank comes to need them.
-        while self._round < len(rounds) and self._ready(rounds[self._round][1]):
+        # Receives for the next action whose sizes are known go out now: their bytes
+        # then flow as soon as their senders send, not when this rank comes to need them
+        # (no further: each holds a buffer).
+        ahead = plan.starts[position + 1] if position + 1 < len(plan.starts) else start
+        while (
+            self._round < len(rounds)
+            and rounds[self._round][0] <= ahead
+            and self._ready(rounds[self._round][1])
+        ):
             self._issue(rounds[self._round][1], draining=False)
 
     def receive(self, key: Key) -> tuple[Any, Tensor | None] | None:
@@ -209,7 +230,7 @@ class Transfers:
             frame = frames[message.key]
             if frame is None:  # draining: it never came
                 continue
-            size = packed_size(frame[2])
+            size = self._size(frame)
             slot = None
             buffer = None
             if size:

@@ -342,6 +342,7 @@ class _Work:
 
 
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
+MARK = 16  # the bytes of the mark at the end of a marked buffer (see pack)
 
 
 def packed_size(layout: Layout) -> int:
@@ -349,15 +350,20 @@ def packed_size(layout: Layout) -> int:
     return sum(_aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype in layout)
 
 
-def pack(tensors: Sequence[Tensor], wire: torch.device) -> Tensor | None:
+def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -> Tensor | None:
     """The tensors' bytes one after another (each aligned) in one buffer on ``wire``.
 
     None when they have no bytes at all. Their layout (shapes and dtypes) travels apart.
+    ``mark``: :data:`MARK` more bytes at the end, the first of them 1: real data, as
+    opposed to the zeros that a failed sender sends in its place (``transfers.py``).
     """
     total = packed_size([(tuple(t.shape), t.dtype) for t in tensors])
-    if not total:
+    if not total and not mark:
         return None
-    buffer = torch.empty(total, dtype=torch.uint8, device=wire)
+    buffer = torch.empty(total + (MARK if mark else 0), dtype=torch.uint8, device=wire)
+    if mark:
+        buffer[total:] = 0
+        buffer[total] = 1
     offset = 0
     for t in tensors:
         size = t.numel() * t.element_size()
