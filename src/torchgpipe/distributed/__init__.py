@@ -16,9 +16,11 @@ a schedule, as in one process::
     optimizer.step()
 
 Activations, gradients and skips travel between processes with their shapes and
-dtypes, which may change from step to step. A failure on one rank makes every rank's
-step fail: the rank that raised re-raises its exception, the others a
-:class:`RemoteError` naming it.
+dtypes, which may change from step to step (``static_shapes=True`` when they do not: a
+faster step). Each process issues its transfers from one thread, in an order both ranks
+of every pair derive from the schedule's table, as NCCL requires. A failure on one rank
+makes every rank's step fail: the rank that raised re-raises its exception, the others
+a :class:`RemoteError` naming it.
 """
 
 from torchgpipe.distributed.data_parallel import all_reduce_gradients
