@@ -20,7 +20,7 @@ mailbox; any other goes to the rank that runs it, in two parts:
 
     rank 0 (thread of its actions)            rank 1
     0F0: put (F,1,0) ─ metadata ─ side ──────▶ listener: metadata of (F,1,0)
-    before 0F1: round 0 [send (F,1,0)] ═══════ before 1F0: round 0 [recv (F,1,0)]
+    before 0F1: round 1 [send (F,1,0)] ═══════ before 1F0: round 1 [recv (F,1,0)]
     ...                                        1F0: take (F,1,0) ◀═ the receive's buffer
     end(status) ───────────── side ──────────▶ listener(0) stops      (and the other way)
 

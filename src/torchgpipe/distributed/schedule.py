@@ -6,10 +6,14 @@ for several; given a :class:`PipelineStage`, their ``step(input, target)`` comes
 and the last rank the target (others may pass None). The step goes like this on each
 rank::
 
-    rank 0: scatter the input ── start(m, sizes, table) ──▶ every other rank
+    rank 0: scatter the input ── start(m, sizes, table, kind, static) ──▶ every other rank
     every rank: its actions; messages to the ranks of other stages (exchange.py)
     every rank: end(status, losses from the last rank) ──▶ every other rank
     every rank: raise the step's failure, if any, or return its result
+
+The start names the table by its text, or None when it is the last step's; ``kind``
+says a step or a forward only; ``static``, that the step reuses the last one's
+layouts (``PipelineStage(static_shapes=True)``, on an input laid out as the last).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 on the thread that runs the rank's actions (the only thread that issues on the group):
 before an action that starts at time ``τ`` on paper it issues every round up to ``τ``, each
 as one group of the round's sends (the bytes the rank's actions left with :meth:`hold`)
-and receives (sized by the metadata that came ahead on the side channel). A round is
+and receives (sized by the metadata that came ahead on the side channel); and, ahead,
+the next action's rounds that only receive, once their sizes are known. A round is
 built whole before it is issued, and only then taken off the books: a failure while
 building it (a peer that goes silent, memory) leaves it as it was, for the drain.
 
