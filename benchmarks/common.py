@@ -80,6 +80,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def join_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Make this process ``rank`` of a gloo group of ``world`` on 127.0.0.1, one thread."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The command line's arguments, as JSON can hold them (paths as strings)."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

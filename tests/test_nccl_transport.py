@@ -62,6 +62,16 @@ def bn_net8(seed: int = 0) -> nn.Sequential:
     )
 
 
+def _loss_or_error(driver: Any, x: Tensor, y: Tensor | None) -> Any:
+    """One step's loss, or what it raised; each rank passes what its stages need."""
+    stage = driver.pipe
+    try:
+        result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+        return float(result.loss)
+    except BaseException as error:
+        return error
+
+
 def _balance(world: int, schedule: str, layers: int) -> list[int]:
     stages = world * (2 if schedule == "interleaved" else 1)
     return [layers // stages] * stages
@@ -190,14 +200,7 @@ def test_a_failed_step_leaves_the_transfers_matched_and_the_next_step_works() ->
         stage = PipelineStage(model, [4, 4], transport=transport, chunks=4)
         driver = Schedule1F1B(stage, _mse)
         x, y = BATCHES[0]
-        outcomes = []
-        for _ in range(2):
-            try:
-                result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
-                outcomes.append(float(result.loss))
-            except BaseException as error:
-                outcomes.append(error)
-        return outcomes
+        return [_loss_or_error(driver, x, y) for _ in range(2)]
 
     results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
     first = [outcomes[0] for outcomes in results]
@@ -287,14 +290,7 @@ def test_a_value_that_cannot_cross_fails_its_rank_and_leaves_the_transfers_match
     def rank(transport: Transport) -> Any:
         stage = PipelineStage(models[transport.rank], [4, 6], transport=transport, chunks=4)
         driver = Schedule1F1B(stage, _mse)
-        outcomes: list[Any] = []
-        for _ in range(2):
-            try:
-                result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
-                outcomes.append(float(result.loss))
-            except BaseException as error:
-                outcomes.append(error)
-        return outcomes
+        return [_loss_or_error(driver, x, y) for _ in range(2)]
 
     results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
     assert "pickle" in str(results[0][0])
@@ -331,14 +327,8 @@ def test_a_rank_halted_before_the_start_came_still_takes_its_part(monkeypatch: A
         balance = [2, 2, 4]
         stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
         driver = Schedule1F1B(stage, _mse)
-        outcomes: list[Any] = []
-        for target in (None, y):  # the first step forgets the target on the last rank
-            try:
-                result = driver.step(x if stage.is_first else None, target)
-                outcomes.append(float(result.loss))
-            except BaseException as error:
-                outcomes.append(error)
-        return outcomes
+        # The first step forgets the target on the last rank.
+        return [_loss_or_error(driver, x, target) for target in (None, y)]
 
     results = run_threads(rank, 3, timeout=30.0, observe=rules.group)
     assert isinstance(results[2][0], ValueError)
@@ -471,11 +461,7 @@ def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matche
         for k in range(3):
             if stage.is_first:
                 Widen.step = k  # stage 0 alone runs it
-            try:
-                result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
-                outcomes.append(float(result.loss))
-            except BaseException as error:
-                outcomes.append(error)
+            outcomes.append(_loss_or_error(driver, x, y))
         return outcomes
 
     results = run_threads(rank, 2, timeout=30.0, observe=rules.group)

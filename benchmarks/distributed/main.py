@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
 import statistics
 import sys
@@ -61,7 +60,7 @@ from torchgpipe.schedules import Action, Schedule, gpipe, one_f_one_b, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules"))
-from common import environment, free_port, settings, write_json  # benchmarks/common.py
+from common import environment, free_port, join_gloo, settings, write_json  # benchmarks/common.py
 from reference import FEATURES, SleepLayer, mse  # benchmarks/schedules/reference.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -215,14 +214,7 @@ def _torch_table(name: str, n: int, m: int) -> Schedule:
 
 def _worker(rank: int, n: int, args: argparse.Namespace, port: int, out: Any) -> None:
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=n,
-            timeout=datetime.timedelta(seconds=600),
-        )
+        join_gloo(rank, n, port, 600)
         f = args.sleep_ms / 1e3
         rows = []
         for m in args.micro_batches:

@@ -23,7 +23,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 import sys
@@ -39,7 +38,7 @@ from torch import nn
 from torchgpipe.distributed import PipelineStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, free_port, settings, write_json  # benchmarks/common.py
+from common import environment, free_port, join_gloo, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -58,14 +57,7 @@ def _peak_bytes() -> int:
 
 def _worker(rank: int, n: int, width: int, way: str, port: int, out: Any) -> None:
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=n,
-            timeout=datetime.timedelta(seconds=300),
-        )
+        join_gloo(rank, n, port, 300)
         before = _peak_bytes()
         if way == "meta":
             with torch.device("meta"):

@@ -98,20 +98,24 @@ def measure_call(f: float, calls: int) -> float:
     return median_seconds(lambda: layer(x), calls)
 
 
-def bare_pipeline(n: int, m: int, f: float) -> float:
+def bare_pipeline(n: int, m: int, f: float, after: Callable[[], object] | None = None) -> float:
     """The time of one forward of the same layers through threads and queues alone.
 
     One thread per layer, a queue between neighbours, grad on, and nothing else: no
     micro-batch objects, no checkpointing, no ordering edges, no error handling. It is
     the floor that any thread-per-partition pipeline meets on this machine, since its
-    layers (sleep, then one multiply) are all it runs.
+    layers (sleep, then one multiply) are all it runs. ``after()``, if given, runs after
+    each cell's layer (``noise.py`` adds a known cost there).
     """
     stages = layers(n, f)
     inboxes: list[queue.SimpleQueue[Tensor]] = [queue.SimpleQueue() for _ in range(n + 1)]
 
     def work(j: int) -> None:
         for _ in range(m):
-            inboxes[j + 1].put(stages[j](inboxes[j].get()))
+            y = stages[j](inboxes[j].get())
+            if after is not None:
+                after()
+            inboxes[j + 1].put(y)
 
     threads = [threading.Thread(target=work, args=(j,)) for j in range(n)]
     for thread in threads:

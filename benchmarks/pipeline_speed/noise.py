@@ -17,21 +17,19 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import queue
 import statistics
 import sys
-import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import environment, settings, write_json  # benchmarks/common.py
-from main import layers  # benchmarks/pipeline_speed/main.py
+from main import bare_pipeline  # benchmarks/pipeline_speed/main.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "noise.json"
 
@@ -51,32 +49,6 @@ def busy(turns: int) -> int:
     for k in range(turns):
         total += k
     return total
-
-
-def bare_pipeline(n: int, m: int, f: float, turns: int) -> float:
-    """``main.bare_pipeline``, with ``busy(turns)`` after each cell's layer."""
-    stages = layers(n, f)
-    inboxes: list[queue.SimpleQueue[Tensor]] = [queue.SimpleQueue() for _ in range(n + 1)]
-
-    def work(j: int) -> None:
-        for _ in range(m):
-            y = stages[j](inboxes[j].get())
-            if turns:
-                busy(turns)
-            inboxes[j + 1].put(y)
-
-    threads = [threading.Thread(target=work, args=(j,)) for j in range(n)]
-    for thread in threads:
-        thread.start()
-    started = time.perf_counter()
-    for x in torch.randn(m, 4).tensor_split(m):
-        inboxes[0].put(x)
-    for _ in range(m):
-        inboxes[n].get()
-    elapsed = time.perf_counter() - started
-    for thread in threads:
-        thread.join()
-    return elapsed
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -108,8 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios: dict[float, list[float]] = {us: [] for us in extras}
         for _ in range(args.rounds):
             for us, turns in extras.items():
-                reference = bare_pipeline(n, m, f, 0)
-                ratios[us].append(bare_pipeline(n, m, f, turns) / reference)
+                reference = bare_pipeline(n, m, f)
+                extra = partial(busy, turns) if turns else None
+                ratios[us].append(bare_pipeline(n, m, f, extra) / reference)
         medians = {us: statistics.median(values) for us, values in ratios.items()}
         print(f"{n:>3} {m:>4} " + " ".join(f"{medians[us]:>9.3f}" for us in extras))
         rows.append({"n": n, "m": m, "ratios": {str(us): medians[us] for us in extras}})

@@ -28,8 +28,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import queue
 import statistics
 import sys
@@ -46,7 +44,7 @@ from torch.autograd.function import FunctionCtx
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import free_port  # benchmarks/common.py
+from common import free_port, join_gloo  # benchmarks/common.py
 
 SCHEDULES: tuple[str, ...] = ("ScheduleGPipe", "Schedule1F1B")
 """The schedules measured, in the order of the rows for each ``m``."""
@@ -162,15 +160,7 @@ def _worker(
 ) -> None:
     """One pipeline stage's process: join gloo, run every ``m`` and schedule, report."""
     try:
-        torch.set_num_threads(1)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=n,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        join_gloo(rank, n, port, timeout)
         try:
             rows: list[dict[str, Any]] = []
             for m in ms:

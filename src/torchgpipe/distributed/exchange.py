@@ -388,6 +388,17 @@ class Exchange(Mailbox):
             for peer in self.peers:
                 self._listening[peer].wait()
 
+    def close(self) -> None:
+        """End an exchange that ran no step (the start-up check, a trace's gathering).
+
+        Raises:
+            RemoteError: another process failed, or was lost.
+        """
+        self.finish({"failed": self.halted, "error": None}, [])
+        remote = self.remote_failure()
+        if remote is not None:
+            raise remote
+
     def remote_failure(self) -> RemoteError | None:
         """The failure of another rank that stopped this step, or None if none did."""
         errors = [s["error"] for s, _ in self.ends.values() if s.get("error") is not None]

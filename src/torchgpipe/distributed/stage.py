@@ -312,12 +312,9 @@ class PipelineStage(nn.Module, StageHolder):
                 exchange.send(dst, ("trace", self.rank), mine)
             else:
                 got = {peer: exchange.take(("trace", peer)) for peer in exchange.peers}
-        except Stopped:  # a peer is lost; remote_failure() names it
+        except Stopped:  # a peer is lost; close() names it
             pass
-        exchange.finish({"failed": exchange.halted, "error": None}, [])
-        remote = exchange.remote_failure()
-        if remote is not None:
-            raise remote
+        exchange.close()
         if self.rank != dst:
             return None
         merged = Trace(len(self.balance), m=trace.m, origin=trace.origin)
@@ -399,12 +396,9 @@ class PipelineStage(nn.Module, StageHolder):
                 exchange.send(peer, ("hello", self.rank), self._fingerprint)
             for peer in exchange.peers:
                 prints[peer] = exchange.take(("hello", peer))
-        except Stopped:  # a peer is lost; remote_failure() names it
+        except Stopped:  # a peer is lost; close() names it
             pass
-        exchange.finish({"failed": exchange.halted, "error": None}, [])
-        remote = exchange.remote_failure()
-        if remote is not None:
-            raise remote
+        exchange.close()
         problems = _differences(prints)
         if problems:
             raise ValueError(
