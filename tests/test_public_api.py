@@ -12,10 +12,12 @@ def test_public_names() -> None:
             "ScheduleGPipe",
             "ScheduleInterleaved1F1B",
             "ScheduleZeroBubble",
+            "SplitError",
             "StepResult",
             "__version__",
             "is_checkpointing",
             "is_recomputing",
+            "split",
         ]
     )
     for name in torchgpipe.__all__:

@@ -128,6 +128,18 @@ def test_materialize_benchmark_quick_measures_both_ways(tmp_path):
         assert all(row["share"] > 0 for row in rows)
 
 
+def test_gpt_example_trains_split_stages_like_the_plain_model():
+    out = run_python("examples/train_gpt.py", "--steps", "6", "--stages", "2", "--chunks", "2")
+    rows = re.findall(r"loss plain (\d+\.\d+)  GPipe (\d+\.\d+)  1F1B (\d+\.\d+)", out)
+    assert len(rows) == 3  # steps 1, 5 and 6
+    for plain, piped, stepped in rows:
+        assert float(piped) == pytest.approx(float(plain), abs=1e-3)
+        assert float(stepped) == pytest.approx(float(plain), abs=1e-3)
+    assert float(rows[-1][0]) < float(rows[0][0])
+    assert "tied copies equal after training: True" in out
+    assert "state dict loads into the plain model: True" in out
+
+
 def test_skip_example_trains_and_prints_the_layout():
     out = run_python("examples/skip_unet.py")
     assert re.search(r"'skip' in Namespace\('level 1'\) +0 +2", out)
@@ -135,6 +147,15 @@ def test_skip_example_trains_and_prints_the_layout():
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 3
     assert losses[-1] < losses[0] / 2
+
+
+def test_split_benchmark_quick_times_both_models_and_the_split(tmp_path):
+    out_file = tmp_path / "split.json"
+    out = run_python("benchmarks/split/main.py", "--quick", "--out", str(out_file))
+    assert re.search(r"split / by hand: \d+\.\d{3}", out)
+    results = json.loads(out_file.read_text())
+    assert len(results["speed"]["ratios"]) == 3
+    assert results["split"]["at_names_s"] > 0
 
 
 def test_skip_benchmark_quick_counts_one_crossing(tmp_path):

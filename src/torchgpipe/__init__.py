@@ -2,6 +2,7 @@
 
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 from torchgpipe.gpipe import BalanceError, GPipe
+from torchgpipe.split import SplitError, split
 from torchgpipe.training import (
     PipelineSchedule,
     Schedule1F1B,
@@ -19,10 +20,12 @@ __all__ = [
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble",
+    "SplitError",
     "StepResult",
     "__version__",
     "is_checkpointing",
     "is_recomputing",
+    "split",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -21,9 +21,11 @@ from torchgpipe.materialize import (
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
+from torchgpipe.tied import Ties, check_layers
 from torchgpipe.trace import Trace
 from torchgpipe.worker import Workers
 
@@ -132,7 +134,7 @@ class GPipe(nn.Module, StageHolder):
             )
         check_meta_arguments(module, init, state_dict)
         self.balance = check_balance(balance, len(module))
-        check_layers(module)
+        check_layers(module, ties=True)
         verify_skippables(module)
         self.devices = _check_devices(devices, len(self.balance))
         self.chunks = check_chunks(chunks)
@@ -160,10 +162,19 @@ class GPipe(nn.Module, StageHolder):
         partitions = []
         layers = list(module.named_children())
         check_materializable(layers, init=init, state_dict=state_dict)  # before any change
+        ends = [sum(self.balance[: j + 1]) for j in range(len(self.balance))]
+        parts = [
+            [layer for _, layer in layers[end - size : end]]
+            for size, end in zip(self.balance, ends, strict=True)
+        ]
+        self._ties = Ties.untie(parts, self.devices)  # a tied weight: a copy per partition
         for size, device in zip(self.balance, self.devices, strict=True):
             part, layers = layers[:size], layers[size:]
             materialize(part, device, init=init, state_dict=state_dict)  # meta layers only
             partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
+        self._ties.align()
+        if any(isinstance(layer, Stage) for layer in module):
+            keep_plain_keys(self)  # a split model's keys: the model's own
         # A plain attribute, not a child module: the layers are registered once, above.
         self.skip_layout = skip_layout(module, self.balance)
         self._partitions = partitions
@@ -224,7 +235,10 @@ class GPipe(nn.Module, StageHolder):
         self.expect_micro_batches(m)
         training = self.training and torch.is_grad_enabled()
         stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
-        return gather(pipeline.run(stages, self.workers, batches))
+        if not self._ties:
+            return gather(pipeline.run(stages, self.workers, batches))
+        self._ties.begin()
+        return gather(self._ties.after_backward(pipeline.run(stages, self.workers, batches)))
 
     # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
 
@@ -249,7 +263,10 @@ class GPipe(nn.Module, StageHolder):
 
     def run_step(self, steps: TableSteps, input: Any, target: Any) -> StepResult:
         """One step of ``steps``, each rank on a thread of this process."""
-        return pipeline.step(self, steps, input, target)
+        self._ties.begin()
+        result = pipeline.step(self, steps, input, target)
+        self._ties.reduce()  # the tied weights' copies get the sum of their gradients
+        return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """``self(input)`` under ``no_grad``: GPipe's own forward is the forward-only one."""
@@ -384,35 +401,6 @@ def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
             f"balance that sums to {num_layers}, {_AUTO_BALANCE_HINT}"
         )
     return values
-
-
-def check_layers(module: nn.Sequential) -> None:
-    """Refuse a layer that appears twice, and tensors shared between layers.
-
-    A shared tensor would live on one device but be used, and updated, by two partitions.
-    """
-    problems = []
-    first_index: dict[int, int] = {}
-    for index, layer in enumerate(module):
-        if id(layer) in first_index:
-            problems.append(f"layer {index} is the same module as layer {first_index[id(layer)]}")
-        else:
-            first_index[id(layer)] = index
-    owner: dict[int, str] = {}
-    for index, layer in enumerate(module):
-        if first_index[id(layer)] != index:
-            continue
-        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-            qualified = f"{index}.{name}"
-            if id(tensor) in owner and not owner[id(tensor)].startswith(f"{index}."):
-                problems.append(f"{qualified} is the same tensor as {owner[id(tensor)]}")
-            owner.setdefault(id(tensor), qualified)
-    if problems:
-        raise ValueError(
-            f"GPipe needs every layer and every parameter to belong to one layer only, "
-            f"but {'; '.join(problems)}; use separate modules (tied weights are not "
-            f"supported across layers)"
-        )
 
 
 def _check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.device]:

@@ -25,6 +25,8 @@ from itertools import chain
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.split_stage import Stage
+
 __all__ = ["Init", "check_materializable", "check_meta_arguments", "materialize", "on_meta"]
 
 Init = Callable[[nn.Module], None]
@@ -58,7 +60,8 @@ def materialize(
     """Allocate the meta layers among ``layers`` on ``device``, and fill them.
 
     ``layers`` are ``(name, layer)`` pairs, ``name`` the layer's in the plain
-    ``nn.Sequential`` (its keys in ``state_dict`` start with ``name + "."``). Layers
+    ``nn.Sequential`` (its keys in ``state_dict`` start with ``name + "."``, but for a
+    split model's stages, :func:`key_prefix`). Layers
     with no meta tensor are left as they are. Every layer is checked before any is
     changed, so a refusal leaves the model as it was.
 
@@ -76,9 +79,18 @@ def materialize(
                 continue
             _reset(layer)  # where a module can; the state dict's values then replace it
             if state_dict is not None:
-                prefix = f"{name}."
+                prefix = key_prefix(name, layer)
                 for key, tensor in layer.state_dict(keep_vars=True).items():
                     tensor.copy_(state_dict[prefix + key])
+
+
+def key_prefix(name: str, layer: nn.Module) -> str:
+    """What a layer's keys start with in the plain model's state dict.
+
+    A layer's name, except for a stage of a split model (:mod:`torchgpipe.split`), whose
+    keys are the model's own.
+    """
+    return "" if isinstance(layer, Stage) else f"{name}."
 
 
 def check_materializable(
@@ -112,7 +124,7 @@ def check_materializable(
 
 def _check_fillable(name: str, layer: nn.Module, state_dict: Mapping[str, Tensor] | None) -> None:
     """Refuse a layer whose tensors the state dict or its modules' resets cannot fill."""
-    prefix, filled = f"{name}.", set()
+    prefix, filled = key_prefix(name, layer), set()
     if state_dict is not None:
         expected = layer.state_dict(keep_vars=True)
         missing = sorted(prefix + k for k in expected if prefix + k not in state_dict)

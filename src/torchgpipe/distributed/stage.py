@@ -29,7 +29,6 @@ from torchgpipe.gpipe import (
     check_balance,
     check_checkpoint,
     check_chunks,
-    check_layers,
     checkpoint_stop,
 )
 from torchgpipe.mailbox import Stopped
@@ -41,9 +40,11 @@ from torchgpipe.materialize import (
 )
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
+from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
+from torchgpipe.tied import check_layers
 from torchgpipe.trace import Trace
 from torchgpipe.worker import WorkerPool
 
@@ -131,7 +132,7 @@ class PipelineStage(nn.Module, StageHolder):
             )
         check_meta_arguments(module, init, state_dict)
         self.balance = check_balance(balance, len(module))
-        check_layers(module)
+        check_layers(module, ties=False)
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint: Checkpoint = check_checkpoint(checkpoint)
@@ -192,6 +193,8 @@ class PipelineStage(nn.Module, StageHolder):
             for name, layer in part:
                 self.add_module(name, layer)
             self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)
+        if any(isinstance(layer, Stage) for layer in module):
+            keep_plain_keys(self)  # a split model's keys: the model's own
         mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
         self._deferred = [layer for layer in deferred if id(layer) in mine]
         self._pool: WorkerPool | None = None

@@ -1,0 +1,259 @@
+"""Weights tied across partitions: a copy on each partition, equal gradients and values.
+
+A parameter used by layers of two partitions (a language model's token embedding and
+its output head) cannot be one tensor: each partition has its own device, and even on
+one device each partition's worker would read it while another's optimizer writes it.
+So the first partition that uses it keeps it (the owner) and each later one gets a
+copy on its own device, in the modules that use it there (:meth:`Ties.untie`).
+
+The copies stay equal by identical updates. After each backward, every copy's
+``.grad`` holds the same sum: the gradient of all the uses of the weight, as the
+unwrapped model's single tensor gets. Each copy records, with a tensor hook, what the
+backward adds to it; at the end of the backward the owner adds the others' share to
+its own ``.grad`` (one device, a fixed order) and every copy takes the owner's sum.
+Equal values, equal gradients and one optimizer over all of them give equal updates:
+elementwise optimizers (SGD, Adam, ...) compute the same numbers for equal inputs on
+devices of one kind. The end of the backward is where the library knows it: at the
+end of a schedule's step, and for ``model(x)`` through a callback that the output's
+backward queues in autograd's engine (it runs once the whole backward is over).
+
+What follows: the model's ``parameters()`` hold each copy (an optimizer steps them all;
+gradient-norm clipping counts a tied weight once per copy), and ``state_dict()`` holds
+every name the weight has, as the unwrapped model's does. Buffers shared across
+partitions are copied once, and not kept equal afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from torchgpipe.microbatch import flatten, unflatten
+
+__all__ = ["Ties", "check_layers"]
+
+
+def check_layers(module: nn.Sequential, *, ties: bool) -> None:
+    """Refuse a layer that appears twice, and (unless ``ties``) tensors shared by layers.
+
+    With ``ties``, tensors shared by layers are fine: :class:`Ties` copies them.
+    """
+    problems = []
+    first_index: dict[int, int] = {}
+    for index, layer in enumerate(module):
+        if id(layer) in first_index:
+            problems.append(f"layer {index} is the same module as layer {first_index[id(layer)]}")
+        else:
+            first_index[id(layer)] = index
+    owner: dict[int, str] = {}
+    for index, layer in enumerate(module):
+        if first_index[id(layer)] != index or ties:
+            continue
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            qualified = f"{index}.{name}"
+            if id(tensor) in owner and not owner[id(tensor)].startswith(f"{index}."):
+                problems.append(f"{qualified} is the same tensor as {owner[id(tensor)]}")
+            owner.setdefault(id(tensor), qualified)
+    if problems:
+        shared = "" if ties else " and every parameter"
+        hint = (
+            "use separate modules (tied weights across processes are not supported yet; "
+            "GPipe in one process supports them)"
+            if not ties
+            else "use separate modules"
+        )
+        raise ValueError(
+            f"every layer{shared} must belong to one layer only, but {'; '.join(problems)}; {hint}"
+        )
+
+
+Slot = tuple[nn.Module, str]  # a module, and the name of a parameter in it
+
+
+class Ties:
+    """The parameters tied across partitions: each group's owner first, then its copies.
+
+    Each is held as a slot (module, name), not as the tensor: filling a meta model
+    replaces its parameters (``materialize.py``).
+    """
+
+    def __init__(self, slots: list[list[Slot]]) -> None:
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def groups(self) -> list[list[Tensor]]:
+        """The tied parameters as they are now, owner first in each group."""
+        return [[module._parameters[name] for module, name in group] for group in self.slots]  # type: ignore[misc]  # a slot holds a parameter
+
+    @classmethod
+    def untie(
+        cls, partitions: Sequence[Sequence[nn.Module]], devices: Sequence[torch.device]
+    ) -> Ties:
+        """Give each partition its own copy of every tensor an earlier partition uses.
+
+        ``partitions`` holds each partition's layers, ``devices`` their devices. A copy
+        goes where the owner's tensor was, in every module of the partition that held
+        it; a parameter's copy starts equal to it (a meta one stays meta). Call
+        :meth:`align` once the partitions are placed and filled.
+
+        Raises:
+            ValueError: a module is part of two partitions.
+        """
+        first: dict[int, tuple[int, Slot]] = {}
+        home: dict[int, int] = {}  # a module's partition
+        copies: dict[tuple[int, int], Tensor] = {}
+        groups: dict[int, list[Slot]] = {}
+        for j, layers in enumerate(partitions):
+            for layer in layers:
+                for module in layer.modules():
+                    if home.setdefault(id(module), j) != j:
+                        raise ValueError(
+                            f"a {type(module).__name__} module is part of layers in "
+                            f"partitions {home[id(module)]} and {j}; tie parameters "
+                            f"(layer_b.weight = layer_a.weight), not whole modules"
+                        )
+                    for slots in (module._parameters, module._buffers):
+                        for name, tensor in slots.items():
+                            if tensor is None:
+                                continue
+                            key = id(tensor)
+                            owner, slot = first.setdefault(key, (j, (module, name)))
+                            if owner == j:
+                                continue
+                            copy = copies.get((key, j))
+                            if copy is None:
+                                copy = copies[(key, j)] = _copy(tensor, devices[j])
+                                if isinstance(tensor, nn.Parameter):
+                                    groups.setdefault(key, [slot]).append((module, name))
+                            slots[name] = copy  # type: ignore[assignment]  # a Parameter's copy is one
+        return cls(list(groups.values()))
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+    def align(self) -> None:
+        """Make every copy equal to its owner, and watch their gradients.
+
+        Called once the owners hold their values (a meta model's are filled by then).
+        """
+        with torch.no_grad():
+            for owner, *copies in self.groups:
+                for copy in copies:
+                    copy.copy_(owner)
+        self._hook()
+
+    def begin(self) -> None:
+        """Forget what an earlier backward left unreduced (``torch.autograd.grad``, say)."""
+        with self._lock:
+            self._pending.clear()
+
+    def reduce(self) -> None:
+        """Give every copy the sum of the gradients all its group's uses added since."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        with torch.no_grad():
+            for g, (owner, *copies) in enumerate(self.groups):
+                others = [pending.get((g, c + 1)) for c in range(len(copies))]
+                if all(part is None for part in others) and (g, 0) not in pending:
+                    continue
+                total = owner.grad
+                for part in others:
+                    if part is not None:
+                        part = part.to(owner.device)
+                        total = part if total is None else total.add_(part)
+                if total is None:
+                    continue
+                owner.grad = total
+                for copy in copies:
+                    if copy.grad is None:
+                        copy.grad = total.to(copy.device, copy=True)
+                    else:
+                        copy.grad.copy_(total)
+
+    def after_backward(self, outputs: list[Any]) -> list[Any]:
+        """The micro-batches' ``outputs`` through a node whose backward ends in :meth:`reduce`.
+
+        One node for all of them: its backward runs once per backward pass.
+        """
+        flat = [flatten(output) for output in outputs]
+        wanting = [x for leaves, _ in flat for x in leaves if _wants_grad(x)]
+        if not wanting:
+            return outputs
+        views = iter(_ReduceAtEnd.apply(self, *wanting))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+        return [
+            unflatten([next(views) if _wants_grad(x) else x for x in leaves], spec)
+            for leaves, spec in flat
+        ]
+
+    def _hook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = [
+            parameter.register_hook(_Record(self, (g, c)))
+            for g, group in enumerate(self.groups)
+            for c, parameter in enumerate(group)
+            if parameter.requires_grad
+        ]
+
+    def record(self, key: tuple[int, int], grad: Tensor) -> None:
+        """Note ``grad``, on its way into the ``.grad`` of copy ``key``, for :meth:`reduce`."""
+        with self._lock:
+            seen = self._pending.get(key)
+            if seen is None:
+                self._pending[key] = grad.detach().clone()  # the engine may keep ``grad`` as .grad
+            else:
+                seen.add_(grad.detach())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"slots": self.slots}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["slots"])  # type: ignore[misc]
+        self._hook()  # on the copied tensors
+
+
+class _Record:
+    """A tensor hook: passes the gradient on, and tells the ties about it."""
+
+    def __init__(self, ties: Ties, key: tuple[int, int]) -> None:
+        self.ties, self.key = ties, key
+
+    def __call__(self, grad: Tensor) -> None:
+        self.ties.record(self.key, grad)
+
+
+class _ReduceAtEnd(torch.autograd.Function):
+    """Identity in forward; in backward, queues the ties' reduction for the engine's end."""
+
+    @staticmethod
+    def forward(ctx: Any, ties: Ties, *xs: Tensor) -> tuple[Tensor, ...]:
+        ctx.ties = ties
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(ctx.ties.reduce)
+        return (None, *grads)
+
+
+def _wants_grad(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad
+
+
+def _copy(tensor: Tensor, device: torch.device) -> Tensor:
+    """A copy of ``tensor`` on ``device``, of its kind (a meta tensor stays meta)."""
+    data = torch.empty_like(tensor) if tensor.is_meta else tensor.detach().to(device, copy=True)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(data, requires_grad=tensor.requires_grad)
+    return data

@@ -1,0 +1,356 @@
+"""torchgpipe.split: any module as pipeline stages, the same outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from split_models import Keywords, TinyGPT, UShaped
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from torchgpipe import GPipe, split
+from torchgpipe.balance import balance_by_time
+from torchgpipe.split import SplitError, Stage
+from torchgpipe.training import (
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+)
+
+MODES = ["always", "except_last", "never"]
+SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zero-bubble": ScheduleZeroBubble,
+    "interleaved": partial(ScheduleInterleaved1F1B, virtual_stages=2),
+}
+
+
+def _gpt() -> tuple[TinyGPT, Tensor, Tensor]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ids = torch.randint(0, 32, (8, 8))
+    return model, ids, torch.randint(0, 32, (8, 8))
+
+
+def _lm_loss(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _grads(model: nn.Module) -> dict[str, Tensor]:
+    """Every name of every parameter, with its gradient (a tied one under both names)."""
+    return {
+        name: p.grad.clone()
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if p.grad is not None
+    }
+
+
+def _pipe_grads(pipe: nn.Module) -> dict[str, Tensor]:
+    kept = pipe.state_dict(keep_vars=True)
+    return {
+        k: v.grad.clone()
+        for k, v in kept.items()
+        if isinstance(v, nn.Parameter) and v.grad is not None
+    }
+
+
+def _assert_close(ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# Splitting.
+
+
+def test_split_computes_what_the_module_computes_on_its_own_parameters() -> None:
+    model, ids, _ = _gpt()
+    stages = split(model, ids, at=["blocks.1", "blocks.3", "norm"])
+    assert len(stages) == 4
+    assert all(isinstance(s, Stage) for s in stages)
+    torch.testing.assert_close(stages(ids), model(ids), rtol=0, atol=0)
+    assert stages[1].get_submodule("blocks.1") is model.blocks[1]  # the module itself, no copy
+    assert stages[0].tokens.weight is model.tokens.weight
+    assert stages[3].head.weight is model.tokens.weight  # tied: one tensor, as in the model
+
+
+def test_a_tensor_for_a_later_stage_skips_the_stages_between() -> None:
+    model, ids, _ = _gpt()
+    stages = split(model, ids, at=["blocks.1", "blocks.2", "blocks.3"])
+    # The mask is made in stage 0 and used by every block: stage 1 gets it with its
+    # input, stages 2 and 3 straight from stage 0.
+    assert len(stages[0].stash_names) == 2
+    assert [len(s.pop_names) for s in stages] == [0, 0, 1, 1]
+    assert all(len(s.stash_names) == 0 for s in stages[1:])
+
+
+def test_u_shape_long_skips_go_straight_to_their_level() -> None:
+    torch.manual_seed(0)
+    model = UShaped()
+    x = torch.randn(6, 8)
+    stages = split(model, x, at=["down.1", "down.2", "middle", "up.0", "up.1", "up.2"])
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+    # A stage starts with the call of its module: the sum before up.k is the previous
+    # stage's. So down.0's output (stage 0) is used in stage 5, down.1's (stage 1) in
+    # stage 4: each goes straight there. down.2's is used by the next stage.
+    assert stages[0].stash_names == ("down_0@5",)
+    assert stages[1].stash_names == ("down_1@4",)
+    assert [len(s.pop_names) for s in stages] == [0, 0, 0, 0, 1, 1, 0]
+
+
+def test_keyword_inputs_and_structured_outputs() -> None:
+    torch.manual_seed(0)
+    model = Keywords()
+    x, scale = torch.randn(4, 6), torch.randn(4, 6)
+    stages = split(model, {"x": x, "scale": scale}, at=["second", "third"])
+    ours, theirs = stages({"scale": scale, "x": x}), model(x=x, scale=scale)
+    assert ours.keys() == theirs.keys()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    positional = split(model, (x, scale), at=["third"])
+    torch.testing.assert_close(positional((x, scale)), theirs, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"lacks \['scale'\]"):
+        stages({"x": x})
+
+
+def test_state_dict_keys_are_the_models_and_load_both_ways() -> None:
+    model, ids, _ = _gpt()
+    stages = split(model, ids, at=["blocks.2"])
+    assert list(stages.state_dict()) == list(model.state_dict())
+    other = TinyGPT()
+    stages.load_state_dict(other.state_dict())
+    torch.testing.assert_close(stages(ids), other(ids), rtol=0, atol=0)
+    fresh = TinyGPT()
+    fresh.load_state_dict(stages.state_dict())
+    torch.testing.assert_close(fresh(ids), other(ids), rtol=0, atol=0)
+
+
+def test_split_of_a_sequential_keeps_its_keys() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    stages = split(model, torch.randn(2, 3), at=["2", "4"])
+    assert list(stages.state_dict()) == list(model.state_dict())
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.data.normal_()
+    stages.load_state_dict(twin.state_dict())
+    torch.testing.assert_close(stages[2].get_submodule("4").weight, twin[4].weight)
+
+
+def test_copies_and_pickles_run() -> None:
+    model, ids, _ = _gpt()
+    stages = split(model, ids, at=["blocks.2"])
+    for twin in (copy.deepcopy(stages), pickle.loads(pickle.dumps(stages))):
+        torch.testing.assert_close(twin(ids), model(ids), rtol=0, atol=0)
+        assert list(twin.state_dict()) == list(model.state_dict())
+
+
+def test_balanced_stages_and_balance_by_time() -> None:
+    model, ids, _ = _gpt()
+    stages = split(model, ids, stages=3)
+    assert len(stages) == 3
+    torch.testing.assert_close(stages(ids), model(ids), rtol=0, atol=0)
+    fine = split(
+        model, ids, at=["positions", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm"]
+    )
+    balance = balance_by_time(3, fine, ids, timeout=0.2)
+    pipe = GPipe(fine, balance, chunks=2)
+    torch.testing.assert_close(pipe(ids), model(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_balanced_split_traces_into_a_wrapper_when_it_must() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = UShaped()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    model, x = Wrapper(), torch.randn(4, 8)
+    stages = split(model, x, stages=4, by="size")
+    assert len(stages) == 4
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
+# What cannot be split, and why.
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.a(x)
+        if x.sum() > 0:  # the line the error names
+            x = -x
+        return self.b(x)
+
+
+def test_data_dependent_control_flow_is_named_by_its_line() -> None:
+    with pytest.raises(SplitError, match=r"test_split\.py:\d+ in forward \(`if x\.sum\(\) > 0:"):
+        split(_Branchy(), torch.randn(2, 2), at=["b"])
+
+
+def test_control_flow_inside_a_submodule_is_fine() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.branchy, self.last = _Branchy(), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.last(self.branchy(x))
+
+    model, x = Outer(), torch.randn(3, 2)
+    torch.testing.assert_close(split(model, x, at=["last"])(x), model(x))
+
+
+def test_split_points_must_name_called_submodules_in_order() -> None:
+    model, ids, _ = _gpt()
+    with pytest.raises(SplitError, match=r"'blocks\.9' names no submodule.*did you mean"):
+        split(model, ids, at=["blocks.9"])
+    with pytest.raises(SplitError, match="follow the order of the forward"):
+        split(model, ids, at=["blocks.2", "blocks.1"])
+    with pytest.raises(SplitError, match="first stage would be empty"):
+        split(UShaped(), torch.randn(2, 8), at=["down.0"])
+    model.unused = nn.Linear(2, 2)
+    with pytest.raises(SplitError, match=r"'unused' .* never calls"):
+        split(model, ids, at=["unused"])
+
+
+def test_a_module_called_from_two_stages_is_refused() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.middle = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.shared(self.middle(self.shared(x)))
+
+    with pytest.raises(
+        SplitError, match=r"calls 'shared' in stage 0 .*test_split\.py.* in stage 1"
+    ):
+        split(Twice(), torch.randn(2, 2), at=["middle"])
+
+
+def test_too_many_stages_and_bad_arguments() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(SplitError, match="into 3 stages"):
+        split(model, torch.randn(2, 2), stages=3)
+    with pytest.raises(TypeError, match="either at="):
+        split(model, torch.randn(2, 2))
+    with pytest.raises(TypeError, match="has no default"):
+        split(Keywords(), torch.randn(2, 6), at=["third"])
+
+
+# In the pipeline: the same outputs and gradients as the module.
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_gpipe_of_a_split_transformer_is_transparent(checkpoint: str) -> None:
+    model, ids, target = _gpt()
+    reference = copy.deepcopy(model)
+    pipe = GPipe(
+        split(model, ids, at=["blocks.1", "blocks.3", "norm"]),
+        [1, 1, 1, 1],
+        chunks=4,
+        checkpoint=checkpoint,
+    )  # type: ignore[arg-type]
+    _lm_loss(pipe(ids), target).backward()
+    _lm_loss(reference(ids), target).backward()
+    _assert_close(_pipe_grads(pipe), _grads(reference))
+    assert list(pipe.state_dict()) == list(reference.state_dict())
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedules_step_a_split_transformer_like_the_module(name: str) -> None:
+    model, ids, target = _gpt()
+    reference = copy.deepcopy(model)
+    pipe = GPipe(split(model, ids, at=["blocks.1", "blocks.3", "norm"]), [1, 1, 1, 1], chunks=4)
+    result = SCHEDULES[name](pipe, _lm_loss).step(ids, target)
+    loss = _lm_loss(reference(ids), target)
+    loss.backward()
+    torch.testing.assert_close(result.loss, loss.detach(), rtol=1e-5, atol=1e-6)
+    _assert_close(_pipe_grads(pipe), _grads(reference))
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_gpipe_of_a_split_u_shape_and_keywords_is_transparent(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    for model, example, at in [
+        (UShaped(), torch.randn(8, 8), ["down.1", "middle", "up.1"]),
+        (Keywords(), {"x": torch.randn(8, 6), "scale": torch.randn(8, 6)}, ["second", "third"]),
+    ]:
+        reference = copy.deepcopy(model)
+        n = len(at) + 1
+        pipe = GPipe(split(model, example, at=at), [1] * n, chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+        ours = pipe(example)
+        theirs = reference(**example) if isinstance(example, dict) else reference(example)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+        _total(ours).backward()
+        _total(theirs).backward()
+        _assert_close(_pipe_grads(pipe), _grads(reference))
+
+
+def _total(value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return (value * value).sum()
+    if isinstance(value, dict):
+        return sum((_total(v) for v in value.values()), torch.zeros(()))
+    return sum((_total(v) for v in value), torch.zeros(()))
+
+
+def test_dropout_in_a_split_model_is_the_same_in_every_mode() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(dropout=0.2)
+    ids = torch.randint(0, 32, (8, 8))
+    grads = []
+    for checkpoint in MODES:
+        pipe = GPipe(
+            split(copy.deepcopy(model), ids, at=["blocks.2"]),
+            [1, 1],
+            chunks=4,
+            checkpoint=checkpoint,
+        )  # type: ignore[arg-type]
+        torch.manual_seed(5)
+        pipe(ids).square().mean().backward()
+        grads.append(_pipe_grads(pipe))
+    for other in grads[1:]:
+        _assert_close(other, grads[0])
+
+
+# Across processes: PipelineStage runs the stages of a split model.
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_processes_step_a_split_u_shape_like_the_module(schedule: str) -> None:
+    from test_nccl_transport import _play
+
+    torch.manual_seed(0)
+    plain = UShaped()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    at = ["down.2", "up.0", "up.2"]  # 4 stages, 2 per rank; skips cross the ranks
+    build = lambda: split(copy.deepcopy(plain), x, at=at)  # noqa: E731
+    results, _ = _play(2, schedule, build, [(x, y)], chunks=4)
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    loss = F.mse_loss(plain(x), y)
+    loss.backward()
+    grads: dict[str, Tensor] = {}
+    state: dict[str, Tensor] = {}
+    for steps, part in results:
+        torch.testing.assert_close(steps[0][0], loss.detach(), rtol=1e-5, atol=1e-6)
+        grads.update({name.partition(".")[2]: grad for name, grad in steps[0][2].items()})
+        state.update(part)
+    _assert_close(grads, _grads(plain))
+    assert sorted(state) == sorted(plain.state_dict())  # each rank: the model's keys
