@@ -332,8 +332,9 @@ def test_dropout_in_a_split_model_is_the_same_in_every_mode() -> None:
 # Across processes: PipelineStage runs the stages of a split model.
 
 
+@pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_processes_step_a_split_u_shape_like_the_module(schedule: str) -> None:
+def test_processes_step_a_split_u_shape_like_the_module(schedule: str, checkpoint: str) -> None:
     from test_nccl_transport import _play
 
     torch.manual_seed(0)
@@ -341,7 +342,7 @@ def test_processes_step_a_split_u_shape_like_the_module(schedule: str) -> None:
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     at = ["down.2", "up.0", "up.2"]  # 4 stages, 2 per rank; skips cross the ranks
     build = lambda: split(copy.deepcopy(plain), x, at=at)  # noqa: E731
-    results, _ = _play(2, schedule, build, [(x, y)], chunks=4)
+    results, _ = _play(2, schedule, build, [(x, y)], chunks=4, checkpoint=checkpoint)
     for value in results:
         assert not isinstance(value, BaseException), value
     loss = F.mse_loss(plain(x), y)
@@ -354,3 +355,19 @@ def test_processes_step_a_split_u_shape_like_the_module(schedule: str) -> None:
         state.update(part)
     _assert_close(grads, _grads(plain))
     assert sorted(state) == sorted(plain.state_dict())  # each rank: the model's keys
+
+
+def test_processes_step_a_split_transformer_with_its_tied_head() -> None:
+    from test_nccl_transport import _play
+
+    model, ids, _ = _gpt()
+    y = torch.randn(8, 8, 32)
+    build = lambda: split(copy.deepcopy(model), ids, at=["blocks.2"])  # noqa: E731
+    results, _ = _play(2, "1f1b", build, [(ids, y)], chunks=4)  # the head on rank 1
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    F.mse_loss(model(ids), y).backward()
+    grads = {
+        name.partition(".")[2]: grad for steps, _ in results for name, grad in steps[0][2].items()
+    }
+    _assert_close(grads, _grads(model))  # tokens.weight and head.weight: the sum of both uses

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Any
 
 import pytest
 import torch
+from distributed_helpers import run_threads
+from nccl_rules import NCCLRules
+from test_nccl_transport import SCHEDULES
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
-from torchgpipe.tied import check_layers
+from torchgpipe.distributed import PipelineStage, Transport
 
 VOCAB, WIDTH = 11, 6
 
@@ -97,8 +102,88 @@ def test_a_module_in_two_partitions_is_refused() -> None:
         GPipe(nn.Sequential(nn.Sequential(shared), nn.Sequential(shared)), [1, 1])
 
 
-def test_across_processes_shared_tensors_are_still_refused() -> None:
-    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
-    b.weight = a.weight
-    with pytest.raises(ValueError, match=r"1\.weight is the same tensor as 0\.weight.*processes"):
-        check_layers(nn.Sequential(a, b), ties=False)
+# Across processes: the copies' gradients summed over the ranks that hold them.
+
+
+def _across(
+    world: int, schedule: str, balance: list[int], steps: int, *, meta: bool = False
+) -> tuple[list[Any], NCCLRules]:
+    """``steps`` Adam steps of ``schedule`` on ``world`` ranks, under NCCL's rules.
+
+    Each rank returns its state dict after the steps and its gradients of the first.
+    """
+    rules = NCCLRules(world)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        models = [_language_model() for _ in range(world)]  # before the threads: the RNG
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
+        driver = SCHEDULES[schedule](stage, F.cross_entropy)
+        parameters = list(stage.parameters())  # none on the rank of Mean
+        optimizer = torch.optim.Adam(parameters, lr=0.01) if parameters else None
+        first: dict[str, Tensor] = {}
+        for k in range(steps):
+            ids, target = _data(100 + k)
+            stage.zero_grad()
+            driver.step(ids if stage.is_first else None, target if stage.is_last else None)
+            if k == 0:
+                first = {
+                    n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None
+                }
+            if optimizer is not None:
+                optimizer.step()
+        return stage.state_dict(), first
+
+    return run_threads(rank, world, timeout=60.0, observe=rules.group), rules
+
+
+def _trained(steps: int) -> tuple[nn.Sequential, dict[str, Tensor]]:
+    """The plain model after ``steps`` Adam steps, and its gradients of the first."""
+    plain = _language_model()
+    optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
+    first: dict[str, Tensor] = {}
+    for k in range(steps):
+        ids, target = _data(100 + k)
+        optimizer.zero_grad()
+        F.cross_entropy(plain(ids), target).backward()
+        if k == 0:
+            first = {n: p.grad.clone() for n, p in plain.named_parameters(remove_duplicate=False)}
+        optimizer.step()
+    return plain, first
+
+
+@pytest.mark.parametrize(
+    ("world", "schedule", "balance"),
+    [
+        (2, "1f1b", [2, 3]),
+        (4, "gpipe", [1, 1, 1, 2]),  # ranks 1 and 2 hold no copy
+        (2, "interleaved", [1, 1, 1, 2]),  # stage 0 on rank 0, stage 3 on rank 1
+        (2, "zero-bubble", [2, 3]),
+    ],
+)
+def test_processes_keep_tied_copies_equal_over_fifty_adam_steps(
+    world: int, schedule: str, balance: list[int]
+) -> None:
+    results, _ = _across(world, schedule, balance, 50)
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    plain, first = _trained(50)
+    grads: dict[str, Tensor] = {}
+    state: dict[str, Tensor] = {}
+    for part, its in results:
+        grads.update(its)
+        state.update(part)
+    assert grads.keys() == first.keys()
+    for name, grad in first.items():  # both names of the tied weight: the sum
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(results[0][0]["0.weight"], results[-1][0]["4.weight"])
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_meta_model_starts_with_the_owners_values_on_every_rank() -> None:
+    results, _ = _across(2, "1f1b", [2, 3], 1, meta=True)
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    # One step from equal starts, with equal gradients: still equal.
+    assert torch.equal(results[0][0]["0.weight"], results[1][0]["4.weight"])

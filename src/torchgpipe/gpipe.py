@@ -99,9 +99,11 @@ class GPipe(nn.Module, StageHolder):
         TypeError: ``module`` is not an ``nn.Sequential``, an argument has the wrong
             type, or the skip connections do not match up (see
             :func:`torchgpipe.skip.verify_skippables`).
-        ValueError: ``module`` holds a layer twice or shares parameters between
-            layers, ``chunks`` is not positive, ``checkpoint`` is unknown, a device
-            is not available, or a meta layer cannot be filled (see ``init``).
+        ValueError: ``module`` holds a layer twice, or a module inside layers of two
+            partitions (a parameter shared by layers is fine: each partition gets a
+            copy, kept equal; ``tied.py``), ``chunks`` is not positive,
+            ``checkpoint`` is unknown, a device is not available, or a meta layer
+            cannot be filled (see ``init``).
         BalanceError: ``balance`` is missing, does not sum to ``len(module)``, or has a
             non-positive entry.
         IndexError: there are fewer devices than partitions.
@@ -134,7 +136,7 @@ class GPipe(nn.Module, StageHolder):
             )
         check_meta_arguments(module, init, state_dict)
         self.balance = check_balance(balance, len(module))
-        check_layers(module, ties=True)
+        check_layers(module)
         verify_skippables(module)
         self.devices = _check_devices(devices, len(self.balance))
         self.chunks = check_chunks(chunks)

@@ -48,6 +48,14 @@ __all__ = ["SplitError", "Stage", "split"]
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _CALLS = ("call_module", "call_function", "call_method")
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# The machinery between a forward's line and the tracer's error: not where it failed.
+_MACHINERY = (
+    os.path.join(_TORCH_DIR, "fx", ""),
+    os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
+    os.path.join(_TORCH_DIR, "__init__.py"),
+    os.path.join(_TORCH_DIR, "_tensor.py"),
+    __file__,
+)
 
 
 class SplitError(ValueError):
@@ -221,10 +229,10 @@ def _trace_failure(module: nn.Module, error: Exception) -> str:
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(_TORCH_DIR)
+        if not f.filename.startswith(_MACHINERY)
     ]
     where = ""
-    if frames and frames[-1].filename != __file__:
+    if frames:  # the last line run before the tracer's machinery: a forward's
         f = frames[-1]
         where = f" at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
     return (

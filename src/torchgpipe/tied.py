@@ -20,13 +20,15 @@ backward queues in autograd's engine (it runs once the whole backward is over).
 What follows: the model's ``parameters()`` hold each copy (an optimizer steps them all;
 gradient-norm clipping counts a tied weight once per copy), and ``state_dict()`` holds
 every name the weight has, as the unwrapped model's does. Buffers shared across
-partitions are copied once, and not kept equal afterwards.
+partitions are copied once, and not kept equal afterwards. Across processes, each
+group also knows the ranks that hold it, and :meth:`Ties.reduce` sums over them through
+an :data:`Across` (``torchgpipe/distributed/ties.py``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,11 +40,8 @@ from torchgpipe.microbatch import flatten, unflatten
 __all__ = ["Ties", "check_layers"]
 
 
-def check_layers(module: nn.Sequential, *, ties: bool) -> None:
-    """Refuse a layer that appears twice, and (unless ``ties``) tensors shared by layers.
-
-    With ``ties``, tensors shared by layers are fine: :class:`Ties` copies them.
-    """
+def check_layers(module: nn.Sequential) -> None:
+    """Refuse a layer that appears twice (tensors shared by layers are fine: ties)."""
     problems = []
     first_index: dict[int, int] = {}
     for index, layer in enumerate(module):
@@ -50,26 +49,20 @@ def check_layers(module: nn.Sequential, *, ties: bool) -> None:
             problems.append(f"layer {index} is the same module as layer {first_index[id(layer)]}")
         else:
             first_index[id(layer)] = index
-    owner: dict[int, str] = {}
-    for index, layer in enumerate(module):
-        if first_index[id(layer)] != index or ties:
-            continue
-        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-            qualified = f"{index}.{name}"
-            if id(tensor) in owner and not owner[id(tensor)].startswith(f"{index}."):
-                problems.append(f"{qualified} is the same tensor as {owner[id(tensor)]}")
-            owner.setdefault(id(tensor), qualified)
     if problems:
-        shared = "" if ties else " and every parameter"
-        hint = (
-            "use separate modules (tied weights across processes are not supported yet; "
-            "GPipe in one process supports them)"
-            if not ties
-            else "use separate modules"
-        )
         raise ValueError(
-            f"every layer{shared} must belong to one layer only, but {'; '.join(problems)}; {hint}"
+            f"every layer must appear once, but {'; '.join(problems)}; use separate "
+            f"modules (they may share parameters: layer_b.weight = layer_a.weight)"
         )
+
+
+Across = Callable[[tuple[int, ...], Tensor, Tensor], Tensor]
+"""Sums a tied weight's gradient over processes: ``across(ranks, grad, mine)``.
+
+Every process of ``ranks`` (sorted, the owner first) calls it with its own ``.grad``
+and ``mine``, what this backward added to it here; each gets the owner's ``grad`` plus
+every other process's ``mine``. See :mod:`torchgpipe.distributed.ties`.
+"""
 
 
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter in it
@@ -82,8 +75,9 @@ class Ties:
     replaces its parameters (``materialize.py``).
     """
 
-    def __init__(self, slots: list[list[Slot]]) -> None:
+    def __init__(self, slots: list[list[Slot]], ranks: list[tuple[int, ...] | None]) -> None:
         self.slots = slots
+        self.ranks = ranks  # per group: the processes that hold it, or None: this one only
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._handles: list[RemovableHandle] = []
@@ -95,14 +89,19 @@ class Ties:
 
     @classmethod
     def untie(
-        cls, partitions: Sequence[Sequence[nn.Module]], devices: Sequence[torch.device]
+        cls,
+        partitions: Sequence[Sequence[nn.Module]],
+        devices: Sequence[torch.device],
+        *,
+        shared: Mapping[int, tuple[int, ...]] | None = None,
     ) -> Ties:
         """Give each partition its own copy of every tensor an earlier partition uses.
 
         ``partitions`` holds each partition's layers, ``devices`` their devices. A copy
         goes where the owner's tensor was, in every module of the partition that held
         it; a parameter's copy starts equal to it (a meta one stays meta). Call
-        :meth:`align` once the partitions are placed and filled.
+        :meth:`align` once the partitions are placed and filled. ``shared`` maps the
+        ``id`` of each parameter other processes hold too to the ranks that hold it.
 
         Raises:
             ValueError: a module is part of two partitions.
@@ -111,6 +110,7 @@ class Ties:
         home: dict[int, int] = {}  # a module's partition
         copies: dict[tuple[int, int], Tensor] = {}
         groups: dict[int, list[Slot]] = {}
+        shared = shared or {}
         for j, layers in enumerate(partitions):
             for layer in layers:
                 for module in layer.modules():
@@ -126,6 +126,8 @@ class Ties:
                                 continue
                             key = id(tensor)
                             owner, slot = first.setdefault(key, (j, (module, name)))
+                            if key in shared and isinstance(tensor, nn.Parameter):
+                                groups.setdefault(key, [slot])
                             if owner == j:
                                 continue
                             copy = copies.get((key, j))
@@ -134,7 +136,8 @@ class Ties:
                                 if isinstance(tensor, nn.Parameter):
                                     groups.setdefault(key, [slot]).append((module, name))
                             slots[name] = copy  # type: ignore[assignment]  # a Parameter's copy is one
-        return cls(list(groups.values()))
+        keys = [key for key, group in groups.items() if len(group) > 1 or key in shared]
+        return cls([groups[key] for key in keys], [shared.get(key) for key in keys])
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -155,22 +158,32 @@ class Ties:
         with self._lock:
             self._pending.clear()
 
-    def reduce(self) -> None:
-        """Give every copy the sum of the gradients all its group's uses added since."""
+    def reduce(self, across: Across | None = None) -> None:
+        """Give every copy the sum of the gradients all its group's uses added since.
+
+        ``across`` sums over the other processes that hold a group (every process of
+        the group calls this, ``across`` included, for each such group in order).
+        """
         with self._lock:
             pending, self._pending = self._pending, {}
-        if not pending:
-            return
         with torch.no_grad():
             for g, (owner, *copies) in enumerate(self.groups):
-                others = [pending.get((g, c + 1)) for c in range(len(copies))]
-                if all(part is None for part in others) and (g, 0) not in pending:
+                parts = [pending.get((g, c)) for c in range(len(copies) + 1)]
+                ranks = self.ranks[g]
+                if ranks is None and all(part is None for part in parts):
                     continue
                 total = owner.grad
-                for part in others:
+                for part in parts[1:]:
                     if part is not None:
                         part = part.to(owner.device)
                         total = part if total is None else total.add_(part)
+                if ranks is not None and across is not None:
+                    mine = torch.zeros_like(owner)
+                    for part in parts:
+                        if part is not None:
+                            mine += part.to(owner.device)
+                    here = total if total is not None else torch.zeros_like(owner)
+                    total = across(ranks, here, mine)
                 if total is None:
                     continue
                 owner.grad = total
@@ -215,10 +228,10 @@ class Ties:
                 seen.add_(grad.detach())
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"slots": self.slots}
+        return {"slots": self.slots, "ranks": self.ranks}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["slots"])  # type: ignore[misc]
+        self.__init__(state["slots"], state["ranks"])  # type: ignore[misc]
         self._hook()  # on the copied tensors
 
 

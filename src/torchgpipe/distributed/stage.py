@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.distributed.exchange import Exchange, Key
+from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
 from torchgpipe.distributed.transport import ProcessGroupTransport, Transport
 from torchgpipe.gpipe import (
     Checkpoint,
@@ -44,7 +45,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.tied import check_layers
+from torchgpipe.tied import Ties, check_layers
 from torchgpipe.trace import Trace
 from torchgpipe.worker import WorkerPool
 
@@ -65,7 +66,11 @@ class PipelineStage(nn.Module, StageHolder):
 
     The stage is a module that holds this process's layers under their names in the
     ``nn.Sequential``, so ``stage.parameters()`` are the ones to optimize here and
-    ``stage.state_dict()`` has the keys of the plain model's.
+    ``stage.state_dict()`` has the keys of the plain model's (a split model's too:
+    :func:`torchgpipe.split`). A parameter that stages on several processes use (a
+    tied embedding and output head) has a copy in each; after every step each copy's
+    gradient is the sum over all its uses, so equal updates keep them equal
+    (``distributed/ties.py``).
 
     Args:
         module: the whole model, the same in every process; its layers are split by
@@ -132,7 +137,7 @@ class PipelineStage(nn.Module, StageHolder):
             )
         check_meta_arguments(module, init, state_dict)
         self.balance = check_balance(balance, len(module))
-        check_layers(module, ties=False)
+        check_layers(module)
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint: Checkpoint = check_checkpoint(checkpoint)
@@ -186,6 +191,13 @@ class PipelineStage(nn.Module, StageHolder):
         self.partitions: dict[int, nn.Sequential] = {}
         own = [layer for s in self.stages for layer in layers[starts[s] : starts[s + 1]]]
         check_materializable(own, init=init, state_dict=state_dict)  # before any change
+        every = [[layer for _, layer in layers[starts[s] : starts[s + 1]]] for s in range(n)]
+        shared = tied_ranks(every, [s % self.world_size for s in range(n)])
+        self._ties = Ties.untie(  # a tied weight: a copy per stage here, kept equal to theirs
+            [every[s] for s in self.stages],
+            [self.device] * len(self.stages),
+            shared={key: ranks for key, ranks in shared.items() if self.rank in ranks},
+        )
         for s in self.stages:
             part = layers[starts[s] : starts[s + 1]]
             # Only this process's layers are allocated, when built on the meta device.
@@ -203,6 +215,8 @@ class PipelineStage(nn.Module, StageHolder):
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
         self._tracer: Trace | None = None  # set by trace()
         self._check_peers()
+        self._across = AcrossRanks(transport)
+        self._across.align(self._ties)
 
     @property
     def is_first(self) -> bool:
@@ -269,7 +283,11 @@ class PipelineStage(nn.Module, StageHolder):
         """This process's part of one step of ``steps``, in every process at once."""
         from torchgpipe.distributed.schedule import run_step  # it builds on this module
 
-        return run_step(self, steps, input, target)
+        self._ties.begin()
+        result = run_step(self, steps, input, target)
+        if self._ties:  # every rank's step ended well: each holder of a tie takes part
+            self._ties.reduce(self._across)
+        return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """This process's part of a forward-only step; the output on the last rank."""

@@ -1,0 +1,104 @@
+"""Weights tied across processes: which ranks hold each, and their sums over the wire.
+
+A parameter that layers of two stages use (a language model's token embedding and its
+output head) lives in each process that runs one of those stages. Every process sees
+the whole model, so each works out the same groups (:func:`tied_ranks`): the ranks
+holding a tied parameter, sorted, the first its owner. Inside a process the partitions
+share copies as ``GPipe``'s do (``torchgpipe/tied.py``); between processes,
+:class:`AcrossRanks` moves them:
+
+- at the start, the owner's values go to the other holders (a model filled on each
+  rank by its modules' own ``reset_parameters`` starts with different values);
+- after each step, each holder sends the owner what its backward added to the weight;
+  the owner adds it all to its gradient and sends the sum back.
+
+The transfers are the transport's own (``Transport.issue``), on the pipeline's group,
+from the thread that runs the step, in the order of the groups: every pair of ranks
+issues them in matching order, as NCCL requires (``tests/nccl_rules.py`` checks it).
+Only the ranks of a group take part in its transfers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.distributed.transport import Transfer, Transport
+from torchgpipe.tied import Ties
+
+__all__ = ["AcrossRanks", "tied_ranks"]
+
+
+def tied_ranks(
+    partitions: Sequence[Sequence[nn.Module]], placement: Sequence[int]
+) -> dict[int, tuple[int, ...]]:
+    """For each parameter used by stages on two ranks or more: ``id`` to those ranks.
+
+    ``partitions`` holds every stage's layers (of the whole model, as every process has
+    it), ``placement`` each stage's rank.
+    """
+    ranks: dict[int, set[int]] = {}
+    for layers, rank in zip(partitions, placement, strict=True):
+        for layer in layers:
+            for parameter in layer.parameters():
+                ranks.setdefault(id(parameter), set()).add(rank)
+    return {key: tuple(sorted(held)) for key, held in ranks.items() if len(held) > 1}
+
+
+class AcrossRanks:
+    """The transfers that keep the tied parameters of a process equal to the others'."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def align(self, ties: Ties) -> None:
+        """Give every holder the owner's values of each group held by several processes."""
+        with torch.no_grad():
+            for group, ranks in zip(ties.groups, ties.ranks, strict=True):
+                if ranks is not None:
+                    group[0].copy_(self._from_owner(ranks, group[0]))
+        ties.align()  # and from this process's owner to its own copies
+
+    def __call__(self, ranks: tuple[int, ...], grad: Tensor, mine: Tensor) -> Tensor:
+        """The owner's ``grad`` plus every other holder's ``mine`` (see ``tied.Across``)."""
+        owner, me = ranks[0], self.transport.rank
+        if me == owner:
+            buffers = [self._buffer(grad) for _ in ranks[1:]]
+            self._wait(
+                [Transfer("recv", peer, b) for peer, b in zip(ranks[1:], buffers, strict=True)]
+            )
+            for buffer in buffers:
+                grad = grad.add_(self._tensor(buffer, grad))
+        else:
+            self._wait([Transfer("send", owner, self._wire(mine))])
+        return self._from_owner(ranks, grad)
+
+    def _from_owner(self, ranks: tuple[int, ...], value: Tensor) -> Tensor:
+        """The owner's ``value``, in every process of ``ranks``."""
+        owner, me = ranks[0], self.transport.rank
+        if me == owner:
+            wire = self._wire(value)
+            self._wait([Transfer("send", peer, wire) for peer in ranks[1:]])
+            return value
+        buffer = self._buffer(value)
+        self._wait([Transfer("recv", owner, buffer)])
+        return self._tensor(buffer, value)
+
+    def _wait(self, transfers: list[Transfer]) -> None:
+        for pending in self.transport.issue(transfers):
+            pending.wait()
+
+    def _wire(self, value: Tensor) -> Tensor:
+        """``value``'s bytes, flat, on the wire."""
+        return value.detach().contiguous().to(self.transport.wire).reshape(-1).view(torch.uint8)
+
+    def _buffer(self, like: Tensor) -> Tensor:
+        nbytes = like.numel() * like.element_size()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.transport.wire)
+
+    @staticmethod
+    def _tensor(buffer: Tensor, like: Tensor) -> Tensor:
+        """The bytes of ``buffer`` as a tensor shaped as ``like``, on its device."""
+        return buffer.view(like.dtype).reshape(like.shape).to(like.device)
