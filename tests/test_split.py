@@ -371,3 +371,38 @@ def test_processes_step_a_split_transformer_with_its_tied_head() -> None:
         name.partition(".")[2]: grad for steps, _ in results for name, grad in steps[0][2].items()
     }
     _assert_close(grads, _grads(model))  # tokens.weight and head.weight: the sum of both uses
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_processes_step_a_split_model_with_keyword_inputs_and_dict_outputs(checkpoint: str) -> None:
+    from distributed_helpers import run_threads
+
+    from torchgpipe.distributed import PipelineStage, Transport
+
+    torch.manual_seed(0)
+    plain = Keywords()
+    inputs = {"x": torch.randn(8, 6), "scale": torch.randn(8, 6)}
+    target = torch.randn(8, 3)
+    models = [split(copy.deepcopy(plain), inputs, at=["second"]) for _ in range(2)]
+
+    def loss_fn(output: dict[str, Any], target: Tensor) -> Tensor:
+        h, g = output["both"]  # means: the step's loss averages the micro-batches'
+        return F.mse_loss(output["out"], target) + (h * g).mean()
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(
+            models[transport.rank], [1, 1], transport=transport, chunks=4, checkpoint=checkpoint
+        )
+        result = Schedule1F1B(stage, loss_fn).step(
+            inputs if stage.is_first else None, target if stage.is_last else None
+        )
+        grads = {n.partition(".")[2]: p.grad for n, p in stage.named_parameters()}
+        return result.loss, grads
+
+    results = run_threads(rank, 2, timeout=30.0)
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    loss = loss_fn(plain(**inputs), target)
+    loss.backward()
+    torch.testing.assert_close(results[0][0], loss.detach(), rtol=1e-5, atol=1e-6)
+    _assert_close({**results[0][1], **results[1][1]}, _grads(plain))
