@@ -182,6 +182,81 @@ def test_balanced_split_traces_into_a_wrapper_when_it_must() -> None:
     torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
 
 
+def test_balanced_cuts_keep_a_module_called_many_times_in_one_stage() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second, self.third = (nn.Linear(8, 8) for _ in range(3))
+            self.act = nn.ReLU()  # one module, called after each layer
+
+        def forward(self, x: Tensor) -> Tensor:
+            x = self.act(self.first(x))
+            x = self.act(self.second(x))
+            return self.third(x)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.front, self.shared, self.back = Shared(), Shared(), nn.Linear(8, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.back(self.shared(self.front(x)))
+
+    torch.manual_seed(0)
+    model, x = Twice(), torch.randn(4, 8)
+    stages = split(model, x, stages=2)  # traced into neither Shared: three calls
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+    with pytest.raises(SplitError, match="calls 'act' in stage 0"):
+        split(Shared(), x, at=["second"])
+
+
+def test_a_device_read_in_one_stage_is_read_again_in_the_next() -> None:
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens, self.middle = nn.Embedding(10, 4), nn.Linear(4, 4)
+            self.positions = nn.Embedding(8, 4)
+
+        def forward(self, ids: Tensor) -> Tensor:
+            device = ids.device
+            x = self.middle(self.tokens(ids))
+            return x + self.positions(torch.arange(ids.size(1), device=device))
+
+    model, ids = Positions(), torch.randint(0, 10, (4, 8))
+    stages = split(model, ids, at=["middle"])
+    handed_on = stages[0](ids)
+    assert not any(isinstance(value, torch.device) for value in handed_on)
+    torch.testing.assert_close(stages(ids), model(ids), rtol=0, atol=0)
+
+
+def test_split_leaves_the_module_as_it_was() -> None:
+    class Constant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x) + torch.tensor([1.0, 2.0]))  # fx keeps it on the module
+
+    model = Constant()
+    before = set(vars(model))
+    stages = split(model, torch.randn(3, 2), at=["b"])
+    assert set(vars(model)) == before
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
+def test_missing_keys_are_named_as_the_model_names_them() -> None:
+    model, ids, _ = _gpt()
+    stages = split(model, ids, at=["blocks.2"])
+    state = model.state_dict()
+    del state["norm.weight"]
+    report = stages.load_state_dict(state, strict=False)
+    assert report.missing_keys == ["norm.weight"]
+    with pytest.raises(RuntimeError, match=r'Missing key.*"norm\.weight"'):
+        stages.load_state_dict(state)
+
+
 # What cannot be split, and why.
 
 
@@ -342,7 +417,8 @@ def test_processes_step_a_split_u_shape_like_the_module(schedule: str, checkpoin
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     at = ["down.2", "up.0", "up.2"]  # 4 stages, 2 per rank; skips cross the ranks
     build = lambda: split(copy.deepcopy(plain), x, at=at)  # noqa: E731
-    results, _ = _play(2, schedule, build, [(x, y)], chunks=4, checkpoint=checkpoint)
+    results, rules = _play(2, schedule, build, [(x, y)], chunks=4, checkpoint=checkpoint)
+    rules.check()
     for value in results:
         assert not isinstance(value, BaseException), value
     loss = F.mse_loss(plain(x), y)
@@ -363,7 +439,8 @@ def test_processes_step_a_split_transformer_with_its_tied_head() -> None:
     model, ids, _ = _gpt()
     y = torch.randn(8, 8, 32)
     build = lambda: split(copy.deepcopy(model), ids, at=["blocks.2"])  # noqa: E731
-    results, _ = _play(2, "1f1b", build, [(ids, y)], chunks=4)  # the head on rank 1
+    results, rules = _play(2, "1f1b", build, [(ids, y)], chunks=4)  # the head on rank 1
+    rules.check()  # the step's transfers and the tie's
     for value in results:
         assert not isinstance(value, BaseException), value
     F.mse_loss(model(ids), y).backward()

@@ -88,6 +88,39 @@ def test_copies_stay_equal_over_fifty_adam_steps(schedule: type | None) -> None:
     torch.testing.assert_close(pipe[2].weight, plain[2].weight, rtol=1e-4, atol=1e-5)
 
 
+def test_freezing_either_name_freezes_the_tied_weight() -> None:
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=2)
+    pipe[4].weight.requires_grad_(False)  # the head's name, as plain[4].weight would be
+    ids, target = _data(3)
+    F.cross_entropy(pipe(ids), target).backward()
+    assert not pipe[0].weight.requires_grad
+    assert pipe[0].weight.grad is None
+    assert pipe[4].weight.grad is None
+    assert pipe[2].weight.grad is not None
+
+
+def test_loading_one_name_of_a_tied_weight_sets_every_copy() -> None:
+    pipe = GPipe(_language_model(), [2, 3], chunks=2)
+    state = {k: v + 1 for k, v in _language_model().state_dict().items() if k != "4.weight"}
+    report = pipe.load_state_dict(state, strict=False)
+    assert report.missing_keys == ["4.weight"]
+    assert torch.equal(pipe[4].weight, state["0.weight"])
+    assert torch.equal(pipe[0].weight, state["0.weight"])
+
+
+def test_one_micro_batch_output_may_be_changed_in_place() -> None:
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=1)
+    ids, target = _data(4)
+    output = pipe(ids)
+    output.mul_(2)
+    F.cross_entropy(output, target).backward()
+    expected = plain(ids)
+    F.cross_entropy(expected * 2, target).backward()
+    torch.testing.assert_close(pipe[4].weight.grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_meta_model_fills_the_copies_from_the_owner() -> None:
     with torch.device("meta"):
         model = _language_model()
@@ -164,7 +197,8 @@ def _trained(steps: int) -> tuple[nn.Sequential, dict[str, Tensor]]:
 def test_processes_keep_tied_copies_equal_over_fifty_adam_steps(
     world: int, schedule: str, balance: list[int]
 ) -> None:
-    results, _ = _across(world, schedule, balance, 50)
+    results, rules = _across(world, schedule, balance, 50)
+    rules.check()
     for value in results:
         assert not isinstance(value, BaseException), value
     plain, first = _trained(50)
@@ -181,8 +215,91 @@ def test_processes_keep_tied_copies_equal_over_fifty_adam_steps(
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _crossed() -> nn.Sequential:
+    """Two ties whose first uses come in opposite orders on the two ranks."""
+    torch.manual_seed(0)
+    a, b, c, d = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+    c.weight = b.weight  # stages 1 and 2: rank 1 meets it first
+    d.weight = a.weight  # stages 0 and 3: rank 0 meets it first
+    return nn.Sequential(a, nn.Sequential(b, nn.Tanh()), nn.Sequential(c, nn.Tanh()), d)
+
+
+def test_several_ties_travel_in_one_order_on_every_rank() -> None:
+    rules = NCCLRules(2)
+    models = [_crossed() for _ in range(2)]
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [1, 1, 1, 1], transport=transport, chunks=4)
+        SCHEDULES["interleaved"](stage, F.mse_loss).step(
+            x if stage.is_first else None, y if stage.is_last else None
+        )
+        return {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    rules.check()
+    plain = _crossed()
+    F.mse_loss(plain(x), y).backward()
+    expected = {n: p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
+    for grads in results:
+        assert not isinstance(grads, BaseException), grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_rank_that_fails_after_the_step_leaves_no_rank_waiting_on_a_tie() -> None:
+    class Aux(nn.Module):  # returns a 0-dim value, which the last rank cannot gather
+        def __init__(self, head: nn.Module) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            out = self.head(x)
+            return out, out.mean()
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        a, d = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        d.weight = a.weight
+        models.append(nn.Sequential(a, Aux(d)))
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [1, 1], transport=transport, chunks=4)
+        loss = lambda out, t: F.mse_loss(out[0], t) + out[1]  # noqa: E731
+        return Schedule1F1B(stage, loss).step(
+            x if stage.is_first else None, y if stage.is_last else None
+        )
+
+    first, last = run_threads(rank, 2, timeout=20.0)
+    assert not isinstance(first, BaseException)  # the tie reduced before the output failed
+    assert isinstance(last, ValueError)
+    assert "0-dim" in str(last)
+
+
+def test_frozen_tied_weights_get_no_gradient_across_processes() -> None:
+    models = [_language_model() for _ in range(2)]
+    for model in models:
+        model[0].weight.requires_grad_(False)
+    ids, target = _data(5)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        Schedule1F1B(stage, F.cross_entropy).step(
+            ids if stage.is_first else None, target if stage.is_last else None
+        )
+        return {n: p.grad for n, p in stage.named_parameters()}
+
+    first, last = run_threads(rank, 2, timeout=20.0)
+    assert first["0.weight"] is None
+    assert last["4.weight"] is None
+    assert last["2.weight"] is not None
+
+
 def test_a_meta_model_starts_with_the_owners_values_on_every_rank() -> None:
-    results, _ = _across(2, "1f1b", [2, 3], 1, meta=True)
+    results, rules = _across(2, "1f1b", [2, 3], 1, meta=True)
+    rules.check()
     for value in results:
         assert not isinstance(value, BaseException), value
     # One step from equal starts, with equal gradients: still equal.

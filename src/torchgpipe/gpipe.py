@@ -175,6 +175,8 @@ class GPipe(nn.Module, StageHolder):
             materialize(part, device, init=init, state_dict=state_dict)  # meta layers only
             partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
         self._ties.align()
+        if self._ties:
+            self.register_load_state_dict_post_hook(self._ties.loaded)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         if any(isinstance(layer, Stage) for layer in module):
             keep_plain_keys(self)  # a split model's keys: the model's own
         # A plain attribute, not a child module: the layers are registered once, above.

@@ -30,36 +30,28 @@ submodule.
 from __future__ import annotations
 
 import bisect
-import difflib
-import inspect
-import os
-import traceback
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, fx, nn
+from torch import fx, nn
 
 from torchgpipe.skip.skippable import Namespace, Skippable
+from torchgpipe.split_capture import (
+    TORCH_DIR,
+    SplitError,
+    ancestors,
+    candidates,
+    compute_nodes,
+    cuts_at,
+    inputs_of,
+    trace_forward,
+    trace_into,
+    value_kinds,
+)
 from torchgpipe.split_stage import InputKind, Stage, keep_plain_keys
 
 __all__ = ["SplitError", "Stage", "split"]
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-_CALLS = ("call_module", "call_function", "call_method")
-_TORCH_DIR = os.path.dirname(torch.__file__)
-# The machinery between a forward's line and the tracer's error: not where it failed.
-_MACHINERY = (
-    os.path.join(_TORCH_DIR, "fx", ""),
-    os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
-    os.path.join(_TORCH_DIR, "__init__.py"),
-    os.path.join(_TORCH_DIR, "_tensor.py"),
-    __file__,
-)
-
-
-class SplitError(ValueError):
-    """A module cannot be split as asked; the message says where, why, and what to do."""
 
 
 def split(
@@ -109,239 +101,50 @@ def split(
             f"{type(module).__name__} holds torchgpipe.skip layers; split makes the skips "
             f"itself: write the model as plain modules, or wrap it in GPipe as it is"
         )
-    kind, names, concrete = _inputs(module, example_input)
+    kind, names, concrete = inputs_of(module, example_input)
+    before = set(vars(module))
+    try:
+        return _split(module, example_input, at, stages, by, kind, names, concrete)
+    finally:  # the tensors fx keeps on the module it traces (the stages hold them now)
+        for name in set(vars(module)) - before:
+            if name.startswith("_tensor_constant"):
+                delattr(module, name)
+
+
+def _split(
+    module: nn.Module,
+    example_input: Any,
+    at: Sequence[str] | None,
+    stages: int | None,
+    by: str,
+    kind: InputKind,
+    names: tuple[str, ...],
+    concrete: dict[str, Any],
+) -> nn.Sequential:
     if at is not None:
         if isinstance(at, str) or not all(isinstance(name, str) for name in at):
             raise TypeError(f"at takes a list of submodule names, got {at!r}")
-        through = _ancestors(module, at)
-        graph = _trace(module, through, concrete)
-        cuts = _cuts_at(module, graph, list(at))
+        through = ancestors(module, at)
+        graph = trace_forward(module, through, concrete)
+        cuts = cuts_at(module, graph, list(at))
         return _build(
-            module, graph, cuts, kind, names, _tensor_nodes(module, graph, example_input, kind)
+            module, graph, cuts, kind, names, value_kinds(module, graph, example_input, kind)
         )
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise TypeError(f"stages must be a positive int, got {stages!r}")
     if by not in ("time", "size"):
         raise TypeError(f"by is 'time' or 'size', got {by!r}")
-    graph = _trace_into(module, stages, concrete)
-    tensors = _tensor_nodes(module, graph, example_input, kind)
-    candidates = _candidates(graph)
-    units = _build(module, graph, candidates, kind, names, tensors)
+    graph = trace_into(module, stages, concrete)
+    kinds = value_kinds(module, graph, example_input, kind)
+    starts = candidates(graph)
+    units = _build(module, graph, starts, kind, names, kinds)
     from torchgpipe import balance as balancing
 
     solve = balancing.balance_by_time if by == "time" else balancing.balance_by_size
     with torch.random.fork_rng(devices=[]):  # timing draws no number the user will miss
         counts = solve(stages, units, example_input)
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
-    return _build(module, graph, [candidates[end - 1] for end in ends], kind, names, tensors)
-
-
-# Capturing the forward.
-
-
-class _Tracer(fx.Tracer):
-    """Traces through the root, containers and the modules in ``through``; calls the rest."""
-
-    def __init__(self, through: set[str]) -> None:
-        super().__init__()
-        self.through = through
-        self.record_stack_traces = True  # for errors that name the line
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return not (isinstance(m, _CONTAINERS) or module_qualified_name in self.through)
-
-
-def _inputs(module: nn.Module, example: Any) -> tuple[InputKind, tuple[str, ...], dict[str, Any]]:
-    """How the split model takes its input, the names it fills, and the defaults kept."""
-    parameters = list(inspect.signature(module.forward).parameters.values())
-    variadic = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if variadic:
-        raise SplitError(
-            f"{type(module).__name__}.forward takes *{variadic[0]}; split needs named "
-            f"parameters: wrap the module in one whose forward names its arguments"
-        )
-    kind: InputKind
-    if isinstance(example, dict):
-        kind, given = "kwargs", list(example)
-        unknown = [name for name in given if name not in [p.name for p in parameters]]
-        if unknown:
-            raise TypeError(f"{type(module).__name__}.forward has no parameters {unknown}")
-        given = [p.name for p in parameters if p.name in example]  # in the forward's order
-    elif isinstance(example, tuple):
-        kind, given = "args", [p.name for p in parameters[: len(example)]]
-        if len(example) > len(parameters):
-            raise TypeError(
-                f"example_input gives {len(example)} positional arguments; "
-                f"{type(module).__name__}.forward takes {len(parameters)}"
-            )
-    else:
-        kind, given = "one", [p.name for p in parameters[:1]]
-    concrete = {}
-    for p in parameters:
-        if p.name in given:
-            continue
-        if p.default is p.empty:
-            raise TypeError(
-                f"example_input does not give {type(module).__name__}.forward's argument "
-                f"{p.name!r}, which has no default; give it (a tuple or dict of arguments)"
-            )
-        concrete[p.name] = p.default
-    return kind, tuple(given), concrete
-
-
-def _ancestors(module: nn.Module, at: Sequence[str]) -> set[str]:
-    """The modules to trace through so that each split point is a call of its own."""
-    known = dict(module.named_modules())
-    through: set[str] = set()
-    for name in at:
-        if name not in known or name == "":
-            close = difflib.get_close_matches(name, [n for n in known if n], n=3)
-            hint = f"; did you mean {close}?" if close else ""
-            raise SplitError(
-                f"split point {name!r} names no submodule of {type(module).__name__}{hint}"
-            )
-        parts = name.split(".")
-        through.update(".".join(parts[:k]) for k in range(1, len(parts)))
-    return through
-
-
-def _trace(module: nn.Module, through: set[str], concrete: dict[str, Any]) -> fx.Graph:
-    given = [p for p in inspect.signature(module.forward).parameters if p not in concrete]
-    try:
-        graph = _Tracer(through).trace(module, concrete_args=concrete or None)
-    except Exception as error:
-        raise SplitError(_trace_failure(module, error)) from error
-    # The defaults kept are constants in the graph now; what is left of their
-    # placeholders are fx's checks that they keep their values: drop them.
-    doomed: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.target not in given) or any(
-            used in doomed for used in node.all_input_nodes
-        ):
-            doomed.add(node)
-    for node in reversed(list(graph.nodes)):
-        if node in doomed:
-            graph.erase_node(node)
-    return graph
-
-
-def _trace_failure(module: nn.Module, error: Exception) -> str:
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(_MACHINERY)
-    ]
-    where = ""
-    if frames:  # the last line run before the tracer's machinery: a forward's
-        f = frames[-1]
-        where = f" at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
-    return (
-        f"cannot split {type(module).__name__}: torch.fx could not capture its forward{where}: "
-        f"{error}. Code that branches on a tensor's value, or loops over one, cannot be "
-        f"captured; move it into a submodule (split runs a submodule as one call, with "
-        f"any control flow), or out of the model"
-    )
-
-
-def _trace_into(module: nn.Module, stages: int, concrete: dict[str, Any]) -> fx.Graph:
-    """Trace through ever larger submodules until the forward makes ``stages`` calls."""
-    through: set[str] = set()
-    while True:
-        graph = _trace(module, through, concrete)
-        if len(_candidates(graph)) + 1 >= stages:
-            return graph
-        called = {n.target for n in graph.nodes if n.op == "call_module"}
-        expandable = [
-            (sum(p.numel() for p in module.get_submodule(name).parameters()), name)
-            for name in called
-            if isinstance(name, str)
-            and next(module.get_submodule(name).children(), None) is not None
-            and not type(module.get_submodule(name)).__module__.startswith("torch.")
-        ]
-        if not expandable:
-            raise SplitError(
-                f"cannot cut {type(module).__name__} into {stages} stages: its forward "
-                f"calls {len(_candidates(graph)) + 1} modules in turn; ask for fewer "
-                f"stages, or name split points inside its submodules with at=[...]"
-            )
-        through.add(max(expandable)[1])
-
-
-def _compute(graph: fx.Graph) -> list[fx.Node]:
-    return [node for node in graph.nodes if node.op in _CALLS]
-
-
-def _candidates(graph: fx.Graph) -> list[int]:
-    """Where a stage may start: at each call of a submodule but the first call."""
-    return [k for k, node in enumerate(_compute(graph)) if node.op == "call_module" and k > 0]
-
-
-def _belongs(node: fx.Node, name: str) -> bool:
-    if node.op == "call_module" and (
-        node.target == name or str(node.target).startswith(name + ".")
-    ):
-        return True
-    stack = node.meta.get("nn_module_stack") or {}
-    return any(path == name or str(path).startswith(name + ".") for path, _ in stack.values())
-
-
-def _cuts_at(module: nn.Module, graph: fx.Graph, at: list[str]) -> list[int]:
-    compute = _compute(graph)
-    cuts: list[int] = []
-    for name in at:
-        k = next((k for k, node in enumerate(compute) if _belongs(node, name)), None)
-        if k is None:
-            raise SplitError(
-                f"split point {name!r} is a submodule of {type(module).__name__} that its "
-                f"forward never calls; name a submodule the forward uses"
-            )
-        if k == 0:
-            raise SplitError(
-                f"split point {name!r} is where {type(module).__name__}'s forward starts: "
-                f"the first stage would be empty; leave it out"
-            )
-        if cuts and k <= cuts[-1]:
-            raise SplitError(
-                f"split points must follow the order of the forward, but {name!r} runs "
-                f"before (or with) {at[len(cuts) - 1]!r}; list them in the order they run"
-            )
-        cuts.append(k)
-    return cuts
-
-
-def _tensor_nodes(
-    module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind
-) -> set[fx.Node]:
-    """The nodes whose value was a tensor when the example ran (in eval mode, no grad).
-
-    The run changes nothing: batch norm's statistics are left alone (eval), and the
-    random numbers drawn are given back (``fork_rng``).
-    """
-    modes = {m: m.training for m in module.modules()}
-    if kind == "one":
-        args: tuple[Any, ...] = (example,)
-    elif kind == "args":
-        args = tuple(example)
-    else:
-        args = tuple(example[p.target] for p in graph.nodes if p.op == "placeholder")
-    tensors: set[fx.Node] = set()
-
-    class Record(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            value = super().run_node(n)
-            if isinstance(value, Tensor):
-                tensors.add(n)
-            return value
-
-    devices = sorted({x.device.index or 0 for x in module.parameters() if x.is_cuda})
-    try:
-        module.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            Record(fx.GraphModule(module, graph)).run(*args)
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    return tensors
+    return _build(module, graph, [starts[end - 1] for end in ends], kind, names, kinds)
 
 
 # Building the stages.
@@ -353,9 +156,9 @@ def _build(
     cuts: list[int],
     kind: InputKind,
     names: tuple[str, ...],
-    tensors: set[fx.Node],
+    kinds: dict[fx.Node, str],
 ) -> nn.Sequential:
-    compute = _compute(graph)
+    compute = compute_nodes(graph)
     count = len(cuts) + 1
     stage_of: dict[fx.Node, int] = {n: bisect.bisect_right(cuts, k) for k, n in enumerate(compute)}
     _check_modules(module, compute, stage_of)
@@ -365,28 +168,44 @@ def _build(
     output = next(node for node in graph.nodes if node.op == "output")
 
     # Which earlier values each stage uses, and how each travels there.
+    tensors = {node for node, kind in kinds.items() if kind == "tensor"}
     uses: dict[fx.Node, set[int]] = {}
-    for node in compute:
+    devices: dict[int, set[fx.Node]] = {}  # per stage: the devices made before it
+    for node, stage in [*((n, stage_of[n]) for n in compute), (output, count - 1)]:
         for used in node.all_input_nodes:
-            if used.op != "get_attr" and stage_of[used] < stage_of[node]:
-                uses.setdefault(used, set()).add(stage_of[node])
-    for used in output.all_input_nodes:
-        if used.op != "get_attr" and stage_of[used] < count - 1:
-            uses.setdefault(used, set()).add(count - 1)
+            if used.op == "get_attr" or stage_of[used] >= stage:
+                continue
+            if kinds.get(used) == "device":
+                devices.setdefault(stage, set()).add(used)
+            else:
+                uses.setdefault(used, set()).add(stage)
     chain: list[list[fx.Node]] = [[] for _ in range(count)]  # arriving from the stage before
     pops: list[list[fx.Node]] = [[] for _ in range(count)]
     stashes: list[list[tuple[fx.Node, int]]] = [[] for _ in range(count)]
+
+    def along(value: fx.Node, stage: int) -> None:  # with every stage's output till there
+        for between in range(stage_of[value] + 1, stage + 1):
+            if value not in chain[between]:
+                chain[between].append(value)
+
     order = {node: k for k, node in enumerate(graph.nodes)}
     for value in sorted(uses, key=order.__getitem__):
-        made = stage_of[value]
         for stage in sorted(uses[value]):
-            if stage > made + 1 and value in tensors:
+            if stage > stage_of[value] + 1 and value in tensors:
                 pops[stage].append(value)
-                stashes[made].append((value, stage))
+                stashes[stage_of[value]].append((value, stage))
             else:
-                for between in range(made + 1, stage + 1):
-                    if value not in chain[between]:
-                        chain[between].append(value)
+                along(value, stage)
+    # A device made by an earlier stage (``x.device``) is read again from a tensor the
+    # stage receives, which is on this stage's device: the stages may run on others.
+    anchors: dict[int, fx.Node] = {}
+    for stage, made in devices.items():
+        anchor = next((v for v in [*chain[stage], *pops[stage]] if v in tensors), None)
+        if anchor is not None:
+            anchors[stage] = anchor
+        else:  # nothing to read it from: it travels as it is
+            for value in sorted(made, key=order.__getitem__):
+                along(value, stage)
     namespace = Namespace("split")
     result = []
     for j in range(count):
@@ -397,12 +216,21 @@ def _build(
         for value in pops[j]:
             env[value] = piece.placeholder(f"{value.name}_skip")
 
+        anchor = anchors.get(j)
+
         def local(
-            node: fx.Node, env: dict[fx.Node, fx.Node] = env, piece: fx.Graph = piece
+            node: fx.Node,
+            env: dict[fx.Node, fx.Node] = env,
+            piece: fx.Graph = piece,
+            anchor: fx.Node | None = anchor,
         ) -> fx.Node:
-            if node not in env:  # a parameter or buffer: each stage reads its own
-                assert node.op == "get_attr"
+            if node in env:
+                return env[node]
+            if node.op == "get_attr":  # a parameter or buffer: each stage reads its own
                 env[node] = piece.get_attr(str(node.target))
+            else:  # a device made earlier, read from a tensor of this stage's
+                assert anchor is not None  # else the device travels to it (_build)
+                env[node] = piece.call_function(getattr, (env[anchor], "device"))
             return env[node]
 
         for node in compute:
@@ -459,6 +287,6 @@ def _line(node: fx.Node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[len('File "') :].partition('", line ')
-            if not path.startswith(_TORCH_DIR):
+            if not path.startswith(TORCH_DIR):
                 frames.append(f"{path}:{rest.split(',')[0]}")
     return f" ({frames[-1]})" if frames else ""

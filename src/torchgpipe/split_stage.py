@@ -163,11 +163,26 @@ def keep_plain_keys(container: nn.Module) -> None:
     """Make ``container``'s state dict use the model's keys for the stages among its children.
 
     ``state_dict()`` drops each stage's index from its keys (``"3.head.weight"`` becomes
-    ``"head.weight"``); ``load_state_dict`` takes the model's keys and gives each stage
-    the entries it holds, a tied weight to each stage that uses it.
+    ``"head.weight"``); ``load_state_dict`` takes the model's keys, gives each stage
+    the entries it holds (a tied weight to each stage that uses it) and names missing
+    or unexpected keys the model's way. The keys come stage by stage: in the model's
+    order where its forward uses its modules in the order it defines them.
     """
     container._register_state_dict_hook(_drop_stage_index)
     container._register_load_state_dict_pre_hook(_add_stage_index, with_module=True)
+    container.register_load_state_dict_post_hook(_plain_report)
+
+
+def _plain_report(module: nn.Module, incompatible: Any) -> None:
+    """Name the missing and unexpected keys of a load by the model's keys too."""
+    stages = {name for name, child in module.named_children() if isinstance(child, Stage)}
+
+    def plain(key: str) -> str:
+        head, _, rest = key.partition(".")
+        return rest if head in stages and rest else key
+
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = list(dict.fromkeys(plain(key) for key in keys))
 
 
 def _drop_stage_index(

@@ -81,6 +81,7 @@ class Ties:
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._handles: list[RemovableHandle] = []
+        self._hooked: list[tuple[int, int, int]] = []
 
     @property
     def groups(self) -> list[list[Tensor]]:
@@ -136,7 +137,11 @@ class Ties:
                                 if isinstance(tensor, nn.Parameter):
                                     groups.setdefault(key, [slot]).append((module, name))
                             slots[name] = copy  # type: ignore[assignment]  # a Parameter's copy is one
+        # Groups held by other processes first, in the order of ``shared``, which every
+        # process builds alike from the whole model: their transfers must match.
+        order = {key: k for k, key in enumerate(shared)}
         keys = [key for key, group in groups.items() if len(group) > 1 or key in shared]
+        keys.sort(key=lambda key: order.get(key, len(order)))  # stable for the others
         return cls([groups[key] for key in keys], [shared.get(key) for key in keys])
 
     def __bool__(self) -> bool:
@@ -154,9 +159,23 @@ class Ties:
         self._hook()
 
     def begin(self) -> None:
-        """Forget what an earlier backward left unreduced (``torch.autograd.grad``, say)."""
+        """Get ready for a forward: forget what an earlier backward left unreduced.
+
+        A tied weight is frozen where any of its names is (as freezing either name of
+        the plain model's single tensor freezes it): every copy takes that
+        ``requires_grad``, and the hooks follow.
+        """
         with self._lock:
             self._pending.clear()
+        changed = False
+        for group in self.groups:
+            wanted = all(p.requires_grad for p in group)
+            for p in group:
+                if p.requires_grad != wanted:
+                    p.requires_grad_(wanted)
+                    changed = True
+        if changed or self._hooked != self._wanted():
+            self._hook()
 
     def reduce(self, across: Across | None = None) -> None:
         """Give every copy the sum of the gradients all its group's uses added since.
@@ -168,10 +187,10 @@ class Ties:
             pending, self._pending = self._pending, {}
         with torch.no_grad():
             for g, (owner, *copies) in enumerate(self.groups):
+                if not owner.requires_grad:  # frozen: no gradient, as in the plain model
+                    continue
                 parts = [pending.get((g, c)) for c in range(len(copies) + 1)]
                 ranks = self.ranks[g]
-                if ranks is None and all(part is None for part in parts):
-                    continue
                 total = owner.grad
                 for part in parts[1:]:
                     if part is not None:
@@ -208,15 +227,45 @@ class Ties:
             for leaves, spec in flat
         ]
 
+    def _wanted(self) -> list[tuple[int, int, int]]:
+        """The parameters to watch: (group, copy, id), as ``_hook`` would hook them.
+
+        Not a group's owner in this process alone: what the backward adds to it stays in
+        its ``.grad``, which :meth:`reduce` reads.
+        """
+        return [
+            (g, c, id(parameter))
+            for g, group in enumerate(self.groups)
+            for c, parameter in enumerate(group)
+            if parameter.requires_grad and (c > 0 or self.ranks[g] is not None)
+        ]
+
     def _hook(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._hooked = self._wanted()
+        groups = self.groups
         self._handles = [
-            parameter.register_hook(_Record(self, (g, c)))
-            for g, group in enumerate(self.groups)
-            for c, parameter in enumerate(group)
-            if parameter.requires_grad
+            groups[g][c].register_hook(_Record(self, (g, c))) for g, c, _ in self._hooked
         ]
+
+    def loaded(self, module: nn.Module, incompatible: Any) -> None:
+        """After ``module.load_state_dict``: make each group equal to what was loaded.
+
+        A state dict may hold one name of a tied weight only (``strict=False``): the
+        copies take the value loaded under a name that was there. ``assign=True`` puts
+        new tensors in place: they are watched from now on.
+        """
+        names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+        missing = set(incompatible.missing_keys)
+        with torch.no_grad():
+            for group in self.groups:
+                loaded = [p for p in group if names.get(id(p)) not in missing]
+                if loaded and len(loaded) < len(group):
+                    for p in group:
+                        if p is not loaded[0]:
+                            p.copy_(loaded[0])
+        self._hook()
 
     def record(self, key: tuple[int, int], grad: Tensor) -> None:
         """Note ``grad``, on its way into the ``.grad`` of copy ``key``, for :meth:`reduce`."""
@@ -251,7 +300,9 @@ class _ReduceAtEnd(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ties: Ties, *xs: Tensor) -> tuple[Tensor, ...]:
         ctx.ties = ties
-        return tuple(x.view_as(x) for x in xs)
+        # detach(), not the tensor itself: a custom Function's view of its input could
+        # not be modified in place afterwards.
+        return tuple(x.detach() for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:

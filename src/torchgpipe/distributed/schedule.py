@@ -60,6 +60,7 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
             the loss of a process.
     """
     exchange, step, sizes, m = _run(stage, steps, input, target, forward_only=False)
+    stage.reduce_tied()  # every rank's step ended well: every holder of a tie takes part
     return _result(stage, steps, exchange, step, sizes, m)
 
 

@@ -205,6 +205,8 @@ class PipelineStage(nn.Module, StageHolder):
             for name, layer in part:
                 self.add_module(name, layer)
             self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)
+        if self._ties:
+            self.register_load_state_dict_post_hook(self._ties.loaded)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         if any(isinstance(layer, Stage) for layer in module):
             keep_plain_keys(self)  # a split model's keys: the model's own
         mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
@@ -284,10 +286,16 @@ class PipelineStage(nn.Module, StageHolder):
         from torchgpipe.distributed.schedule import run_step  # it builds on this module
 
         self._ties.begin()
-        result = run_step(self, steps, input, target)
-        if self._ties:  # every rank's step ended well: each holder of a tie takes part
+        return run_step(self, steps, input, target)
+
+    def reduce_tied(self) -> None:
+        """Sum the tied weights' gradients over their copies, here and in other processes.
+
+        ``distributed/schedule.py`` calls it in every process once a step has ended well
+        on every rank, before anything else that could fail on one rank only.
+        """
+        if self._ties:
             self._ties.reduce(self._across)
-        return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """This process's part of a forward-only step; the output on the last rank."""

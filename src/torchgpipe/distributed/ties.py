@@ -13,9 +13,11 @@ share copies as ``GPipe``'s do (``torchgpipe/tied.py``); between processes,
   the owner adds it all to its gradient and sends the sum back.
 
 The transfers are the transport's own (``Transport.issue``), on the pipeline's group,
-from the thread that runs the step, in the order of the groups: every pair of ranks
-issues them in matching order, as NCCL requires (``tests/nccl_rules.py`` checks it).
-Only the ranks of a group take part in its transfers.
+from the thread that runs the step, group by group in the order :func:`tied_ranks`
+gives them, which walks the whole model and so is the same on every rank: every pair
+of ranks issues them in matching order, as NCCL requires (``tests/nccl_rules.py``
+checks it). Only the ranks of a group take part in its transfers. A frozen tied weight
+(``requires_grad`` off) has no gradient to send.
 """
 
 from __future__ import annotations
