@@ -229,6 +229,63 @@ def test_a_device_read_in_one_stage_is_read_again_in_the_next() -> None:
     torch.testing.assert_close(stages(ids), model(ids), rtol=0, atol=0)
 
 
+def test_a_device_is_read_again_from_a_tensor_on_it() -> None:
+    class Lengths(nn.Module):  # lengths stay on the CPU wherever the rest goes
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+            device = x.device
+            h = self.first(x) + torch.ones(4, device=device)
+            return self.second(h) + torch.zeros(4, device=device) + lengths.float()[:, None]
+
+    model = Lengths()
+    x, lengths = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    stages = split(model, (x, lengths), at=["second"])
+    code = stages[1].graph.python_code("self").src
+    assert "= add.device" in code  # read from what the first stage made, not from lengths
+    torch.testing.assert_close(stages((x, lengths)), model(x, lengths), rtol=0, atol=0)
+
+
+def test_code_that_depends_on_the_mode_is_refused() -> None:
+    class Moody(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(F.dropout(self.a(x), 0.5, training=self.training))
+
+    with pytest.raises(SplitError, match=r"test_split\.py:\d+\).*depends on train\(\) or eval"):
+        split(Moody(), torch.randn(2, 2), at=["b"])
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x))
+
+    class Outer(nn.Module):  # stages=3 must trace into one of two: the larger fails
+        def __init__(self) -> None:
+            super().__init__()
+            self.moody, self.pair = Moody(), Pair()
+            self.moody.a = nn.Linear(2, 2, bias=True)
+            self.moody.b = nn.Linear(2, 2, bias=True)
+            self.moody.extra = nn.Linear(8, 8)  # the larger of the two
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.pair(self.moody(x))
+
+    model = Outer().eval()
+    stages = split(model, torch.randn(2, 2), stages=3)
+    assert stages[0].get_submodule("moody") is model.moody  # called whole
+    x = torch.randn(2, 2)
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
 def test_split_leaves_the_module_as_it_was() -> None:
     class Constant(nn.Module):
         def __init__(self) -> None:

@@ -100,13 +100,47 @@ def test_freezing_either_name_freezes_the_tied_weight() -> None:
     assert pipe[2].weight.grad is not None
 
 
+def test_unfreezing_either_name_unfreezes_the_tied_weight() -> None:
+    pipe = GPipe(_language_model(), [2, 3], chunks=2)
+    pipe[4].weight.requires_grad_(False)
+    ids, target = _data(3)
+    pipe(ids)
+    pipe[0].weight.requires_grad_(True)  # after a warm-up, say
+    F.cross_entropy(pipe(ids), target).backward()
+    assert pipe[4].weight.requires_grad
+    assert pipe[0].weight.grad is not None
+    assert torch.equal(pipe[0].weight.grad, pipe[4].weight.grad)
+
+
 def test_loading_one_name_of_a_tied_weight_sets_every_copy() -> None:
     pipe = GPipe(_language_model(), [2, 3], chunks=2)
     state = {k: v + 1 for k, v in _language_model().state_dict().items() if k != "4.weight"}
-    report = pipe.load_state_dict(state, strict=False)
-    assert report.missing_keys == ["4.weight"]
+    pipe.load_state_dict(state)  # filled from the other name: nothing missing
     assert torch.equal(pipe[4].weight, state["0.weight"])
     assert torch.equal(pipe[0].weight, state["0.weight"])
+    # Inside another module (a prefix), and with two different values: the last wins,
+    # as loading both names into the plain model's one tensor does.
+    outer = nn.ModuleDict({"pipe": GPipe(_language_model(), [2, 3], chunks=2)})
+    state = {f"pipe.{k}": v + 1 for k, v in _language_model().state_dict().items()}
+    state["pipe.4.weight"] = state["pipe.4.weight"] + 1
+    outer.load_state_dict(state)
+    assert torch.equal(outer["pipe"][0].weight, state["pipe.4.weight"])
+    assert torch.equal(outer["pipe"][4].weight, state["pipe.4.weight"])
+
+
+def test_assigning_a_state_dict_keeps_one_tensor_per_copy() -> None:
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=2)
+    pipe.load_state_dict(plain.state_dict(), assign=True)
+    assert pipe[0].weight.data_ptr() != pipe[4].weight.data_ptr()
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ids, target = _data(6)
+    F.cross_entropy(pipe(ids), target).backward()
+    F.cross_entropy(plain(ids), target).backward()
+    optimizer.step()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    torch.testing.assert_close(pipe[4].weight, plain[0].weight, rtol=1e-5, atol=1e-6)
+    assert torch.equal(pipe[0].weight, pipe[4].weight)
 
 
 def test_one_micro_batch_output_may_be_changed_in_place() -> None:
@@ -276,6 +310,37 @@ def test_a_rank_that_fails_after_the_step_leaves_no_rank_waiting_on_a_tie() -> N
     assert not isinstance(first, BaseException)  # the tie reduced before the output failed
     assert isinstance(last, ValueError)
     assert "0-dim" in str(last)
+
+
+def test_a_rank_that_froze_a_tied_weight_alone_leaves_no_rank_waiting() -> None:
+    models = [_language_model() for _ in range(2)]
+    models[0][0].weight.requires_grad_(False)  # on rank 0 only: a mistake, not a hang
+    ids, target = _data(5)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        Schedule1F1B(stage, F.cross_entropy).step(
+            ids if stage.is_first else None, target if stage.is_last else None
+        )
+        return {n: p.grad for n, p in stage.named_parameters()}
+
+    first, last = run_threads(rank, 2, timeout=20.0)
+    assert first["0.weight"] is None
+    assert last["4.weight"] is not None
+
+
+def test_every_rank_loads_a_tied_weight_from_either_name() -> None:
+    models = [_language_model() for _ in range(2)]
+    state = {k: v + 1 for k, v in _language_model().state_dict().items() if k != "4.weight"}
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        stage.load_state_dict(state, strict=False)  # the whole model's, on every rank
+        return stage.state_dict()
+
+    first, last = run_threads(rank, 2, timeout=20.0)
+    assert torch.equal(first["0.weight"], state["0.weight"])
+    assert torch.equal(last["4.weight"], state["0.weight"])
 
 
 def test_frozen_tied_weights_get_no_gradient_across_processes() -> None:

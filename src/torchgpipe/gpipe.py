@@ -25,7 +25,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.tied import Ties, check_layers
+from torchgpipe.tied import Ties, check_layers, state_names
 from torchgpipe.trace import Trace
 from torchgpipe.worker import Workers
 
@@ -169,16 +169,17 @@ class GPipe(nn.Module, StageHolder):
             [layer for _, layer in layers[end - size : end]]
             for size, end in zip(self.balance, ends, strict=True)
         ]
-        self._ties = Ties.untie(parts, self.devices)  # a tied weight: a copy per partition
+        # A tied weight: a copy per partition.
+        self._ties = Ties.untie(parts, self.devices, names=state_names(module))
         for size, device in zip(self.balance, self.devices, strict=True):
             part, layers = layers[:size], layers[size:]
             materialize(part, device, init=init, state_dict=state_dict)  # meta layers only
             partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
         self._ties.align()
-        if self._ties:
-            self.register_load_state_dict_post_hook(self._ties.loaded)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         if any(isinstance(layer, Stage) for layer in module):
             keep_plain_keys(self)  # a split model's keys: the model's own
+        if self._ties:
+            self._ties.watch_loads(self)
         # A plain attribute, not a child module: the layers are registered once, above.
         self.skip_layout = skip_layout(module, self.balance)
         self._partitions = partitions

@@ -20,11 +20,13 @@ modules. ``torch.fx`` keeps each submodule a call of that very module: the stage
 the original modules (no copies), their ``state_dict`` keys are the model's, Dropout
 and batch norm follow ``train()`` and ``eval()`` as they do in the model, and any
 batch size works. Only the forwards ``split`` traces through are captured: the model's
-own, containers' (``nn.Sequential``), and those of the submodules on the way to a
-split point. Every other submodule is one call, run as Python, with whatever control
-flow it has. Export would add nothing where fx fails (a branch on a tensor's value
-stops both), so there is no fallback: the error says which line to move into a
-submodule.
+own, containers' (``nn.Sequential``), those of the submodules on the way to a split
+point, and for ``stages=k`` the largest submodules until there are enough calls to
+cut between. Every other submodule is one call, run as Python, with whatever control
+flow it has. Captured code must not depend on the mode (``self.training``): it is
+traced in both and refused if it does. Export would add nothing where fx fails (a
+branch on a tensor's value stops both), so there is no fallback: the error says which
+line to move into a submodule.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import fx, nn
 
 from torchgpipe.skip.skippable import Namespace, Skippable
 from torchgpipe.split_capture import (
-    TORCH_DIR,
+    Kind,
     SplitError,
     ancestors,
     candidates,
@@ -48,6 +50,7 @@ from torchgpipe.split_capture import (
     trace_forward,
     trace_into,
     value_kinds,
+    where_made,
 )
 from torchgpipe.split_stage import InputKind, Stage, keep_plain_keys
 
@@ -156,7 +159,7 @@ def _build(
     cuts: list[int],
     kind: InputKind,
     names: tuple[str, ...],
-    kinds: dict[fx.Node, str],
+    kinds: dict[fx.Node, Kind],
 ) -> nn.Sequential:
     compute = compute_nodes(graph)
     count = len(cuts) + 1
@@ -168,14 +171,14 @@ def _build(
     output = next(node for node in graph.nodes if node.op == "output")
 
     # Which earlier values each stage uses, and how each travels there.
-    tensors = {node for node, kind in kinds.items() if kind == "tensor"}
+    tensors = {node for node, (kind, _) in kinds.items() if kind == "tensor"}
     uses: dict[fx.Node, set[int]] = {}
     devices: dict[int, set[fx.Node]] = {}  # per stage: the devices made before it
     for node, stage in [*((n, stage_of[n]) for n in compute), (output, count - 1)]:
         for used in node.all_input_nodes:
             if used.op == "get_attr" or stage_of[used] >= stage:
                 continue
-            if kinds.get(used) == "device":
+            if used in kinds and kinds[used][0] == "device":
                 devices.setdefault(stage, set()).add(used)
             else:
                 uses.setdefault(used, set()).add(stage)
@@ -198,13 +201,19 @@ def _build(
                 along(value, stage)
     # A device made by an earlier stage (``x.device``) is read again from a tensor the
     # stage receives, which is on this stage's device: the stages may run on others.
-    anchors: dict[int, fx.Node] = {}
+    anchors: dict[tuple[int, fx.Node], fx.Node] = {}  # (stage, device): read from this
     for stage, made in devices.items():
-        anchor = next((v for v in [*chain[stage], *pops[stage]] if v in tensors), None)
-        if anchor is not None:
-            anchors[stage] = anchor
-        else:  # nothing to read it from: it travels as it is
-            for value in sorted(made, key=order.__getitem__):
+        arrived = [v for v in [*chain[stage], *pops[stage]] if v in tensors]
+        for value in sorted(made, key=order.__getitem__):
+            read_from = value.args[0] if value.op == "call_function" and value.args else None
+            # On the same device in the example; made by the model rather than given to
+            # it (an input may be kept elsewhere on purpose: lengths on the CPU).
+            same = [v for v in arrived if kinds[v][1] == kinds[value][1]]
+            same.sort(key=lambda v: v.op == "placeholder")
+            anchor = read_from if read_from in arrived else (same[0] if same else None)
+            if isinstance(anchor, fx.Node):
+                anchors[(stage, value)] = anchor
+            else:  # nothing here to read it from: it travels as it is
                 along(value, stage)
     namespace = Namespace("split")
     result = []
@@ -216,21 +225,15 @@ def _build(
         for value in pops[j]:
             env[value] = piece.placeholder(f"{value.name}_skip")
 
-        anchor = anchors.get(j)
-
         def local(
-            node: fx.Node,
-            env: dict[fx.Node, fx.Node] = env,
-            piece: fx.Graph = piece,
-            anchor: fx.Node | None = anchor,
+            node: fx.Node, env: dict[fx.Node, fx.Node] = env, piece: fx.Graph = piece, j: int = j
         ) -> fx.Node:
             if node in env:
                 return env[node]
             if node.op == "get_attr":  # a parameter or buffer: each stage reads its own
                 env[node] = piece.get_attr(str(node.target))
-            else:  # a device made earlier, read from a tensor of this stage's
-                assert anchor is not None  # else the device travels to it (_build)
-                env[node] = piece.call_function(getattr, (env[anchor], "device"))
+            else:  # a device made earlier, read from a tensor that arrived here
+                env[node] = piece.call_function(getattr, (env[anchors[(j, node)]], "device"))
             return env[node]
 
         for node in compute:
@@ -273,20 +276,9 @@ def _check_modules(module: nn.Module, compute: list[fx.Node], stage_of: dict[fx.
             if related and stage != stage_of[node]:
                 raise SplitError(
                     f"{type(module).__name__}'s forward calls {other!r} in stage {stage}"
-                    f"{_line(first)} and {name!r} in stage {stage_of[node]}{_line(node)}: "
+                    f"{where_made(first)} and {name!r} in stage {stage_of[node]}"
+                    f"{where_made(node)}: "
                     f"one module would land in two stages; move the split points so both "
                     f"calls fall in one stage, or use two modules"
                 )
         called.setdefault(name, (stage_of[node], node))
-
-
-def _line(node: fx.Node) -> str:
-    """Where in the user's code ``node`` was made, as `` (file:line)``, if known."""
-    frames = []
-    for line in (node.stack_trace or "").splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path, _, rest = line[len('File "') :].partition('", line ')
-            if not path.startswith(TORCH_DIR):
-                frames.append(f"{path}:{rest.split(',')[0]}")
-    return f" ({frames[-1]})" if frames else ""

@@ -1,8 +1,10 @@
 """Capturing a module's forward for ``split.py``: the trace, and where stages may start.
 
-``torch.fx`` traces through the module's own forward, containers and the modules on
-the way to a split point; every other submodule stays one call. Then the example runs
-once through the graph, to learn which values are tensors and devices.
+``torch.fx`` traces through the module's own forward, containers, the modules on the
+way to a split point and (``stages=k``) the largest submodules it can capture until
+there are enough calls; every other submodule stays one call. Each trace is made in
+both modes, and refused if ``train()`` and ``eval()`` give different code. Then the
+example runs once through the graph, to learn which values are tensors and devices.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import re
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +22,12 @@ from torch import Tensor, fx, nn
 
 from torchgpipe.split_stage import InputKind
 
+Kind = tuple[str, torch.device]
+"""What a node's value was in the example: ``("tensor", its device)`` or ``("device", it)``."""
+
 __all__ = [
     "TORCH_DIR",
+    "Kind",
     "SplitError",
     "ancestors",
     "candidates",
@@ -30,6 +37,7 @@ __all__ = [
     "trace_forward",
     "trace_into",
     "value_kinds",
+    "where_made",
 ]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -125,10 +133,31 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
         SplitError: fx cannot capture it (the message names the line).
     """
     given = [p for p in inspect.signature(module.forward).parameters if p not in concrete]
+    graph = _traced(module, through, concrete)
+    # Code that split captures must not depend on train() or eval(): the stages would
+    # keep the mode of the moment of the split. Trace again in the other modes.
+    modes = {m: m.training for m in module.modules()}
     try:
-        graph = _Tracer(through).trace(module, concrete_args=concrete or None)
-    except Exception as error:
-        raise SplitError(_trace_failure(module, error)) from error
+        for m, training in modes.items():
+            m.training = not training
+        other = _traced(module, through, concrete)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    ours, theirs = _code(graph), _code(other)
+    if ours != theirs:
+        first = next(
+            (a for a, b in zip(graph.nodes, other.nodes, strict=False) if _shown(a) != _shown(b)),
+            None,
+        )
+        where = where_made(first) if first is not None else ""
+        raise SplitError(
+            f"cannot split {type(module).__name__}: code that split captures{where} "
+            f"depends on train() or eval() (self.training, F.dropout(..., "
+            f"training=self.training)), and the stages would keep the mode they were "
+            f"split in; use modules for it (nn.Dropout), or keep that code inside a "
+            f"submodule that split calls whole (name split points elsewhere)"
+        )
     # The defaults kept are constants in the graph now; what is left of their
     # placeholders are fx's checks that they keep their values: drop them.
     doomed: set[fx.Node] = set()
@@ -141,6 +170,34 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
         if node in doomed:
             graph.erase_node(node)
     return graph
+
+
+def _traced(module: nn.Module, through: set[str], concrete: dict[str, Any]) -> fx.Graph:
+    try:
+        return _Tracer(through).trace(module, concrete_args=concrete or None)
+    except Exception as error:
+        raise SplitError(_trace_failure(module, error)) from error
+
+
+def _code(graph: fx.Graph) -> str:
+    """The graph's code, up to the names fx gives the constants it keeps on the module."""
+    return re.sub(r"_tensor_constant\d+", "_tensor_constant", graph.python_code("self").src)
+
+
+def _shown(node: fx.Node) -> str:
+    return re.sub(r"_tensor_constant\d+", "_tensor_constant", node.format_node() or "")
+
+
+def where_made(node: fx.Node) -> str:
+    """Where in the user's code ``node`` was made, as `` (file:line)``, if known."""
+    frames = []
+    for line in (node.stack_trace or "").splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            if not path.startswith(TORCH_DIR):
+                frames.append(f"{path}:{rest.split(',')[0]}")
+    return f" ({frames[-1]})" if frames else ""
 
 
 def _trace_failure(module: nn.Module, error: Exception) -> str:
@@ -162,10 +219,14 @@ def _trace_failure(module: nn.Module, error: Exception) -> str:
 
 
 def trace_into(module: nn.Module, stages: int, concrete: dict[str, Any]) -> fx.Graph:
-    """Trace through ever larger submodules until the forward makes ``stages`` calls."""
+    """Trace through ever larger submodules until the forward makes ``stages`` calls.
+
+    A submodule whose forward cannot be captured (or depends on the mode) stays whole.
+    """
     through: set[str] = set()
+    opaque: set[str] = set()  # submodules that cannot be traced into: called whole
+    graph = trace_forward(module, through, concrete)
     while True:
-        graph = trace_forward(module, through, concrete)
         if len(candidates(graph)) + 1 >= stages:
             return graph
         called = {n.target for n in graph.nodes if n.op == "call_module"}
@@ -173,16 +234,25 @@ def trace_into(module: nn.Module, stages: int, concrete: dict[str, Any]) -> fx.G
             (sum(p.numel() for p in module.get_submodule(name).parameters()), name)
             for name in called
             if isinstance(name, str)
+            and name not in opaque
             and next(module.get_submodule(name).children(), None) is not None
             and not type(module.get_submodule(name)).__module__.startswith("torch.")
         ]
-        if not expandable:
-            raise SplitError(
-                f"cannot cut {type(module).__name__} into {stages} stages: its forward "
-                f"calls {len(candidates(graph)) + 1} modules in turn; ask for fewer "
-                f"stages, or name split points inside its submodules with at=[...]"
-            )
-        through.add(max(expandable)[1])
+        if expandable:
+            name = max(expandable)[1]
+            try:
+                graph = trace_forward(module, through | {name}, concrete)
+            except SplitError:
+                opaque.add(name)
+            else:
+                through.add(name)
+            continue
+        whole = f" ({', '.join(sorted(opaque))} could not be traced into)" if opaque else ""
+        raise SplitError(
+            f"cannot cut {type(module).__name__} into {stages} stages: its forward "
+            f"calls {len(candidates(graph)) + 1} modules in turn{whole}; ask for fewer "
+            f"stages, or name split points inside its submodules with at=[...]"
+        )
 
 
 def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -191,7 +261,7 @@ def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def candidates(graph: fx.Graph) -> list[int]:
-    """Where a stage may start: at each call of a submodule but the first call.
+    """Where a stage may start: at each call of a submodule, but not the graph's first.
 
     Not between two calls of one module (or of a module and one inside it): the
     module would land in two stages.
@@ -257,8 +327,8 @@ def cuts_at(module: nn.Module, graph: fx.Graph, at: list[str]) -> list[int]:
 
 def value_kinds(
     module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind
-) -> dict[fx.Node, str]:
-    """The nodes whose value was a ``"tensor"`` or a ``"device"`` when the example ran.
+) -> dict[fx.Node, Kind]:
+    """The nodes whose value was a tensor (and its device) or a device, in the example.
 
     In eval mode, without grad.
 
@@ -272,15 +342,15 @@ def value_kinds(
         args = tuple(example)
     else:
         args = tuple(example[p.target] for p in graph.nodes if p.op == "placeholder")
-    kinds: dict[fx.Node, str] = {}
+    kinds: dict[fx.Node, Kind] = {}
 
     class Record(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             value = super().run_node(n)
             if isinstance(value, Tensor):
-                kinds[n] = "tensor"
+                kinds[n] = ("tensor", value.device)
             elif isinstance(value, torch.device):
-                kinds[n] = "device"
+                kinds[n] = ("device", value)
             return value
 
     devices = sorted({x.device.index or 0 for x in module.parameters() if x.is_cuda})

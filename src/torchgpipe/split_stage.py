@@ -177,9 +177,13 @@ def _plain_report(module: nn.Module, incompatible: Any) -> None:
     """Name the missing and unexpected keys of a load by the model's keys too."""
     stages = {name for name, child in module.named_children() if isinstance(child, Stage)}
 
+    prefix = module.__dict__.get("_load_prefix", "")  # where the load found this module
+
     def plain(key: str) -> str:
-        head, _, rest = key.partition(".")
-        return rest if head in stages and rest else key
+        if not key.startswith(prefix):
+            return key
+        head, _, rest = key[len(prefix) :].partition(".")
+        return prefix + rest if head in stages and rest else key
 
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = list(dict.fromkeys(plain(key) for key in keys))
@@ -200,6 +204,7 @@ def _drop_stage_index(
 def _add_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
+    module.__dict__["_load_prefix"] = prefix  # for _plain_report, which is not told
     owners: dict[str, list[str]] = {}
     for name, child in module.named_children():
         if isinstance(child, Stage):

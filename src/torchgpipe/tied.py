@@ -36,8 +36,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.split_stage import Stage
 
-__all__ = ["Ties", "check_layers"]
+__all__ = ["Ties", "check_layers", "state_names"]
 
 
 def check_layers(module: nn.Sequential) -> None:
@@ -65,6 +66,22 @@ every other process's ``mine``. See :mod:`torchgpipe.distributed.ties`.
 """
 
 
+def state_names(module: nn.Sequential) -> dict[int, list[str]]:
+    """Every name each parameter of ``module`` has in its state dict, in order.
+
+    For a split model's stage, both its key in the ``nn.Sequential`` and the model's
+    own (what ``keep_plain_keys`` makes of it).
+    """
+    names: dict[int, list[str]] = {}
+    for index, layer in module.named_children():
+        for name, parameter in layer.named_parameters(remove_duplicate=False):
+            keys = names.setdefault(id(parameter), [])
+            keys.append(f"{index}.{name}")
+            if isinstance(layer, Stage):
+                keys.append(name)
+    return names
+
+
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter in it
 
 
@@ -75,13 +92,21 @@ class Ties:
     replaces its parameters (``materialize.py``).
     """
 
-    def __init__(self, slots: list[list[Slot]], ranks: list[tuple[int, ...] | None]) -> None:
+    def __init__(
+        self,
+        slots: list[list[Slot]],
+        ranks: list[tuple[int, ...] | None],
+        names: list[list[str]] | None = None,
+    ) -> None:
         self.slots = slots
         self.ranks = ranks  # per group: the processes that hold it, or None: this one only
+        # Per group: every name the weight has in the whole model's state dict.
+        self.names = names if names is not None else [[] for _ in slots]
+        self._flags = [True] * len(slots)  # per group: requires_grad, as last made equal
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._handles: list[RemovableHandle] = []
-        self._hooked: list[tuple[int, int, int]] = []
+        self._hooked: list[tuple[int, int, Tensor]] = []
 
     @property
     def groups(self) -> list[list[Tensor]]:
@@ -95,6 +120,7 @@ class Ties:
         devices: Sequence[torch.device],
         *,
         shared: Mapping[int, tuple[int, ...]] | None = None,
+        names: Mapping[int, list[str]] | None = None,
     ) -> Ties:
         """Give each partition its own copy of every tensor an earlier partition uses.
 
@@ -102,7 +128,8 @@ class Ties:
         goes where the owner's tensor was, in every module of the partition that held
         it; a parameter's copy starts equal to it (a meta one stays meta). Call
         :meth:`align` once the partitions are placed and filled. ``shared`` maps the
-        ``id`` of each parameter other processes hold too to the ranks that hold it.
+        ``id`` of each parameter other processes hold too to the ranks that hold it;
+        ``names``, each parameter's names in the whole model (:func:`state_names`).
 
         Raises:
             ValueError: a module is part of two partitions.
@@ -142,7 +169,12 @@ class Ties:
         order = {key: k for k, key in enumerate(shared)}
         keys = [key for key, group in groups.items() if len(group) > 1 or key in shared]
         keys.sort(key=lambda key: order.get(key, len(order)))  # stable for the others
-        return cls([groups[key] for key in keys], [shared.get(key) for key in keys])
+        names = names or {}
+        return cls(
+            [groups[key] for key in keys],
+            [shared.get(key) for key in keys],
+            [list(names.get(key, [])) for key in keys],
+        )
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -156,25 +188,29 @@ class Ties:
             for owner, *copies in self.groups:
                 for copy in copies:
                     copy.copy_(owner)
-        self._hook()
+        self._flags = [all(p.requires_grad for p in group) for group in self.groups]
+        self.begin()  # every copy frozen where one is, and watched
 
     def begin(self) -> None:
         """Get ready for a forward: forget what an earlier backward left unreduced.
 
-        A tied weight is frozen where any of its names is (as freezing either name of
-        the plain model's single tensor freezes it): every copy takes that
-        ``requires_grad``, and the hooks follow.
+        Freezing or unfreezing any name of a tied weight does it to the weight, as with
+        the plain model's single tensor: where a copy's ``requires_grad`` differs from
+        what the group had, every copy takes the new value (and the hooks follow).
         """
         with self._lock:
             self._pending.clear()
-        changed = False
-        for group in self.groups:
-            wanted = all(p.requires_grad for p in group)
+        for g, group in enumerate(self.groups):
+            last = self._flags[g]
+            flag = next((p.requires_grad for p in group if p.requires_grad != last), last)
             for p in group:
-                if p.requires_grad != wanted:
-                    p.requires_grad_(wanted)
-                    changed = True
-        if changed or self._hooked != self._wanted():
+                if p.requires_grad != flag:
+                    p.requires_grad_(flag)
+            self._flags[g] = flag
+        wanted = self._wanted()
+        if len(wanted) != len(self._hooked) or any(
+            a[:2] != b[:2] or a[2] is not b[2] for a, b in zip(wanted, self._hooked, strict=False)
+        ):
             self._hook()
 
     def reduce(self, across: Across | None = None) -> None:
@@ -187,10 +223,10 @@ class Ties:
             pending, self._pending = self._pending, {}
         with torch.no_grad():
             for g, (owner, *copies) in enumerate(self.groups):
-                if not owner.requires_grad:  # frozen: no gradient, as in the plain model
+                ranks = self.ranks[g]
+                if ranks is None and not owner.requires_grad:  # frozen: no gradient
                     continue
                 parts = [pending.get((g, c)) for c in range(len(copies) + 1)]
-                ranks = self.ranks[g]
                 total = owner.grad
                 for part in parts[1:]:
                     if part is not None:
@@ -202,8 +238,10 @@ class Ties:
                         if part is not None:
                             mine += part.to(owner.device)
                     here = total if total is not None else torch.zeros_like(owner)
+                    # Frozen here too: the transfers still go, so that a rank that
+                    # disagrees cannot leave another waiting; the sum is dropped.
                     total = across(ranks, here, mine)
-                if total is None:
+                if total is None or not owner.requires_grad:
                     continue
                 owner.grad = total
                 for copy in copies:
@@ -227,14 +265,14 @@ class Ties:
             for leaves, spec in flat
         ]
 
-    def _wanted(self) -> list[tuple[int, int, int]]:
-        """The parameters to watch: (group, copy, id), as ``_hook`` would hook them.
+    def _wanted(self) -> list[tuple[int, int, Tensor]]:
+        """The parameters to watch: (group, copy, parameter), as ``_hook`` hooks them.
 
         Not a group's owner in this process alone: what the backward adds to it stays in
         its ``.grad``, which :meth:`reduce` reads.
         """
         return [
-            (g, c, id(parameter))
+            (g, c, parameter)
             for g, group in enumerate(self.groups)
             for c, parameter in enumerate(group)
             if parameter.requires_grad and (c > 0 or self.ranks[g] is not None)
@@ -244,28 +282,47 @@ class Ties:
         for handle in self._handles:
             handle.remove()
         self._hooked = self._wanted()
-        groups = self.groups
-        self._handles = [
-            groups[g][c].register_hook(_Record(self, (g, c))) for g, c, _ in self._hooked
-        ]
+        self._handles = [p.register_hook(_Record(self, (g, c))) for g, c, p in self._hooked]
 
-    def loaded(self, module: nn.Module, incompatible: Any) -> None:
-        """After ``module.load_state_dict``: make each group equal to what was loaded.
+    def watch_loads(self, module: nn.Module) -> None:
+        """Keep the copies equal through ``module.load_state_dict`` (``module`` holds them).
 
-        A state dict may hold one name of a tied weight only (``strict=False``): the
-        copies take the value loaded under a name that was there. ``assign=True`` puts
-        new tensors in place: they are watched from now on.
+        Register after any hook that renames the state dict's keys (``keep_plain_keys``).
         """
-        names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-        missing = set(incompatible.missing_keys)
-        with torch.no_grad():
-            for group in self.groups:
-                loaded = [p for p in group if names.get(id(p)) not in missing]
-                if loaded and len(loaded) < len(group):
-                    for p in group:
-                        if p is not loaded[0]:
-                            p.copy_(loaded[0])
-        self._hook()
+        module._register_load_state_dict_pre_hook(self._loading, with_module=True)
+        module.register_load_state_dict_post_hook(self._loaded)
+
+    def _loading(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        metadata: Any,
+        strict: bool,
+        *args: Any,
+    ) -> None:
+        """Give every name of each tied weight here the value the plain model would end with.
+
+        The plain model loads each name into its one tensor, in order: the last name
+        present wins. Each copy gets a tensor of its own (``assign=True`` would
+        otherwise put one tensor under two parameters). A name the state dict lacks is
+        filled from another (as checkpoints that keep one name of a tied weight expect),
+        so it is not reported missing: torch tells a hook nothing of ``strict``.
+        """
+        mine: dict[int, list[str]] = {}
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            mine.setdefault(id(parameter), []).append(prefix + name)
+        for g, group in enumerate(self.groups):
+            present = [prefix + key for key in self.names[g] if prefix + key in state_dict]
+            if not present:
+                continue
+            value = state_dict[present[-1]]
+            for member in group:
+                for key in mine.get(id(member), []):
+                    state_dict[key] = value.detach().clone()
+
+    def _loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self.begin()  # ``assign=True`` puts new parameters in place: watch them
 
     def record(self, key: tuple[int, int], grad: Tensor) -> None:
         """Note ``grad``, on its way into the ``.grad`` of copy ``key``, for :meth:`reduce`."""
@@ -277,10 +334,11 @@ class Ties:
                 seen.add_(grad.detach())
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"slots": self.slots, "ranks": self.ranks}
+        return {"slots": self.slots, "ranks": self.ranks, "names": self.names, "flags": self._flags}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["slots"], state["ranks"])  # type: ignore[misc]
+        self.__init__(state["slots"], state["ranks"], state["names"])  # type: ignore[misc]
+        self._flags = state["flags"]
         self._hook()  # on the copied tensors
 
 

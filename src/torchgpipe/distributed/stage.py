@@ -45,7 +45,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.tied import Ties, check_layers
+from torchgpipe.tied import Ties, check_layers, state_names
 from torchgpipe.trace import Trace
 from torchgpipe.worker import WorkerPool
 
@@ -197,6 +197,7 @@ class PipelineStage(nn.Module, StageHolder):
             [every[s] for s in self.stages],
             [self.device] * len(self.stages),
             shared={key: ranks for key, ranks in shared.items() if self.rank in ranks},
+            names=state_names(module),
         )
         for s in self.stages:
             part = layers[starts[s] : starts[s + 1]]
@@ -205,10 +206,10 @@ class PipelineStage(nn.Module, StageHolder):
             for name, layer in part:
                 self.add_module(name, layer)
             self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)
-        if self._ties:
-            self.register_load_state_dict_post_hook(self._ties.loaded)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         if any(isinstance(layer, Stage) for layer in module):
             keep_plain_keys(self)  # a split model's keys: the model's own
+        if self._ties:  # load the whole model's state dict on every rank (strict=False)
+            self._ties.watch_loads(self)
         mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
         self._deferred = [layer for layer in deferred if id(layer) in mine]
         self._pool: WorkerPool | None = None
