@@ -394,7 +394,13 @@ def _counting(transport: Transport, counts: list[int]) -> Transport:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_static_shapes_send_no_metadata_once_the_input_repeats(schedule: str) -> None:
+@pytest.mark.parametrize("layouts", [1, 8])
+def test_static_shapes_send_no_metadata_once_the_input_repeats(
+    schedule: str, layouts: int, monkeypatch: Any
+) -> None:
+    from torchgpipe.distributed import schedule as step_module
+
+    monkeypatch.setattr(step_module, "LAYOUTS", layouts)  # how many layouts are remembered
     rules = NCCLRules(2)
     models = [skip_net() for _ in range(2)]
     first, second = BATCHES
@@ -427,7 +433,10 @@ def test_static_shapes_send_no_metadata_once_the_input_repeats(schedule: str) ->
     assert sent[0] > 0  # the first step sends metadata
     assert sent[2] == sent[0]  # and so does the first with a new input shape
     assert sent[1] == sent[3] == 0  # the repeats send none
-    assert sent[4] == sent[0]  # the last step saw another input, so it sends again
+    if layouts > 1:
+        assert sent[4] == 0  # the first input's layout is still remembered
+    else:
+        assert sent[4] == sent[0]  # only the last one is: this step sends again
     rules.check()
 
 

@@ -154,7 +154,7 @@ class Exchange(Mailbox):
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
         self._silent: set[int] = set()
-        self.signature = b""  # rank 0: the layout of the step's input
+        self.signature = b""  # a digest of the layout of the step's input (static shapes)
         self.transfers = Transfers(
             transport,
             metadata=self._peek_metadata,

@@ -6,18 +6,21 @@ for several; given a :class:`PipelineStage`, their ``step(input, target)`` comes
 and the last rank the target (others may pass None). The step goes like this on each
 rank::
 
-    rank 0: scatter the input ── start(m, sizes, table, kind, static) ──▶ every other rank
+    rank 0: scatter the input ── start(m, sizes, table, kind, key, static) ──▶ every other rank
     every rank: its actions; messages to the ranks of other stages (exchange.py)
     every rank: end(status, losses from the last rank) ──▶ every other rank
     every rank: raise the step's failure, if any, or return its result
 
 The start names the table by its text, or None when it is the last step's; ``kind``
-says a step or a forward only; ``static``, that the step reuses the last one's
-layouts (``PipelineStage(static_shapes=True)``, on an input laid out as the last).
+says a step or a forward only. With ``PipelineStage(static_shapes=True)``, ``key`` is a
+digest of the layout of the step's input, and ``static`` says that a step on an input
+so laid out ended well: this one reuses its messages' layouts. Every rank remembers
+those of the last :data:`LAYOUTS` layouts (alternating batch sizes stay fast).
 """
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from contextlib import nullcontext
 from dataclasses import replace
@@ -81,7 +84,7 @@ def _run(
 ) -> tuple[Exchange, Step, list[int], int]:
     """Run this rank's actions, end the step with every rank, raise its failure if any."""
     exchange = stage.exchange()
-    shapes, stage.shapes = stage.shapes, None  # kept only by a step that ends well
+    shapes = stage.shapes
     step: Step | None = None
     m: int | None = None
     sizes: list[int] = []
@@ -135,7 +138,14 @@ def _run(
     remote = exchange.remote_failure()
     # Static shapes: what a step that ended well sent and received, for the next ones.
     ended_well = failure is None and remote is None and step is not None
-    stage.shapes = (exchange.signature, exchange.transfers.seen) if ended_well else None
+    # Every rank sees a step end alike, so every rank's memory holds the same layouts.
+    if not ended_well:
+        shapes.clear()
+    elif exchange.signature:
+        shapes.pop(exchange.signature, None)
+        shapes[exchange.signature] = exchange.transfers.seen  # the latest last
+        while len(shapes) > LAYOUTS:
+            del shapes[next(iter(shapes))]
     if failure is not None:
         raised, action = failure
         if action is not None:
@@ -157,7 +167,7 @@ def _start(
     target: Any,
     *,
     forward_only: bool = False,
-    shapes: tuple[bytes, dict[Any, Any]] | None = None,
+    shapes: dict[bytes, dict[Any, Any]],
 ) -> tuple[int, list[int], Schedule, list[Any], list[Any]]:
     """Agree on the step's micro-batches and table; split the input and target.
 
@@ -174,16 +184,15 @@ def _start(
         batches = scatter(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.table(m)
-        static = False
+        key = b""
         if stage.static_shapes:
             signature = _signature(table, forward_only, batches)
-            exchange.signature = signature
-            static = bool(signature) and shapes is not None and shapes[0] == signature
+            key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
-        start = (m, sizes, text, forward_only, static)
+        start = (m, sizes, text, forward_only, key, bool(key) and key in shapes)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
-        brief = (m, sizes, None if text == stage.table_text else text, forward_only, static)
+        brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
         for peer in exchange.peers:
             exchange.send(peer, ("start",), brief)
         stage.table_text = text
@@ -197,7 +206,7 @@ def _start(
             if start is not None:
                 _follow(stage, exchange, _full(stage, start), shapes)
             raise
-        m, sizes, text, first_forward_only, _ = start
+        m, sizes, text, first_forward_only, _, _ = start
         _follow(stage, exchange, start, shapes)
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
@@ -231,34 +240,40 @@ def _start(
 
 def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
     """Rank 0's start with the table's text, which it sends only when it changes."""
-    m, sizes, text, forward_only, static = start
+    m, sizes, text, *rest = start
     if text is None:
         text = stage.table_text
     stage.table_text = text
-    return m, sizes, text, forward_only, static
+    return (m, sizes, text, *rest)
 
 
 def _follow(
     stage: PipelineStage,
     exchange: Exchange,
     start: tuple[Any, ...],
-    shapes: tuple[bytes, dict[Any, Any]] | None,
+    shapes: dict[bytes, dict[Any, Any]],
 ) -> None:
     """Follow the plan of the table that rank 0 started (as ``start`` says).
 
-    ``shapes``: what the last step that ended well sent and received, if it did.
+    ``shapes``: what the last steps that ended well sent and received, by the layout of
+    their input (``start``'s key: a digest of the layout, empty without static shapes).
     """
-    _, _, text, forward_only, static = start
+    _, _, text, forward_only, key, static = start
+    exchange.signature = key  # this step's messages are remembered under it, if it ends well
     table = _parsed(text, len(stage.balance))
     frames = None
-    if static:  # rank 0 saw the last step end well (so did every rank), on this input
-        if shapes is None:
+    if static:  # a step on an input laid out so ended well, as every rank saw
+        if key not in shapes:
             raise RuntimeError(  # pragma: no cover - every rank sees a step end alike
-                f"rank {stage.rank} did not see the last step end as rank 0 did; after a "
+                f"rank {stage.rank} did not see the steps end as rank 0 did; after a "
                 f"lost process, build the process group and the stages anew"
             )
-        frames = shapes[1]
+        frames = shapes[key]
     exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"), frames)
+
+
+LAYOUTS = 8
+"""How many input layouts a stage with static shapes remembers (the latest ones)."""
 
 
 def _signature(table: Schedule, forward_only: bool, batches: list[Any]) -> bytes:

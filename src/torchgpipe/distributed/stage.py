@@ -101,9 +101,10 @@ class PipelineStage(nn.Module, StageHolder):
             every step whose input is laid out the same, as
             ``torch.distributed.pipelining`` assumes. Then, after the first
             such step, no metadata travels and receives are posted without waiting: a
-            faster step. A value that changes anyway fails its step with an error that
-            says so (the transfers stay matched). Default False: each step sends each
-            value's metadata ahead, so anything may change.
+            faster step. The layouts of the last 8 inputs' steps are remembered. A value
+            that changes anyway fails its step with an error that says so (the transfers
+            stay matched). Default False: each step sends each value's metadata ahead,
+            so anything may change.
 
     Raises:
         TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``, or a
@@ -147,9 +148,9 @@ class PipelineStage(nn.Module, StageHolder):
         if not isinstance(static_shapes, bool):
             raise TypeError(f"static_shapes must be a bool, got {static_shapes!r}")
         self.static_shapes = static_shapes
-        # For distributed/schedule.py. The last step that ended well: its input's
-        # layout (on rank 0) and every message's frame; and the last table started.
-        self.shapes: tuple[bytes, dict[Any, Any]] | None = None
+        # For distributed/schedule.py. Per input layout (a digest), the frames of every
+        # message of the last step on it that ended well; and the last table started.
+        self.shapes: dict[bytes, dict[Any, Any]] = {}
         self.table_text: str | None = None
         wanted = None if device is None else as_device(device)
         if transport is None:
