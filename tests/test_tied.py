@@ -312,9 +312,8 @@ def test_a_rank_that_fails_after_the_step_leaves_no_rank_waiting_on_a_tie() -> N
     assert "0-dim" in str(last)
 
 
-def test_a_rank_that_froze_a_tied_weight_alone_leaves_no_rank_waiting() -> None:
-    models = [_language_model() for _ in range(2)]
-    models[0][0].weight.requires_grad_(False)  # on rank 0 only: a mistake, not a hang
+def _one_step_grads(models: list[nn.Sequential]) -> list[Any]:
+    """One 1F1B step of ``models`` on 2 ranks (balance [2, 3]); each rank's gradients."""
     ids, target = _data(5)
 
     def rank(transport: Transport) -> Any:
@@ -324,7 +323,13 @@ def test_a_rank_that_froze_a_tied_weight_alone_leaves_no_rank_waiting() -> None:
         )
         return {n: p.grad for n, p in stage.named_parameters()}
 
-    first, last = run_threads(rank, 2, timeout=20.0)
+    return run_threads(rank, 2, timeout=20.0)
+
+
+def test_a_rank_that_froze_a_tied_weight_alone_leaves_no_rank_waiting() -> None:
+    models = [_language_model() for _ in range(2)]
+    models[0][0].weight.requires_grad_(False)  # on rank 0 only: a mistake, not a hang
+    first, last = _one_step_grads(models)
     assert first["0.weight"] is None
     assert last["4.weight"] is not None
 
@@ -347,16 +352,7 @@ def test_frozen_tied_weights_get_no_gradient_across_processes() -> None:
     models = [_language_model() for _ in range(2)]
     for model in models:
         model[0].weight.requires_grad_(False)
-    ids, target = _data(5)
-
-    def rank(transport: Transport) -> Any:
-        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
-        Schedule1F1B(stage, F.cross_entropy).step(
-            ids if stage.is_first else None, target if stage.is_last else None
-        )
-        return {n: p.grad for n, p in stage.named_parameters()}
-
-    first, last = run_threads(rank, 2, timeout=20.0)
+    first, last = _one_step_grads(models)
     assert first["0.weight"] is None
     assert last["4.weight"] is None
     assert last["2.weight"] is not None

@@ -173,32 +173,35 @@ def keep_plain_keys(container: nn.Module) -> None:
     container.register_load_state_dict_post_hook(_plain_report)
 
 
+def _stage_names(module: nn.Module) -> set[str]:
+    return {name for name, child in module.named_children() if isinstance(child, Stage)}
+
+
+def _plain(key: str, prefix: str, stages: set[str]) -> str:
+    """``key`` without the index of the stage it is under (if under ``prefix`` + one)."""
+    if not key.startswith(prefix):
+        return key
+    head, _, rest = key[len(prefix) :].partition(".")
+    return prefix + rest if head in stages and rest else key
+
+
 def _plain_report(module: nn.Module, incompatible: Any) -> None:
     """Name the missing and unexpected keys of a load by the model's keys too."""
-    stages = {name for name, child in module.named_children() if isinstance(child, Stage)}
-
+    stages = _stage_names(module)
     prefix = module.__dict__.get("_load_prefix", "")  # where the load found this module
-
-    def plain(key: str) -> str:
-        if not key.startswith(prefix):
-            return key
-        head, _, rest = key[len(prefix) :].partition(".")
-        return prefix + rest if head in stages and rest else key
-
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
-        keys[:] = list(dict.fromkeys(plain(key) for key in keys))
+        keys[:] = list(dict.fromkeys(_plain(key, prefix, stages) for key in keys))
 
 
 def _drop_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    stages = {name for name, child in module.named_children() if isinstance(child, Stage)}
+    stages = _stage_names(module)
     mine = [(key, value) for key, value in state_dict.items() if key.startswith(prefix)]
     for key, _ in mine:
         del state_dict[key]
     for key, value in mine:  # again, in order, with each stage's index taken out
-        head, _, rest = key[len(prefix) :].partition(".")
-        state_dict.setdefault(prefix + rest if head in stages and rest else key, value)
+        state_dict.setdefault(_plain(key, prefix, stages), value)
 
 
 def _add_stage_index(

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ from torchgpipe.distributed.transport import (
 __all__ = ["LocalTransport"]
 
 Observer = Callable[[int, list[tuple[int, Literal["send", "recv"], int]]], object]
+Item = TypeVar("Item")
 
 
 class _Closed:
@@ -98,21 +99,7 @@ class LocalTransport(Transport):
     def recv(self, peer: int) -> Message:
         """Wait for ``peer``'s next message; see :meth:`Transport.recv`."""
         self._check_open(None)
-        deadline = time.monotonic() + self.timeout
-        source = self._mesh.queues[(peer, self.rank)]
-        while True:
-            try:
-                item = source.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                self._check_open(peer)  # closed meanwhile, here or there
-                if time.monotonic() >= deadline:
-                    raise TransportError(
-                        f"rank {peer} sent nothing to rank {self.rank} in {self.timeout} s", peer
-                    ) from None
-                continue
-            if isinstance(item, _Closed):
-                raise TransportError(f"rank {peer} closed its transport", peer)
-            return item
+        return self._next(self._mesh.queues[(peer, self.rank)], peer, "nothing")
 
     def issue(self, transfers: Sequence[Transfer]) -> list[Pending]:
         """Start a group of transfers; see :meth:`Transport.issue`."""
@@ -141,17 +128,23 @@ class LocalTransport(Transport):
 
     def _next_transfer(self, peer: int) -> Tensor:
         """The bytes of ``peer``'s next send to this rank, in the order it sent them."""
+        return self._next(self._mesh.transfers[(peer, self.rank)], peer, "no transfer")
+
+    def _next(self, source: queue.SimpleQueue[Item | _Closed], peer: int, what: str) -> Item:
+        """The next item ``peer`` put in ``source``, waiting at most the timeout.
+
+        Raises:
+            TransportError: ``peer`` (or this rank) closed, or sent ``what`` in time.
+        """
         deadline = time.monotonic() + self.timeout
-        source = self._mesh.transfers[(peer, self.rank)]
         while True:
             try:
                 item = source.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                self._check_open(peer)
+                self._check_open(peer)  # closed meanwhile, here or there
                 if time.monotonic() >= deadline:
                     raise TransportError(
-                        f"rank {peer} sent no transfer to rank {self.rank} in {self.timeout} s",
-                        peer,
+                        f"rank {peer} sent {what} to rank {self.rank} in {self.timeout} s", peer
                     ) from None
                 continue
             if isinstance(item, _Closed):
