@@ -475,6 +475,8 @@ def test_rng_meta_tensors_draw_nothing_and_keep_their_shape() -> None:
 
 
 def test_rng_the_loss_of_a_schedule_draws_alike_in_forward_and_recomputation() -> None:
+    # A checkpointed cell's loss is computed once, in its recomputation; an
+    # uncheckpointed one's in its forward. Both draw the same dropout masks.
     drawn: list[tuple[bool, Tensor]] = []
 
     def noisy_loss(output: Tensor, target: Tensor) -> Tensor:
@@ -482,14 +484,19 @@ def test_rng_the_loss_of_a_schedule_draws_alike_in_forward_and_recomputation() -
         drawn.append((is_recomputing(), loss.detach()))
         return loss
 
-    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2,
-                  checkpoint="always")  # fmt: skip
-    ScheduleGPipe(model, noisy_loss).step(torch.randn(4, 4), torch.randn(4, 4))
-    forward = [loss for again, loss in drawn if not again]
-    recomputed = [loss for again, loss in drawn if again]
-    assert len(recomputed) == 2
-    for loss in recomputed:
-        assert any(torch.equal(loss, first) for first in forward)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    results = {}
+    for mode in ("always", "never"):
+        torch.manual_seed(0)
+        model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2,
+                      checkpoint=mode)  # fmt: skip
+        drawn.clear()
+        torch.manual_seed(1)
+        results[mode] = ScheduleGPipe(model, noisy_loss).step(x, y)
+        assert [again for again, _ in drawn] == [mode == "always"] * 2  # once per micro-batch
+        assert sorted(float(loss) for _, loss in drawn) == sorted(map(float, results[mode].losses))
+    assert torch.equal(torch.stack(results["always"].losses), torch.stack(results["never"].losses))
+    assert not torch.equal(results["always"].losses[0], results["always"].losses[1])
 
 
 def test_rng_dropout_family_shapes_and_errors_follow_torch() -> None:

@@ -45,7 +45,7 @@ from torchgpipe.microbatch import device_of, flatten, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
-from torchgpipe.split_backward import backward_inputs, ones_if_none
+from torchgpipe.split_backward import backward_inputs
 from torchgpipe.stages import Stages
 from torchgpipe.steps import LossFn
 from torchgpipe.stream import (
@@ -276,20 +276,22 @@ class StepRun:
         if self.loss_fn is None:  # model(x): the caller's gradients start the backward
             step.outputs[i] = output
             return
-        # The loss is part of the last stage's cell: it draws on from the cell's generators
-        # in forward, as in the recomputation.
-        with torch.set_grad_enabled(not cell.checkpointed), cell.randomness.forward():
-            loss = self._loss(self.loss_fn, output, self._target(s, i))
-        step.losses[i] = loss.detach()
         step.outputs[i] = detached(output)
-        if not cell.checkpointed:
-            cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
-        else:
-            cell.outputs = []  # recomputed in backward
+        if cell.checkpointed:
+            # The loss is computed once, in the recomputation: every F of a step has its
+            # B in the same step, and the recomputation computes the loss anyway.
+            cell.outputs = []
+            return
+        # The loss is part of the last stage's cell: it draws on from the cell's generators
+        # (a recomputation draws what the forward and then the loss drew).
+        target = self._target(s, i)
+        with cell.randomness.forward():
+            loss = self.loss_fn(output, target)
+        self._record_loss(i, cell, loss)
 
     @staticmethod
-    def _loss(loss_fn: LossFn, output: Any, target: Any) -> Tensor:
-        loss = loss_fn(output, target)
+    def _checked(loss: Any) -> Tensor:
+        """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor."""
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"loss_fn must return a tensor with one element, got "
@@ -372,10 +374,12 @@ class StepRun:
                 with self._span(s, i, "recompute"):
                     self._recompute(s, i, cell)
             with self._span(s, i, "backward"):
+                if grads is None:  # the loss's gradient: its weight in the batch's loss
+                    grads = [torch.full_like(y, self.weights[i]) for y in cell.outputs]
                 pairs = [
                     (y, g)
                     for y, g in zip(cell.outputs, grads, strict=True)
-                    if y.requires_grad and (g is not None or self._owns_loss(s))
+                    if y.requires_grad and g is not None
                 ]
                 wanted = [x for x in cell.inputs if x.requires_grad]
                 if not self.split:
@@ -385,7 +389,7 @@ class StepRun:
                 elif pairs and wanted:
                     cell.plan = backward_inputs(pairs, wanted)
                 elif pairs:  # nothing to hand back: W does all of it
-                    cell.plan = [([(y, ones_if_none(y, g)) for y, g in pairs], [])]
+                    cell.plan = [(pairs, [])]
         input_grads = [x.grad if x.requires_grad else None for x in cell.inputs]
         for x in cell.inputs:
             x.grad = None
@@ -395,10 +399,13 @@ class StepRun:
         """Whether stage ``s`` computes the loss: its backward starts from it."""
         return self.loss_fn is not None and s == self.n - 1
 
-    def _output_grads(self, s: int, i: int) -> list[Tensor | None]:
-        """The gradient of each tensor the cell's forward gave out, as received."""
+    def _output_grads(self, s: int, i: int) -> list[Tensor | None] | None:
+        """The gradient of each tensor the cell's forward gave out, as received.
+
+        None for the stage that computes the loss: its backward starts from the loss.
+        """
         if self._owns_loss(s):
-            return [None]
+            return None
         post, device, r = self.post, self.devices[s], self.table.placement[s]
         grads = post.take(("G", s, i))
         # The last stage's come from the caller (model(x)), where its input came from.
@@ -416,15 +423,25 @@ class StepRun:
         return list(grads)
 
     def _recompute(self, s: int, i: int, cell: StageCell) -> None:
+        loss_fn = self.loss_fn if s == self.n - 1 else None  # the loss is part of the cell
+        target = self._target(s, i) if loss_fn is not None else None
+        loss = None
         with recomputing(cell.randomness):  # the rank's loop entered the caller's state
             leaves, aliased = fresh_leaves(cell.leaves, needs_per_leaf(cell))
             cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
             result = self._call(s, unflatten(aliased, cell.spec))
-            if self.loss_fn is not None and s == self.n - 1:
-                loss = self._loss(self.loss_fn, result[0], self._target(s, i))
-                cell.outputs = [loss * self.weights[i]] if loss.requires_grad else []
-                return
-        cell.outputs = tensors_of(result)
+            if loss_fn is not None:
+                loss = loss_fn(result[0], target)
+        if loss_fn is not None:
+            self._record_loss(i, cell, loss)
+        else:
+            cell.outputs = tensors_of(result)
+
+    def _record_loss(self, i: int, cell: StageCell, loss: Any) -> None:
+        """Keep micro-batch ``i``'s loss; its cell's backward starts from it."""
+        loss = self._checked(loss)
+        self.step.losses[i] = loss.detach()
+        cell.outputs = [loss] if loss.requires_grad else []
 
     def _target(self, s: int, i: int) -> Any:
         r = self.table.placement[s]

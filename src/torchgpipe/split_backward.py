@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-__all__ = ["RESUMABLE", "Plan", "backward_inputs", "ones_if_none"]
+__all__ = ["RESUMABLE", "Plan", "backward_inputs"]
 
 
 # Whether the engine can start a backward from a node (torch >= 2.4): W then resumes
@@ -32,7 +32,7 @@ RESUMABLE = hasattr(torch.autograd.graph, "get_gradient_edge") and tuple(
 Plan: TypeAlias = list[tuple[list[tuple[Any, Tensor]], list[Tensor]]]
 
 
-def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor | None]], inputs: list[Tensor]) -> Plan:
+def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]) -> Plan:
     """Backpropagate ``pairs`` to ``inputs`` only; return the plan of W, which finishes.
 
     Where the way to the inputs branches off towards weights, the node there gets its
@@ -42,7 +42,7 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor | None]], inputs: list[
     """
     outputs = [y for y, _ in pairs]
     grads = [g for _, g in pairs]
-    whole: Plan = [([(y, ones_if_none(y, g)) for y, g in pairs], [])]
+    whole: Plan = [(list(pairs), [])]
     if not RESUMABLE:  # pragma: no cover - torch < 2.4
         torch.autograd.backward(outputs, grads, inputs=inputs, retain_graph=True)
         whole[0][1].extend(_Graph(outputs, inputs).weights)
@@ -69,7 +69,7 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor | None]], inputs: list[
         if roots:
             plan.append((roots, [leaf.variable for leaf in own]))
     direct = [
-        (y, ones_if_none(y, g))
+        (y, g)
         for (y, g), node in zip(pairs, graph.starts, strict=True)
         if not graph.reaches_input[node] and graph.below[node]
     ]
@@ -77,11 +77,6 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor | None]], inputs: list[
         leaves = set().union(*(graph.below[node] for node in graph.starts))
         plan.append((direct, [leaf.variable for leaf in leaves]))
     return plan
-
-
-def ones_if_none(y: Tensor, g: Tensor | None) -> Tensor:
-    """``g``, or ones shaped like ``y`` where no gradient was given (a loss)."""
-    return g if g is not None else torch.ones_like(y)
 
 
 def _capture(
