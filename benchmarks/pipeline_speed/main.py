@@ -241,16 +241,16 @@ def measure_overhead(n: int, m: int, rounds: int) -> list[dict[str, Any]]:
         plain.train(training)
         piped.train(training)
         with torch.set_grad_enabled(training):
-            a, b = interleaved(lambda p=plain: p(x), lambda p=piped: p(x), rounds)
-        rows.append({"n": n, "m": m, "mode": mode, "reference_s": a, "gpipe_s": b})
+            a, b, ratio = interleaved(lambda p=plain: p(x), lambda p=piped: p(x), rounds)
+        rows.append({"n": n, "m": m, "mode": mode, "reference_s": a, "gpipe_s": b, "ratio": ratio})
     piped = pipeline(n, m, 0.0)
     schedule = ScheduleGPipe(piped, nn.functional.mse_loss)
 
     def drop_in() -> None:
         nn.functional.mse_loss(piped(x), target).backward()
 
-    a, b = interleaved(drop_in, lambda: schedule.step(x, target), rounds)
-    rows.append({"n": n, "m": m, "mode": "step", "reference_s": a, "gpipe_s": b})
+    a, b, ratio = interleaved(drop_in, lambda: schedule.step(x, target), rounds)
+    rows.append({"n": n, "m": m, "mode": "step", "reference_s": a, "gpipe_s": b, "ratio": ratio})
     for row in rows:
         row["per_cell_s"] = row["gpipe_s"] / (n * m)
         row["reference_per_cell_s"] = row["reference_s"] / (n * m)
@@ -259,15 +259,19 @@ def measure_overhead(n: int, m: int, rounds: int) -> list[dict[str, Any]]:
 
 def interleaved(
     first: Callable[[], object], second: Callable[[], object], rounds: int
-) -> tuple[float, float]:
-    """Median seconds of ``first`` and of ``second``, called in turn, after a warm-up."""
+) -> tuple[float, float, float]:
+    """Median seconds of ``first`` and of ``second``, called in turn, after a warm-up.
+
+    And the median over rounds of ``second``'s time over ``first``'s.
+    """
     first()
     second()
     a, b = [], []
     for _ in range(rounds):
         a.append(timed(first))
         b.append(timed(second))
-    return statistics.median(a), statistics.median(b)
+    ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+    return statistics.median(a), statistics.median(b), ratio
 
 
 def measure_randomness(rounds: int, cells: int = 2000) -> dict[str, float]:
@@ -345,15 +349,16 @@ def overhead_table(rows: list[dict[str, Any]], rounds: int) -> str:
         "eval: forward in eval mode under no_grad, against the plain nn.Sequential",
         "train: forward in training mode with grad (except_last), against nn.Sequential",
         "step: ScheduleGPipe.step(x, target), against model(x) then loss.backward()",
+        "/ref: GPipe's time over the reference's, median of the per-round ratios",
         "",
         f"{'n':>3} {'m':>4} {'mode':>6} {'reference us':>13} {'GPipe us':>10}"
-        f" {'us/cell':>9} {'ref us/cell':>12}",
+        f" {'us/cell':>9} {'ref us/cell':>12} {'/ref':>7}",
     ]
     for r in rows:
         lines.append(
             f"{r['n']:>3} {r['m']:>4} {r['mode']:>6} {r['reference_s'] * 1e6:>13.1f}"
             f" {r['gpipe_s'] * 1e6:>10.1f} {r['per_cell_s'] * 1e6:>9.1f}"
-            f" {r['reference_per_cell_s'] * 1e6:>12.1f}"
+            f" {r['reference_per_cell_s'] * 1e6:>12.1f} {r['ratio']:>7.3f}"
         )
     return "\n".join(lines)
 
