@@ -108,7 +108,19 @@ def _transparency_rank(rank: int, world: int) -> dict[str, Any]:
     stage = PipelineStage(bn_net(), balance, chunks=4, deferred_batch_norm=True)
     result = _step(ScheduleZeroBubble(stage, _mse), x, y)
     out["bn"] = (result.loss, _grads(stage), result.output, stage.state_dict())
+
+    # An input made by a layer before the pipeline, on the first rank: that layer's
+    # gradient, for every micro-batch at once.
+    before = _before()
+    stage = PipelineStage(mlp(), [8 // world] * world, chunks=4, checkpoint="always")
+    _step(Schedule1F1B(stage, _mse), before(x), y)
+    out["before"] = (None, _grads(stage), _grads(before))
     return out
+
+
+def _before() -> nn.Linear:
+    torch.manual_seed(3)
+    return nn.Linear(4, 4)
 
 
 class _Counting(ProcessGroupTransport):
@@ -202,6 +214,12 @@ def test_steps_across_processes_match_the_plain_model_and_one_process(world: int
     first = results[0]["bn"][3]  # the first batch norm sees the same inputs as the plain one
     for name in ("1.running_mean", "1.running_var"):
         torch.testing.assert_close(first[name], plain.state_dict()[name], msg=name)
+
+    before, plain = _before(), mlp()
+    _mse(plain(before(x)), y).backward()
+    _assert_close(_merged(results, "before"), _grads(plain))
+    _assert_close(results[0]["before"][2], _grads(before))
+    assert all(not out["before"][2] for out in results[1:])
 
 
 def test_a_skip_travels_from_the_stashing_rank_straight_to_the_popping_one() -> None:

@@ -104,6 +104,29 @@ def test_sum_reduction_and_uneven_micro_batches(schedule: str) -> None:
     _assert_same_grads(model, plain, exact=False)
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_an_input_made_by_layers_before_the_pipeline_gets_their_gradients(
+    schedule: str, checkpoint: Checkpoint
+) -> None:
+    # An embedding (here a Linear) outside the pipeline: its graph is walked once, for
+    # every micro-batch at once, as the plain model's backward walks it.
+    torch.manual_seed(0)
+    before = nn.Linear(6, 6).double()
+    plain = MODELS["mlp"][0]().double()
+    model = GPipe(copy.deepcopy(plain), [1, 1, 2, 1], chunks=4, checkpoint=checkpoint)
+    x, target = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    theirs = copy.deepcopy(before)
+
+    SCHEDULES[schedule](model, _mse).step(before(x), target)
+    _mse(plain(theirs(x)), target).backward()
+
+    _assert_same_grads(model, plain, exact=False)
+    for mine, expected in zip(before.parameters(), theirs.parameters(), strict=True):
+        assert mine.grad is not None
+        torch.testing.assert_close(mine.grad, expected.grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_optimizer_steps_give_the_same_weights(schedule: str) -> None:
     plain = MODELS["convnet"][0]().double()

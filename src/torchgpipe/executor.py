@@ -72,6 +72,8 @@ class Step(Mailbox):
         self.peak = [0] * stages
         self.losses: list[Tensor | None] = [None] * m
         self.outputs: list[Any] = [None] * m
+        # Stage 0's inputs in the caller's graph, with their gradients (a schedule's step).
+        self.upstream: list[tuple[Tensor, Tensor]] = []
 
     def drop(self) -> None:
         """Let go of every cell and message of a step that failed.
@@ -215,10 +217,23 @@ class StepRun:
             return
         for r, device in self.rank_device.items():
             wait_stream(current_stream(device), self.compute[r])
-        kept = [*self.step.losses, *self.step.outputs]
+        kept = [*self.step.losses, *self.step.outputs, *(g for _, g in self.step.upstream)]
         for leaf in flatten(kept)[0]:
             if isinstance(leaf, Tensor):
                 record_stream(leaf, current_stream(leaf.device))
+
+    def backward_upstream(self) -> None:
+        """Hand the gradients of the step's input on into the caller's graph, at once.
+
+        Call it after the step ended well, after :meth:`hand_over`. The micro-batches are
+        pieces of one input, which the caller's graph made (an embedding before the
+        pipeline, say): one backward from all of them walks that graph once, as the
+        plain model's backward does; one per micro-batch would find it freed the second
+        time.
+        """
+        pairs, self.step.upstream = self.step.upstream, []
+        if pairs:
+            torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
 
     def _span(self, s: int, i: int, kind: Any) -> AbstractContextManager[None]:
         return self.trace.span(s, i, kind) if self.trace is not None else nullcontext()
@@ -461,8 +476,7 @@ class StepRun:
                 for x, g in zip(cell.upstream, wanted(cell, grads), strict=True)
                 if g is not None
             ]
-            if pairs:  # into the caller's graph, which produced the input
-                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+            self.step.upstream += pairs  # into the caller's graph, at the end of the step
             return
         post = self.post
         post.put(("G", s - 1, i), grads[: cell.value_tensors])

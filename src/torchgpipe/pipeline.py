@@ -159,6 +159,7 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
         )
     finally:
         run.hand_over()
+    run.backward_upstream()
     losses = [x for x in record.losses if x is not None]
     return StepResult(
         loss=weighted(weights, losses),

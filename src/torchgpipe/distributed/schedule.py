@@ -118,6 +118,8 @@ def _run(
         real = real_failures(exchange)
         if real:
             failure = real[0]
+        elif not exchange.halted:
+            run.backward_upstream()
     except Stopped:
         pass
     except BaseException as error:
