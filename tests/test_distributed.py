@@ -275,6 +275,20 @@ class _BackwardBomb(nn.Module):
         return _FailingBackward.apply(x) if self.armed else x
 
 
+class _Unprintable(Exception):
+    """An exception whose ``str()`` has a bug of its own."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no attribute 'detail'")
+
+
+def _text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except AttributeError:
+        return "<unprintable>"
+
+
 def _outcome(call: Callable[[], Any]) -> dict[str, Any]:
     start = time.monotonic()
     try:
@@ -282,7 +296,7 @@ def _outcome(call: Callable[[], Any]) -> dict[str, Any]:
     except BaseException as error:
         return {
             "type": type(error).__name__,
-            "text": str(error),
+            "text": _text(error),
             "notes": getattr(error, "__notes__", []),
             "rank": getattr(error, "rank", None),
             "stages": getattr(error, "stages", None),
@@ -317,6 +331,11 @@ def _faults_rank(rank: int, world: int) -> dict[str, Any]:
         raise ValueError("the loss refuses")
 
     out["loss"] = _outcome(lambda: _step(ScheduleZeroBubble(stage, bad_loss), x, y))
+
+    def unprintable_loss(output: Tensor, target: Tensor) -> Tensor:
+        raise _Unprintable()
+
+    out["unprintable"] = _outcome(lambda: _step(ScheduleGPipe(stage, unprintable_loss), x, y))
     out["no input"] = _outcome(lambda: ScheduleGPipe(stage, _mse).step(None, y))
 
     # Different balances, then different layers: every rank refuses to start.
@@ -352,6 +371,15 @@ def test_a_failure_on_one_rank_fails_every_rank_and_names_it() -> None:
     loss = [out["loss"] for out in results]
     assert loss[3]["type"] == "ValueError"
     assert all(loss[r]["type"] == "RemoteError" and loss[r]["rank"] == 3 for r in (0, 1, 2))
+
+    # An exception that cannot say what it is still ends the step on every rank.
+    unprintable = [out["unprintable"] for out in results]
+    assert unprintable[3]["type"] == "_Unprintable"
+    for r in (0, 1, 2):
+        assert unprintable[r]["type"] == "RemoteError"
+        assert unprintable[r]["rank"] == 3
+        assert "_Unprintable: <its str() raised AttributeError>" in unprintable[r]["text"]
+        assert unprintable[r]["seconds"] < 30
 
     no_input = [out["no input"] for out in results]
     assert no_input[0]["type"] == "ValueError"

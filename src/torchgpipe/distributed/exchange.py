@@ -109,10 +109,18 @@ def describe(
         "rank": rank,
         "stages": stages,
         "action": None if action is None else str(action),
-        "text": f"{type(error).__name__}: {error}",
+        "text": f"{type(error).__name__}: {_said(error)}",
         "where": where,
         "traceback": "".join(traceback.format_exception(error)),
     }
+
+
+def _said(error: BaseException) -> str:
+    """What ``error`` says; a description must not fail where the exception's does."""
+    try:
+        return str(error)
+    except Exception as failure:  # a user's __str__ with a bug: the step must still end
+        return f"<its str() raised {type(failure).__name__}>"
 
 
 class Exchange(Mailbox):
