@@ -254,6 +254,7 @@ CALLS: dict[str, Callable[[], Any]] = {
     "dropout2d": lambda: F.dropout2d(x8(), 0.5),
     "alpha_dropout": lambda: F.alpha_dropout(torch.ones(64), 0.5, training=True),
     "torch.dropout": lambda: torch.dropout(torch.ones(64), 0.5, True),
+    "torch.native_dropout": lambda: torch.native_dropout(torch.ones(64), 0.5, True),
     "rrelu": lambda: F.rrelu(-torch.ones(64), training=True),
     "gumbel_softmax": lambda: F.gumbel_softmax(torch.zeros(4, 5), hard=True),
     "fractional_max_pool2d": lambda: F.fractional_max_pool2d(x8(), 2, output_size=4),
@@ -301,6 +302,18 @@ def test_rng_dropout_scales_the_kept_and_zeroes_the_rest() -> None:
     kept = out != 0
     assert torch.equal(out[kept], torch.full_like(out[kept], 1 / 0.75))
     assert 0.7 < kept.double().mean().item() < 0.8
+
+
+def test_rng_native_dropout_returns_the_mask_it_applied() -> None:
+    x = torch.ones(1000, requires_grad=True)
+    out, mask = _in_cell(lambda: torch.native_dropout(x, 0.5, True))
+    assert mask.dtype == torch.bool
+    assert torch.equal(out, mask * 2.0)
+    out.sum().backward()
+    assert torch.equal(x.grad, mask * 2.0)
+    out, mask = _in_cell(lambda: torch.native_dropout(x, 0.5, False))
+    assert torch.equal(out, x)
+    assert bool(mask.all())
 
 
 def test_rng_dropout_edge_cases() -> None:

@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchgpipe.random_functions import HANDLERS, NAMES
+from torchgpipe.random_functions import HANDLERS, NAMES, native_dropout
 
 __all__ = ["CellRandomness", "cell_seed", "draw_seed", "random_functions"]
 
@@ -120,8 +120,8 @@ class _RandomOperators(TorchDispatchMode):
 
     Used only around the few functions whose random draws happen in C++: a dispatch
     mode costs a Python call per operator. ``native_dropout`` takes no generator, and is
-    computed here from ``bernoulli_``; its autograd node, recorded above, uses the mask
-    returned.
+    computed from ``bernoulli_`` (``random_functions.native_dropout``); its autograd
+    node, recorded above, uses the mask returned.
     """
 
     def __init__(self, cell: _CellGenerators) -> None:
@@ -139,7 +139,10 @@ class _RandomOperators(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         if func is torch.ops.aten.native_dropout.default:
-            return self._native_dropout(*args, **kwargs)
+            values = dict(zip(("input", "p", "train"), args, strict=False)) | kwargs
+            input = values["input"]
+            generator = self._cell.generator(input.device)
+            return native_dropout(generator, input, values["p"], values.get("train"))
         if kwargs.get("generator") is None and _takes_generator(func):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
             device = tensors[0].device if tensors else kwargs.get("device")
@@ -147,17 +150,6 @@ class _RandomOperators(TorchDispatchMode):
             if generator is not None:
                 kwargs = {**kwargs, "generator": generator}
         return func(*args, **kwargs)
-
-    def _native_dropout(
-        self, input: Tensor, p: float, train: bool | None = None
-    ) -> tuple[Tensor, Tensor]:
-        if train is False or p == 0.0:
-            return input.clone(), torch.ones_like(input, dtype=torch.bool)
-        mask = torch.empty_like(input, dtype=torch.bool)
-        generator = self._cell.generator(input.device)
-        mask.bernoulli_(1.0 - p, **({} if generator is None else {"generator": generator}))
-        scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-        return input * mask * scale, mask
 
 
 _TAKES_GENERATOR: dict[Any, bool] = {}
