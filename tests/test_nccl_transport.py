@@ -532,6 +532,62 @@ def test_static_shapes_name_a_change_of_which_tensors_want_a_gradient() -> None:
     results = run_threads(rank, 2, timeout=30.0)
     assert isinstance(results[0], ValueError)
     assert "which tensors want a gradient: [True] then, [False] now" in str(results[0])
+    assert "frozen or unfrozen" in str(results[0])
+
+
+def test_static_shapes_follow_the_stages_between_train_and_eval() -> None:
+    # Checkpointed cells (training) mark a mask that wants no gradient as wanting one;
+    # in eval mode nothing is checkpointed. Each mode remembers its own layouts.
+    class WithMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            return self.linear(x), torch.zeros(x.shape[0], 4)
+
+    class UseMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+            return self.linear(pair[0]) + pair[1]
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(WithMask(), UseMask())
+
+    models = [build() for _ in range(2)]
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    modes = ["train", "eval", "eval", "train", "train"]
+
+    def rank(transport: Transport) -> Any:
+        seen: list[int] = []
+        stage = PipelineStage(
+            models[transport.rank],
+            [1, 1],
+            transport=_counting(transport, seen),
+            chunks=2,
+            static_shapes=True,
+        )
+        driver = Schedule1F1B(stage, _mse)
+        out = []
+        for mode in modes:
+            stage.train(mode == "train")
+            before = len(seen)
+            out.append((_loss_or_error(driver, x, y), len(seen) - before))
+        return out
+
+    results = run_threads(rank, 2, timeout=30.0)
+    with torch.no_grad():
+        expected = float(_mse(build()(x), y))
+    for out in results:
+        assert [loss for loss, _ in out] == pytest.approx([expected] * len(modes), rel=1e-6)
+    sent = [sum(out[k][1] for out in results) for k in range(len(modes))]
+    assert sent[0] > 0  # the first step of each mode sends metadata
+    assert sent[1] > 0
+    assert sent[2] == sent[3] == sent[4] == 0  # then each mode's layouts are remembered
 
 
 def test_a_static_message_marks_real_data_apart_from_a_failed_senders_zeros() -> None:

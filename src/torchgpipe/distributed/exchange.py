@@ -270,9 +270,11 @@ class Exchange(Mailbox):
                 self.transfers.hold(wire_key, static[wire_key], self.transfers.zeros(wire_key))
                 raise ValueError(
                     f"static_shapes=True, but the value under {key} is not laid out as in "
-                    f"the last step with this input ({_layout_change(static[wire_key], frame)});"
-                    f" build the PipelineStage with static_shapes=False for values whose "
-                    f"shapes vary at a given input shape"
+                    f"the last step with this input ({_layout_change(static[wire_key], frame)})."
+                    f" If its shapes vary at a given input shape, build the PipelineStage "
+                    f"with static_shapes=False; if a stage's parameters were frozen or "
+                    f"unfrozen since (requires_grad_), or the ranks are not all in the same "
+                    f"train()/eval() mode, the next step learns the new layouts"
                 )
             self.transfers.hold(wire_key, frame, pack(tensors, self.transport.wire, mark=True))
             return

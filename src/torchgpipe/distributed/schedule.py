@@ -188,7 +188,7 @@ def _start(
         table = steps.table(m)
         key = b""
         if stage.static_shapes:
-            signature = _signature(table, forward_only, batches)
+            signature = _signature(table, forward_only, stage.training, batches)
             key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
         start = (m, sizes, text, forward_only, key, bool(key) and key in shapes)
@@ -278,19 +278,28 @@ LAYOUTS = 8
 """How many input layouts a stage with static shapes remembers (the latest ones)."""
 
 
-def _signature(table: Schedule, forward_only: bool, batches: list[Any]) -> bytes:
+def _signature(table: Schedule, forward_only: bool, training: bool, batches: list[Any]) -> bytes:
     """What decides the layout of every message, given static shapes: the step's input.
 
-    Empty (never the same as another) when the input holds what cannot be pickled.
+    And the mode of the stages: in training mode a checkpointed cell marks every floating
+    output as wanting a gradient, in eval mode only those that do (the layouts of one
+    input differ). Empty (never the same as another) when the input holds what cannot
+    be pickled.
     """
     layout = []
     for batch in batches:
         leaves, spec = flatten(batch)
         layout.append(
-            (spec, [(tuple(x.shape), x.dtype) if isinstance(x, Tensor) else x for x in leaves])
+            (
+                spec,
+                [
+                    (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, Tensor) else x
+                    for x in leaves
+                ],
+            )
         )
     try:
-        return pickle.dumps((table.text(), forward_only, layout))
+        return pickle.dumps((table.text(), forward_only, training, layout))
     except Exception:  # a lambda, a lock: no static step for this input
         return b""
 
