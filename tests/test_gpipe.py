@@ -129,6 +129,23 @@ def test_layer_named_like_an_attribute_rejected(name: str) -> None:
         GPipe(module, [1, 1])
 
 
+def _own_attributes() -> set[str]:
+    """What a GPipe (with ties and deferred batch norm) holds beyond any nn.Module."""
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    model = GPipe(nn.Sequential(a, nn.BatchNorm1d(2), b), [2, 1], deferred_batch_norm=True)
+    return set(vars(model)) - set(vars(nn.Module()))
+
+
+@pytest.mark.parametrize("name", sorted(_own_attributes()))
+def test_every_attribute_of_gpipe_is_refused_as_a_layer_name_before_any_change(name: str) -> None:
+    norm = nn.BatchNorm1d(2)
+    module = nn.Sequential(OrderedDict([("norm", norm), (name, nn.Identity())]))
+    with pytest.raises(ValueError, match=rf"\['{name}'\] are also attributes of GPipe"):
+        GPipe(module, [1, 1], deferred_batch_norm=True)
+    assert module.norm is norm  # not replaced by a deferred batch norm
+
+
 def test_parameters_shared_within_one_layer_are_fine() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:

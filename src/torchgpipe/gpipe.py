@@ -48,6 +48,24 @@ class BalanceError(ValueError):
     """The balance does not fit the module: wrong sum, or a non-positive entry."""
 
 
+# The attributes GPipe.__init__ assigns after it checks the layers' names, which must
+# not be any of them (a layer of that name would be hidden, or refused by nn.Module).
+_ASSIGNED_LATER = frozenset(
+    {
+        "skip_layout",
+        "workers",
+        "_deferred",
+        "_ties",
+        "_partitions",
+        "_inbound",
+        "_outbound",
+        "_guards",
+        "_streams",
+        "_tracer",
+    }
+)
+
+
 class GPipe(nn.Module, StageHolder):
     """Wraps an ``nn.Sequential`` to train it with GPipe's pipeline parallelism.
 
@@ -148,7 +166,7 @@ class GPipe(nn.Module, StageHolder):
         clashes = [
             name
             for name, _ in module.named_children()
-            if hasattr(type(self), name) or name in vars(self)
+            if hasattr(type(self), name) or name in vars(self) or name in _ASSIGNED_LATER
         ]
         if clashes:
             raise ValueError(
