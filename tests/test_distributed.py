@@ -427,6 +427,22 @@ def test_a_rank_that_dies_is_reported_by_every_other_before_any_timeout() -> Non
         assert out["seconds"] < timeout / 2  # seen by the transport, not by a timeout
 
 
+def _refused_rank(rank: int, world: int) -> dict[str, Any]:
+    # Rank 1 is given a bad argument: it raises before building its transport and its
+    # process ends (os._exit, as an uncaught exception would end it).
+    outcome = _outcome(lambda: PipelineStage(mlp(), [4, 4], chunks=0 if rank == 1 else 2))
+    if rank == 1:
+        os._exit(3)
+    return outcome
+
+
+def test_a_rank_that_refuses_its_arguments_is_reported_as_a_remote_error() -> None:
+    results = spawn(_refused_rank, 2, timeout=60.0, dies=1)
+    assert results[0]["type"] == "RemoteError", results[0]
+    assert "failed before building its stage" in results[0]["text"]
+    assert results[0]["seconds"] < 30
+
+
 # Data parallelism: each stage replicated over a group of its own.
 
 

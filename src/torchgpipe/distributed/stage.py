@@ -20,9 +20,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
-from torchgpipe.distributed.exchange import Exchange, Key
+from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
-from torchgpipe.distributed.transport import ProcessGroupTransport, Transport
+from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
 from torchgpipe.gpipe import (
     Checkpoint,
     Device,
@@ -154,7 +154,10 @@ class PipelineStage(nn.Module, StageHolder):
         self.table_text: str | None = None
         wanted = None if device is None else as_device(device)
         if transport is None:
-            transport = ProcessGroupTransport(group, device=wanted)
+            try:
+                transport = ProcessGroupTransport(group, device=wanted)
+            except TransportError as error:
+                raise RemoteError(str(error), rank=error.peer, stages=()) from error
         elif wanted is not None and wanted != transport.device:
             raise ValueError(
                 f"device is {wanted} but the transport receives on {transport.device}; "

@@ -47,7 +47,7 @@ class TransportError(ConnectionError):
     """A peer cannot be reached: it died, closed its transport, or did not answer in time.
 
     Attributes:
-        peer: the rank that cannot be reached.
+        peer: the rank that cannot be reached; -1 when it is not known which.
     """
 
     def __init__(self, message: str, peer: int) -> None:
@@ -212,7 +212,15 @@ class ProcessGroupTransport(Transport):
         self._pending: list[tuple[Any, Tensor, int]] = []
         # NCCL sets up a communicator at its first operation, which must then be a
         # collective of every rank of the group, not a batch of point-to-point ones.
-        dist.all_reduce(torch.zeros(1, device=self.wire), group=self.group)
+        try:
+            dist.all_reduce(torch.zeros(1, device=self.wire), group=self.group)
+        except RuntimeError as error:  # gloo reports a peer gone this way
+            raise TransportError(
+                f"rank {self.rank} could not reach the other processes of the pipeline "
+                f"while setting up: one of them failed before building its stage (see "
+                f"its own output for why) or died. The process group said: {error}",
+                -1,
+            ) from error
 
     def _side_group(self, given: Any) -> Any:
         dist = self._dist
