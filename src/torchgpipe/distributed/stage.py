@@ -333,7 +333,8 @@ class PipelineStage(nn.Module, StageHolder):
         Call it in every process at once, outside a step. The spans of each process are
         placed on ``dst``'s clock through the wall clock (``time.time()``): exact between
         processes of one machine, as good as the machines' clock synchronization (NTP,
-        typically a millisecond or better) between machines. Thread names say the rank.
+        typically a millisecond or better) between machines. The rows are the stages; each
+        span's thread (``CellEvent.thread``, in a Chrome file its ``args``) names its rank.
 
         Raises:
             RemoteError: another process failed or was lost.
