@@ -223,13 +223,10 @@ class StepRun:
                 record_stream(leaf, current_stream(leaf.device))
 
     def backward_upstream(self) -> None:
-        """Hand the gradients of the step's input on into the caller's graph, at once.
+        """Hand the step's input gradients into the caller's graph (after :meth:`hand_over`).
 
-        Call it after the step ended well, after :meth:`hand_over`. The micro-batches are
-        pieces of one input, which the caller's graph made (an embedding before the
-        pipeline, say): one backward from all of them walks that graph once, as the
-        plain model's backward does; one per micro-batch would find it freed the second
-        time.
+        One backward from all the micro-batches, pieces of one input, walks the graph that
+        made it (an embedding before the pipeline) once: a second would find it freed.
         """
         pairs, self.step.upstream = self.step.upstream, []
         if pairs:
@@ -293,8 +290,7 @@ class StepRun:
             return
         step.outputs[i] = detached(output)
         if cell.checkpointed:
-            # The loss is computed once, in the recomputation: every F of a step has its
-            # B in the same step, and the recomputation computes the loss anyway.
+            # Its loss is computed once, in its recomputation (its B is in this step).
             cell.outputs = []
             return
         # The loss is part of the last stage's cell: it draws on from the cell's generators

@@ -50,20 +50,8 @@ class BalanceError(ValueError):
 
 # The attributes GPipe.__init__ assigns after it checks the layers' names, which must
 # not be any of them (a layer of that name would be hidden, or refused by nn.Module).
-_ASSIGNED_LATER = frozenset(
-    {
-        "skip_layout",
-        "workers",
-        "_deferred",
-        "_ties",
-        "_partitions",
-        "_inbound",
-        "_outbound",
-        "_guards",
-        "_streams",
-        "_tracer",
-    }
-)
+_ASSIGNED_LATER = frozenset(("skip_layout", "workers", "_deferred", "_ties", "_partitions"))
+_ASSIGNED_LATER |= {"_inbound", "_outbound", "_guards", "_streams", "_tracer"}
 
 
 class GPipe(nn.Module, StageHolder):
