@@ -129,27 +129,21 @@ def _dropout(
     return input.mul_(noise) if inplace else input * noise
 
 
-def native_dropout(
-    generator: torch.Generator | None, input: Tensor, p: float, train: bool | None
-) -> tuple[Tensor, Tensor]:
-    """``torch.native_dropout``: the output and the mask kept, drawn from ``generator``.
+def native_dropout(draws: Draws, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """``torch.native_dropout(input, p, train)``: the output and the mask, drawn by ``draws``.
 
-    The function mode's handler and, below autograd, the dispatch mode both call it (the
-    operator takes no generator).
+    The operator takes no generator. The function mode's table and, below autograd, the
+    dispatch mode (``native_dropout`` reached from C++) both call this handler.
     """
+    values = dict(zip(("input", "p", "train"), args, strict=False)) | kw
+    input: Tensor = values["input"]
+    p, train = float(values["p"]), values.get("train")
     if train is False or p == 0.0:
         return input.clone(), torch.ones_like(input, dtype=torch.bool)
+    generator = draws.generator(input.device)
     mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(1.0 - p, **_with({}, generator))
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     return input * mask * scale, mask
-
-
-def _native_dropout(draws: Draws, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    values = dict(zip(("input", "p", "train"), args, strict=False)) | kw
-    input: Tensor = values["input"]
-    train = values.get("train")
-    train = None if train is None else bool(train)
-    return native_dropout(draws.generator(input.device), input, float(values["p"]), train)
 
 
 def _dropout_handler(*, feature: bool, alpha: bool, batched: int | None = None) -> Handler:
@@ -420,7 +414,7 @@ def _table() -> dict[Any, tuple[str, Handler]]:
             (name + "_",),
             _torch_dropout_handler(feature=feature, alpha=alpha, inplace=True),
         )
-    add(torch, "torch", ("native_dropout",), _native_dropout)
+    add(torch, "torch", ("native_dropout",), native_dropout)
     add(F, nn_f, ("rrelu",), _rrelu)
     add(F, nn_f, ("gumbel_softmax",), _gumbel_softmax)
     add(

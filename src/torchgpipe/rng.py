@@ -139,10 +139,7 @@ class _RandomOperators(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         if func is torch.ops.aten.native_dropout.default:
-            values = dict(zip(("input", "p", "train"), args, strict=False)) | kwargs
-            input = values["input"]
-            generator = self._cell.generator(input.device)
-            return native_dropout(generator, input, values["p"], values.get("train"))
+            return native_dropout(self._cell, func, args, kwargs)
         if kwargs.get("generator") is None and _takes_generator(func):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
             device = tensors[0].device if tensors else kwargs.get("device")
