@@ -3,12 +3,13 @@ import inspect
 import subprocess
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from torchgpipe import BalanceError, GPipe
+from torchgpipe import BalanceError, GPipe, Schedule1F1B
 
 
 def _mlp(n: int = 4) -> nn.Sequential:
@@ -197,6 +198,17 @@ def test_bad_device_rejected() -> None:
         GPipe(_mlp(), [4], devices="cpu")
 
 
+def test_meta_device_rejected_before_the_model_changes() -> None:
+    model = _mlp(2)
+    weight = model[1].weight
+    with pytest.raises(ValueError, match=r"'meta' is the meta device.*torch.device\('meta'\)"):
+        GPipe(model, [1, 1], devices=["cpu", "meta"])
+    with pytest.raises(ValueError, match=r"device\(type='meta'\) is the meta device"):
+        GPipe(model, [1, 1], devices=[torch.device("meta"), "cpu"])
+    assert model[1].weight is weight
+    assert weight.device.type == "cpu"
+
+
 def test_cuda_device_without_cuda_rejected() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -345,3 +357,68 @@ def test_cpu_pipeline_creates_no_cuda_state() -> None:
         "assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+@dataclass
+class Hidden:
+    h: Tensor
+
+
+class ToHidden(nn.Linear):
+    def forward(self, x: Tensor) -> Hidden:  # type: ignore[override]
+        return Hidden(super().forward(x))
+
+
+class FromHidden(nn.Linear):
+    def forward(self, x: Hidden) -> Tensor:  # type: ignore[override]
+        return super().forward(torch.tanh(x.h))
+
+
+def test_dataclass_output_is_gathered_from_every_micro_batch() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), ToHidden(4, 3)), [1, 1], chunks=4)
+    x = torch.randn(8, 4)
+    out = model(x)
+    assert type(out) is Hidden
+    assert torch.allclose(out.h, model[1](model[0](x)).h)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_dataclass_between_partitions_gets_its_gradients(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(ToHidden(4, 4), FromHidden(4, 4))
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    plain(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert q.grad is not None
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)  # type: ignore[arg-type]
+
+
+class Box:
+    def __init__(self, h: Tensor) -> None:
+        self.h = h
+
+
+class ToBox(nn.Linear):
+    def forward(self, x: Tensor) -> Box:  # type: ignore[override]
+        return Box(super().forward(x))
+
+
+def test_object_holding_tensors_between_partitions_rejected() -> None:
+    model = GPipe(nn.Sequential(ToBox(4, 4), nn.Identity()), [1, 1], chunks=2)
+    with pytest.raises(TypeError, match=r"is a Box, whose attributes 'h' hold tensors") as info:
+        model(torch.randn(4, 4))
+    assert "partition" in " ".join(getattr(info.value, "__notes__", []))
+
+
+def test_step_errors_about_the_target_name_it() -> None:
+    model = GPipe(_mlp(2), [1, 1], chunks=2)
+    schedule = Schedule1F1B(model, lambda out, y: out.mean())
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"0-dim tensor.*: target; give the target"):
+        schedule.step(x, torch.tensor(1.0))
+    with pytest.raises(TypeError, match=r"the target holds no tensor.*close over"):
+        schedule.step(x, ["a"] * 6)
+    with pytest.raises(ValueError, match=r"of the target .*target\['w'\] has 5"):
+        schedule.step(x, {"y": torch.zeros(6), "w": torch.zeros(5)})

@@ -1,11 +1,12 @@
 from collections import Counter, OrderedDict, defaultdict, namedtuple
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchgpipe.microbatch import flatten, gather, map_tensors, scatter, unflatten
+from torchgpipe.microbatch import flatten, gather, leaf_paths, map_tensors, scatter, unflatten
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -134,6 +135,119 @@ def test_gather_rejects_different_structures() -> None:
 def test_gather_rejects_tensor_in_some_micro_batches_only() -> None:
     with pytest.raises(TypeError, match=r"output\[0\] is a tensor in some"):
         gather([(torch.ones(1),), (None,)])
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    extra: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    """Frozen, with slots, and a field that __init__ does not take."""
+
+    h: torch.Tensor
+    count: int = field(default=3, init=False)
+
+    def __post_init__(self) -> None:
+        if self.h.dim() != 2:  # __post_init__ must not run again on a rebuilt copy
+            raise AssertionError("rebuilt through __init__")
+
+
+def test_flatten_dataclass_by_fields_and_rebuild_same_class() -> None:
+    value = [Output(torch.ones(2), {"k": torch.zeros(2)}), Frozen(torch.ones(2, 2))]
+    leaves, spec = flatten(value)
+    assert len(leaves) == spec.num_leaves == 4
+    assert leaf_paths(spec, "input") == [
+        "input[0].logits",
+        "input[0].extra['k']",
+        "input[1].h",
+        "input[1].count",
+    ]
+    rebuilt = unflatten([x * 2 if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    assert type(rebuilt[0]) is Output
+    assert type(rebuilt[1]) is Frozen
+    assert torch.equal(rebuilt[0].extra["k"], torch.zeros(2))
+    assert torch.equal(rebuilt[1].h, torch.full((2, 2), 2.0))
+    assert rebuilt[1].count == 3
+    assert torch.equal(value[1].h, torch.ones(2, 2))  # the original is left as it was
+
+
+def test_scatter_then_gather_dataclass_splits_every_field() -> None:
+    value = Output(torch.arange(6.0), (torch.arange(6), "tag"))
+    batches = scatter(value, 3)
+    assert all(type(b) is Output for b in batches)
+    assert [b.logits.tolist() for b in batches] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    gathered = gather(batches)
+    assert type(gathered) is Output
+    assert torch.equal(gathered.logits, torch.arange(6.0))
+    assert gathered.extra[1] == "tag"
+
+
+class Box:
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class Slotted:
+    __slots__ = ("hs",)
+
+    def __init__(self, hs: list[torch.Tensor]) -> None:
+        self.hs = hs
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ((torch.ones(2), Box(torch.ones(2))), r"input\[1\] is a Box, whose attributes 'h'"),
+        ({"k": Slotted([torch.ones(2)])}, r"input\['k'\] is a Slotted, whose attributes 'hs'"),
+    ],
+)
+def test_flatten_rejects_object_holding_tensors_by_path(value: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message + r".*tuple, list, dict or dataclass"):
+        flatten(value, "input")
+
+
+def test_flatten_rejects_dataclass_with_tensors_outside_its_fields() -> None:
+    @dataclass
+    class Cached:
+        h: torch.Tensor
+
+        def __post_init__(self) -> None:
+            self.cache = self.h * 2
+
+    with pytest.raises(TypeError, match=r"value\[0\] is a dataclass Cached.*'cache'.*not fields"):
+        flatten([Cached(torch.ones(2))])
+
+
+def test_flatten_keeps_objects_without_tensors_as_leaves() -> None:
+    box = Box(None)  # type: ignore[arg-type]
+    pair = Pair(torch.ones(2), "s")
+    leaves, spec = flatten((box, pair))
+    assert leaves[0] is box
+    assert type(unflatten(leaves, spec)[1]) is Pair
+
+
+def test_gather_rejects_non_tensor_leaves_that_differ() -> None:
+    with pytest.raises(
+        ValueError, match=r"output\[1\] is 'a' in micro-batch 0 but 'b' in micro-batch 1"
+    ):
+        gather([(torch.ones(1), "a"), (torch.ones(1), "b")])
+
+
+def test_gather_rejects_object_output_instead_of_keeping_the_first() -> None:
+    with pytest.raises(TypeError, match=r"output is a Box"):
+        gather([Box(torch.ones(1)), Box(torch.ones(1))])
+
+
+def test_scatter_names_the_target_in_its_errors() -> None:
+    with pytest.raises(ValueError, match=r"0-dim tensor.*: target; give the target .*loss_fn"):
+        scatter(torch.tensor(1.0), 2, name="target")
+    with pytest.raises(TypeError, match=r"the target holds no tensor.*loss_fn"):
+        scatter(1.0, 2, name="target")
+    with pytest.raises(ValueError, match=r"of the target .*target\['w'\] has 5"):
+        scatter({"y": torch.zeros(6), "w": torch.zeros(5)}, 2, name="target")
 
 
 def test_map_tensors_leaves_other_leaves() -> None:

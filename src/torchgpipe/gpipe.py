@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.devices import Device, check_devices
+from torchgpipe.devices import as_device as as_device  # for distributed/stage.py
 from torchgpipe.materialize import (
     Init,
     check_materializable,
@@ -30,9 +32,6 @@ from torchgpipe.trace import Trace
 from torchgpipe.worker import Workers
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
-
-Device: TypeAlias = torch.device | int | str
-"""A device as users write it: ``torch.device('cuda', 1)``, ``1`` or ``'cuda:1'``."""
 
 Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
 """When micro-batches are checkpointed: all, all but the last, or none."""
@@ -108,8 +107,9 @@ class GPipe(nn.Module, StageHolder):
         ValueError: ``module`` holds a layer twice, or a module inside layers of two
             partitions (a parameter shared by layers is fine: each partition gets a
             copy, kept equal; ``tied.py``), ``chunks`` is not positive,
-            ``checkpoint`` is unknown, a device is not available, or a meta layer
-            cannot be filled (see ``init``).
+            ``checkpoint`` is unknown, a device is not available or is ``'meta'`` (a
+            model built on meta is materialized on the real devices given), or a meta
+            layer cannot be filled (see ``init``).
         BalanceError: ``balance`` is missing, does not sum to ``len(module)``, or has a
             non-positive entry.
         IndexError: there are fewer devices than partitions.
@@ -144,7 +144,7 @@ class GPipe(nn.Module, StageHolder):
         self.balance = check_balance(balance, len(module))
         check_layers(module)
         verify_skippables(module)
-        self.devices = _check_devices(devices, len(self.balance))
+        self.devices = check_devices(devices, len(self.balance))
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
@@ -412,54 +412,6 @@ def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
             f"balance that sums to {num_layers}, {_AUTO_BALANCE_HINT}"
         )
     return values
-
-
-def _check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.device]:
-    if devices is None:
-        if torch.cuda.is_available():
-            found = [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
-        else:
-            found = [torch.device("cpu")] * n
-    else:
-        if isinstance(devices, str | int | torch.device):
-            raise TypeError(
-                f"devices must be a sequence with a device per partition, got {devices!r}; "
-                f"for example devices={[devices] * n!r}"
-            )
-        found = [as_device(d) for d in devices]
-    if len(found) < n:
-        raise IndexError(
-            f"there are {n} partitions but only {len(found)} devices ({found}); pass at "
-            f"least {n} devices (a device may repeat, as in devices=['cpu'] * {n}), or "
-            f"fewer partitions in balance"
-        )
-    return found[:n]
-
-
-def as_device(device: Device) -> torch.device:
-    if isinstance(device, bool) or not isinstance(device, torch.device | int | str):
-        raise TypeError(
-            f"a device must be a torch.device, an int (a CUDA index) or a string such as "
-            f"'cpu' or 'cuda:1', got {device!r}"
-        )
-    try:
-        result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"{device!r} is not a device: {error}") from None
-    if result.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {result} was requested but CUDA is not available here; use "
-                f"'cpu' devices, or leave devices=None to pick what the machine has"
-            )
-        if result.index is None:
-            result = torch.device("cuda", torch.cuda.current_device())
-        if result.index is not None and result.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {result} was requested but there are only "
-                f"{torch.cuda.device_count()} CUDA devices"
-            )
-    return result
 
 
 def checkpoint_stop(mode: Checkpoint, m: int) -> int:

@@ -1,9 +1,14 @@
 """Micro-batches: split a mini-batch along dim 0, and gather it back.
 
 A value passed through the pipeline (the input, the output, anything one layer hands to
-the next) is a tensor or any nesting of tuples, lists and dicts. Tensor leaves carry the
-batch on dim 0; every other leaf (None, ints, strings, ...) reaches each micro-batch
-unchanged.
+the next) is a tensor or any nesting of tuples, lists, dicts and dataclass instances (by
+their fields, in order). Tensor leaves carry the batch on dim 0; every other leaf (None,
+ints, strings, ...) reaches each micro-batch unchanged, and must come out of every
+micro-batch equal to be gathered.
+
+Any other object is a leaf the pipeline cannot look into, so one that keeps tensors in its
+attributes is refused: its tensors would be neither split into micro-batches nor cut
+between partitions, and their gradients would be silently wrong.
 
 The split is balanced (``torch.tensor_split``): a batch of 10 in 4 chunks gives sizes
 3, 3, 2, 2, and a batch smaller than ``chunks`` gives one sample per micro-batch. Even
@@ -13,9 +18,11 @@ sizes keep the cells of one clock tick equally long, which is what the pipeline 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -27,11 +34,14 @@ __all__ = ["Spec", "device_of", "flatten", "gather", "map_tensors", "scatter", "
 class Spec:
     """The shape of a nested value: which containers, in which order, around the leaves.
 
-    ``kind`` is ``"leaf"``, ``"tuple"``, ``"list"`` or ``"dict"``; ``cls`` rebuilds the
-    container (so named tuples and dict subclasses keep their type); ``keys`` are a
-    dict's keys in order. ``template`` is an emptied shallow copy of a list or dict of a
-    subclass, which keeps what the subclass holds besides its items (the factory of a
-    ``defaultdict``, say) and whose constructor may not take the items.
+    ``kind`` is ``"leaf"``, ``"tuple"``, ``"list"``, ``"dict"`` or ``"dataclass"``;
+    ``cls`` rebuilds the container (so named tuples and dict subclasses keep their type);
+    ``keys`` are a dict's keys or a dataclass's field names, in order. ``template`` is an
+    emptied shallow copy of a list or dict of a subclass, which keeps what the subclass
+    holds besides its items (the factory of a ``defaultdict``, say) and whose constructor
+    may not take the items; of a dataclass instance, a shallow copy with every field set
+    to None, filled in place, so that neither ``__init__`` (which may not take every
+    field) nor ``__post_init__`` runs again, and a frozen one is rebuilt too.
     """
 
     kind: str
@@ -51,15 +61,32 @@ class Spec:
 _LEAF = Spec("leaf")
 
 
-def flatten(value: Any) -> tuple[list[Any], Spec]:
-    """Return the leaves of ``value`` in order, and the spec that rebuilds it."""
+def flatten(value: Any, name: str = "value") -> tuple[list[Any], Spec]:
+    """Return the leaves of ``value`` in order, and the spec that rebuilds it.
+
+    ``name`` is what errors call ``value``: ``input``, say, gives ``input[1].mask``.
+
+    Raises:
+        TypeError: a leaf that is not a tuple, list, dict or dataclass holds tensors in
+            its attributes, where the pipeline cannot see them.
+    """
     if isinstance(value, Tensor):  # the common case, on the path of every cell
         return [value], _LEAF
     leaves: list[Any] = []
-    return leaves, _flatten_into(value, leaves)
+    try:
+        return leaves, _flatten_into(value, leaves)
+    except _OpaqueLeaf as opaque:
+        raise _opaque_error(value, name, opaque) from None
+
+
+# Leaves that hold no tensor, checked by type before anything slower.
+_PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
 
 
 def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
+    if isinstance(value, Tensor) or type(value) in _PLAIN:
+        leaves.append(value)
+        return _LEAF
     if isinstance(value, tuple):
         children = tuple(_flatten_into(v, leaves) for v in value)
         return Spec("tuple", type(value), (), children)
@@ -70,8 +97,86 @@ def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
         keys = tuple(value)
         children = tuple(_flatten_into(value[key], leaves) for key in keys)
         return Spec("dict", type(value), keys, children, _template(value, dict))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+        template = _dataclass_template(value, names)
+        children = tuple(_flatten_into(getattr(value, name), leaves) for name in names)
+        return Spec("dataclass", type(value), names, children, template)
+    _check_opaque(value, value)
     leaves.append(value)
     return _LEAF
+
+
+class _OpaqueLeaf(Exception):
+    """A leaf holding tensors where the pipeline cannot see them (raised as TypeError)."""
+
+    def __init__(self, leaf: Any, attributes: list[str], dataclass_: bool) -> None:
+        super().__init__()
+        self.leaf, self.attributes, self.dataclass_ = leaf, attributes, dataclass_
+
+
+def _check_opaque(obj: Any, leaf: Any) -> None:
+    """Refuse ``obj`` if its attributes hold tensors; ``leaf`` is where it came from."""
+    state = dict(getattr(obj, "__dict__", None) or {})
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                state[slot] = getattr(obj, slot)
+    attributes = [name for name, v in state.items() if _holds_tensor(v, set())]
+    if attributes:
+        raise _OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
+
+
+def _holds_tensor(value: Any, seen: set[int]) -> bool:
+    """Whether ``value`` is a tensor or has one in its tuples, lists and dicts."""
+    if isinstance(value, Tensor):
+        return True
+    if not isinstance(value, tuple | list | dict) or id(value) in seen:
+        return False
+    seen.add(id(value))
+    items = value.values() if isinstance(value, dict) else value
+    return any(_holds_tensor(v, seen) for v in items)
+
+
+def _dataclass_template(value: Any, names: tuple[str, ...]) -> Any:
+    template = copy.copy(value)
+    for name in names:
+        object.__setattr__(template, name, None)  # frozen dataclasses too
+    _check_opaque(template, value)  # tensors kept outside the fields
+    return template
+
+
+def _opaque_error(value: Any, name: str, opaque: _OpaqueLeaf) -> TypeError:
+    path = _path_to(value, opaque.leaf, name) or name
+    kind = ("dataclass " if opaque.dataclass_ else "") + type(opaque.leaf).__name__
+    where = ", ".join(repr(a) for a in opaque.attributes)
+    fields = " but are not fields" if opaque.dataclass_ else ""
+    return TypeError(
+        f"{path} is a {kind}, whose attributes {where} hold tensors{fields}; the pipeline "
+        f"splits into micro-batches and cuts between partitions only the tensors in "
+        f"tuples, lists, dicts and dataclass fields, so these would be neither split nor "
+        f"given gradients; hold them in a tuple, list, dict or dataclass (as fields) instead"
+    )
+
+
+def _path_to(value: Any, leaf: Any, path: str) -> str | None:
+    """Where ``leaf`` lies in ``value``, indexed like Python would: ``input[0].h``."""
+    if value is leaf:
+        return path
+    if isinstance(value, tuple | list):
+        children = [(f"{path}[{k}]", v) for k, v in enumerate(value)]
+    elif isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        children = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:
+        return None
+    for child_path, child in children:
+        found = _path_to(child, leaf, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _template(value: list[Any] | dict[Any, Any], base: type) -> Any:
@@ -105,6 +210,11 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return leaf
     children = [_unflatten_from(it, child) for child in spec.children]
     assert spec.cls is not None  # every container spec records its type
+    if spec.kind == "dataclass":
+        rebuilt = copy.copy(spec.template)
+        for name, child in zip(spec.keys, children, strict=True):
+            object.__setattr__(rebuilt, name, child)
+        return rebuilt
     if spec.template is not None:  # a subclass of list or dict: fill a copy of the template
         rebuilt = copy.copy(spec.template)
         # The subclass's own update and extend: OrderedDict keeps its order only so; an
@@ -122,11 +232,14 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
 
 
 def leaf_paths(spec: Spec, root: str) -> list[str]:
-    """Name every leaf of ``spec`` like Python would index it: ``input[1]['mask']``."""
+    """Name every leaf of ``spec`` like Python would index it: ``input[1]['mask'].h``."""
     if spec.kind == "leaf":
         return [root]
     paths: list[str] = []
     for index, child in enumerate(spec.children):
+        if spec.kind == "dataclass":
+            paths.extend(leaf_paths(child, f"{root}.{spec.keys[index]}"))
+            continue
         key = spec.keys[index] if spec.kind == "dict" else index
         paths.extend(leaf_paths(child, f"{root}[{key!r}]"))
     return paths
@@ -140,24 +253,40 @@ def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
     return unflatten([fn(x) if isinstance(x, Tensor) else x for x in leaves], spec)
 
 
-def scatter(value: Any, chunks: int) -> list[Any]:
+Batched = Literal["input", "target"]
+"""What :func:`scatter` splits: a model's input, or a schedule step's target."""
+
+# How to give what every micro-batch shares, which needs no batch dimension.
+_SHARED_ADVICE: dict[str, str] = {
+    "input": "pass a value that every micro-batch shares as a Python number beside the "
+    "batched tensors (it reaches each micro-batch unchanged)",
+    "target": "close over a value that every sample shares in loss_fn instead (such as "
+    "loss_fn=lambda output, target: loss(output, target) * scale)",
+}
+
+
+def scatter(value: Any, chunks: int, *, name: Batched = "input") -> list[Any]:
     """Split ``value`` along dim 0 of its tensor leaves into at most ``chunks`` values.
 
+    ``name`` says what ``value`` is, for the errors: ``"input"`` or ``"target"``.
+
     Raises:
-        TypeError: ``value`` has no tensor leaf, so there is no batch to split.
+        TypeError: ``value`` has no tensor leaf, so there is no batch to split, or holds
+            tensors in an object the pipeline cannot look into (see :func:`flatten`).
         ValueError: a tensor leaf is 0-dim, the leaves disagree on the batch size, or the
             batch is empty.
     """
-    leaves, spec = flatten(value)
-    paths = leaf_paths(spec, "input")
+    leaves, spec = flatten(value, name)
+    paths = leaf_paths(spec, name)
     tensors = [(path, x) for path, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)]
     if not tensors:
         raise TypeError(
-            f"the input holds no tensor, so there is no batch to split into micro-batches "
-            f"(got {type(value).__name__}); pass a tensor, or tuples, lists or dicts of "
-            f"tensors whose first dimension is the batch"
+            f"the {name} holds no tensor, so there is no batch to split into micro-batches "
+            f"(got {type(value).__name__}); pass a tensor, or tuples, lists, dicts or "
+            f"dataclasses of tensors whose first dimension is the batch"
+            + (f", or {_SHARED_ADVICE[name]}" if name == "target" else "")
         )
-    batch_size = _batch_size(tensors)
+    batch_size = _batch_size(tensors, name)
     n = min(chunks, batch_size)
     pieces = [x.tensor_split(n) if isinstance(x, Tensor) else None for x in leaves]
     return [
@@ -166,44 +295,48 @@ def scatter(value: Any, chunks: int) -> list[Any]:
     ]
 
 
-def _batch_size(tensors: list[tuple[str, Tensor]]) -> int:
+def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
     scalars = [path for path, x in tensors if x.dim() == 0]
     if scalars:
         raise ValueError(
-            f"cannot split a 0-dim tensor into micro-batches: {', '.join(scalars)}; give it "
-            f"a batch dimension, or pass it as a Python number instead of a tensor"
+            f"cannot split a 0-dim tensor into micro-batches: {', '.join(scalars)}; give the "
+            f"{name} a batch dimension (shape [batch, ...]; x.expand(batch_size) repeats "
+            f"a 0-dim x), or {_SHARED_ADVICE[name]}"
         )
     first_path, first = tensors[0]
     size = first.size(0)
     mismatched = [f"{path} has {x.size(0)}" for path, x in tensors if x.size(0) != size]
     if mismatched:
         raise ValueError(
-            f"tensor leaves of the input disagree on the batch size (dim 0): {first_path} "
+            f"tensor leaves of the {name} disagree on the batch size (dim 0): {first_path} "
             f"has {size} but {'; '.join(mismatched)}; every tensor leaf must share dim 0"
         )
     if size == 0:
-        raise ValueError(f"the batch is empty ({first_path} has size 0 in dim 0)")
+        raise ValueError(f"the {name} is an empty batch ({first_path} has size 0 in dim 0)")
     return size
 
 
 def gather(values: Sequence[Any]) -> Any:
     """Concatenate micro-batch values back into one, in order, keeping their shape.
 
-    Non-tensor leaves are taken from the first micro-batch.
+    A non-tensor leaf must be equal (or the same object) in every micro-batch, and is
+    taken once.
 
     Raises:
-        TypeError: the micro-batches have different shapes, or a leaf is a tensor in some
-            micro-batches and not in others.
-        ValueError: a tensor leaf is 0-dim, so it has no batch dimension to join along.
+        TypeError: the micro-batches have different shapes, a leaf is a tensor in some
+            micro-batches and not in others, or holds tensors in an object the pipeline
+            cannot look into (see :func:`flatten`).
+        ValueError: a tensor leaf is 0-dim, so it has no batch dimension to join along,
+            or a non-tensor leaf differs between micro-batches.
     """
-    flat = [flatten(v) for v in values]
+    flat = [flatten(v, "output") for v in values]
     spec = flat[0][1]
     for i, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
             raise TypeError(
                 f"micro-batch {i} produced an output of a different structure than "
                 f"micro-batch 0, so the outputs cannot be gathered; return the same "
-                f"nesting of tuples, lists and dicts for every micro-batch"
+                f"nesting of tuples, lists, dicts and dataclasses for every micro-batch"
             )
     columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
     paths = leaf_paths(spec, "output")
@@ -213,7 +346,17 @@ def gather(values: Sequence[Any]) -> Any:
 def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
     is_tensor = [isinstance(x, Tensor) for x in column]
     if not any(is_tensor):
-        return column[0]
+        first = column[0]
+        for i, x in enumerate(column[1:], start=1):
+            if not _same(x, first):
+                raise ValueError(
+                    f"{path} is {reprlib.repr(first)} in micro-batch 0 but "
+                    f"{reprlib.repr(x)} in micro-batch {i}; only tensors are joined along "
+                    f"the batch, so a non-tensor leaf of the output must be the same in "
+                    f"every micro-batch: return it as a tensor with a batch dimension, or "
+                    f"compute it after the pipeline"
+                )
+        return first
     if not all(is_tensor):
         raise TypeError(f"{path} is a tensor in some micro-batches and not in others")
     if any(x.dim() == 0 for x in column):
@@ -225,6 +368,15 @@ def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
     if len(column) == 1:
         return column[0]
     return torch.cat(column)
+
+
+def _same(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    try:
+        return bool(x == y)
+    except Exception:  # an ambiguous ==, such as NumPy's elementwise one: not the same
+        return False
 
 
 def device_of(value: Any) -> torch.device:

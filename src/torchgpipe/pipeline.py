@@ -138,7 +138,7 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
         )
     batches = scatter(input, model.chunks)
     m = len(batches)
-    targets = scatter(target, m)
+    targets = scatter(target, m, name="target")
     sizes = [batch_size(b) for b in batches]
     target_sizes = [batch_size(t) for t in targets]
     if target_sizes != sizes:

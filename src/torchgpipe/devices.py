@@ -1,0 +1,83 @@
+"""Devices as users write them: checked, and turned into ``torch.device``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+
+__all__ = ["Device", "as_device", "check_devices"]
+
+Device: TypeAlias = torch.device | int | str
+"""A device as users write it: ``torch.device('cuda', 1)``, ``1`` or ``'cuda:1'``."""
+
+
+def check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.device]:
+    """The first ``n`` of ``devices``, each checked; by default, what the machine has.
+
+    Raises:
+        TypeError: ``devices`` is a single device, or holds something not a device.
+        ValueError: a device is not available, or is the meta device.
+        IndexError: there are fewer than ``n`` devices.
+    """
+    if devices is None:
+        if torch.cuda.is_available():
+            found = [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
+        else:
+            found = [torch.device("cpu")] * n
+    else:
+        if isinstance(devices, str | int | torch.device):
+            raise TypeError(
+                f"devices must be a sequence with a device per partition, got {devices!r}; "
+                f"for example devices={[devices] * n!r}"
+            )
+        found = [as_device(d) for d in devices]
+    if len(found) < n:
+        raise IndexError(
+            f"there are {n} partitions but only {len(found)} devices ({found}); pass at "
+            f"least {n} devices (a device may repeat, as in devices=['cpu'] * {n}), or "
+            f"fewer partitions in balance"
+        )
+    return found[:n]
+
+
+def as_device(device: Device) -> torch.device:
+    """``device`` as a ``torch.device`` to run on; a bare ``'cuda'`` is the current GPU.
+
+    Raises:
+        TypeError: ``device`` is not a torch.device, an int or a string.
+        ValueError: ``device`` names no device, one that is not available here, or the
+            meta device.
+    """
+    if isinstance(device, bool) or not isinstance(device, torch.device | int | str):
+        raise TypeError(
+            f"a device must be a torch.device, an int (a CUDA index) or a string such as "
+            f"'cpu' or 'cuda:1', got {device!r}"
+        )
+    try:
+        result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{device!r} is not a device: {error}") from None
+    if result.type == "meta":
+        raise ValueError(
+            f"device {device!r} is the meta device, whose tensors hold no data, so no layer "
+            f"can run there; meta is for building a model without memory (with "
+            f"torch.device('meta'): model = ...): give GPipe (or PipelineStage) real "
+            f"devices such as 'cpu' or 'cuda:0', and it materializes the model's meta "
+            f"layers on them (see its init and state_dict arguments)"
+        )
+    if result.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {result} was requested but CUDA is not available here; use "
+                f"'cpu' devices, or leave devices=None to pick what the machine has"
+            )
+        if result.index is None:
+            result = torch.device("cuda", torch.cuda.current_device())
+        if result.index is not None and result.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {result} was requested but there are only "
+                f"{torch.cuda.device_count()} CUDA devices"
+            )
+    return result
