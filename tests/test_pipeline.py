@@ -140,6 +140,28 @@ def test_backward_exception_reaches_caller(checkpoint: str, backward_by: str) ->
     assert_workers_idle_and_alive(model, 2)
 
 
+def test_a_checkpointed_backward_error_names_its_cell(backward_by: str) -> None:
+    # In the engine's way, only a checkpointed cell's backward is ours to name.
+    model = GPipe(
+        nn.Sequential(nn.Linear(3, 3), FailingBackward(), nn.Linear(3, 1)),
+        [1, 2],
+        chunks=3,
+        checkpoint="always",
+    )
+    with pytest.raises(ArithmeticError, match="in backward") as info:
+        model(torch.randn(6, 3)).sum().backward()
+    assert any("torchgpipe: raised in 1B" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_frozen_model_gives_outputs_that_want_no_gradient(
+    checkpoint: str, backward_by: str
+) -> None:
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).requires_grad_(False)
+    model = GPipe(plain, [1, 1], chunks=3, checkpoint=checkpoint)
+    assert not model(torch.randn(6, 3)).requires_grad  # as plain(x)'s
+
+
 class FailOnce(nn.Module):
     """Fails in backward on the micro-batch whose first sample is ``target``, once."""
 
@@ -380,3 +402,17 @@ def test_a_failed_backward_lets_go_of_the_activations_at_once() -> None:
         del info
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_gradient_penalty_through_a_checkpointed_cell_is_refused(
+    checkpoint: str, backward_by: str
+) -> None:
+    # Either way: the recomputed graph is not differentiable again, and silently
+    # first-order gradients would be wrong ones.
+    model = GPipe(
+        nn.Sequential(nn.Linear(3, 3), nn.Tanh()), [1, 1], chunks=2, checkpoint=checkpoint
+    )
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)

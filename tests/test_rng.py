@@ -538,3 +538,14 @@ def test_rng_attention_dropout_keeps_torch_semantics_at_the_edges() -> None:
                                                           attn_mask=torch.zeros(3, 3),
                                                           dropout_p=0.5))  # fmt: skip
     assert out.dtype == torch.float16
+
+
+def test_the_seed_comes_from_the_cpu_generator_whatever_the_default_device() -> None:
+    torch.manual_seed(5)
+    expected = draw_seed()
+    torch.manual_seed(5)
+    torch.set_default_device("meta")
+    try:
+        assert draw_seed() == expected  # a meta draw would have no value at all
+    finally:
+        torch.set_default_device("cpu")

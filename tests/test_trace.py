@@ -3,11 +3,12 @@
 import copy
 import gc
 import json
+import time
 import weakref
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from torchgpipe import GPipe
 from torchgpipe.pipeline import clock_cycles
@@ -235,3 +236,19 @@ def test_actions_show_in_torch_profiler_by_name() -> None:
     names = {event.name for event in prof.events()}
     cells = {f"{j}{kind}{i}" for j in range(2) for kind in "FB" for i in range(2)}
     assert cells <= names
+
+
+class _Slow(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(0.05)
+        return x
+
+
+def test_waiting_for_the_previous_stage_is_not_a_copy() -> None:
+    # Partition 1 waits 50 ms for partition 0's output; its copy span starts after.
+    model = GPipe(nn.Sequential(_Slow(), nn.Identity()), [1, 1], chunks=2)
+    with model.trace() as trace:
+        model(torch.randn(2, 2))
+    copies = [e for e in trace.events if e.j == 1 and e.kind == "copy"]
+    assert copies
+    assert all(e.end - e.start < 0.025 for e in copies)

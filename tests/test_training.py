@@ -127,6 +127,41 @@ def test_an_input_made_by_layers_before_the_pipeline_gets_their_gradients(
         torch.testing.assert_close(mine.grad, expected.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_target_made_by_a_teacher_gets_its_gradients(
+    schedule: str, checkpoint: Checkpoint
+) -> None:
+    # The target is in the caller's graph too (distillation): each micro-batch's piece
+    # gets a leaf of its own, and the teacher's graph is walked once, at the end.
+    torch.manual_seed(0)
+    teacher = nn.Linear(6, 3).double()
+    plain = MODELS["mlp"][0]().double()
+    model = GPipe(copy.deepcopy(plain), [1, 1, 2, 1], chunks=4, checkpoint=checkpoint)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    theirs = copy.deepcopy(teacher)
+
+    result = SCHEDULES[schedule](model, _mse).step(x, teacher(x))
+    loss = _mse(plain(x), theirs(x))
+    loss.backward()
+
+    torch.testing.assert_close(result.loss, loss.detach())
+    _assert_same_grads(model, plain, exact=False)
+    for mine, expected in zip(teacher.parameters(), theirs.parameters(), strict=True):
+        assert mine.grad is not None
+        torch.testing.assert_close(mine.grad, expected.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_the_step_output_is_detached(checkpoint: Checkpoint) -> None:
+    model = GPipe(MODELS["mlp"][0](), [2, 3], chunks=2, checkpoint=checkpoint)
+    x, y = torch.randn(6, 6), torch.randint(0, 3, (6,))
+    result = ScheduleGPipe(model, nn.functional.cross_entropy).step(x, y)
+    assert not result.output.requires_grad
+    assert result.output.grad_fn is None
+    result.output.softmax(1).numpy()  # what a metric does
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_optimizer_steps_give_the_same_weights(schedule: str) -> None:
     plain = MODELS["convnet"][0]().double()

@@ -29,6 +29,7 @@ __all__ = [
     "StageCell",
     "call_stage",
     "connected_forward",
+    "cut_target",
     "detach_all",
     "detached",
     "needs_per_leaf",
@@ -53,11 +54,14 @@ class StageCell:
     inputs: list[Tensor] = field(default_factory=list)  # the leaves the graph starts from
     outputs: list[Tensor] = field(default_factory=list)  # what backward starts from
     upstream: list[Tensor] = field(default_factory=list)  # stage 0: the caller's graph
+    # The loss's stage: (target tensor in the caller's graph, the cell's leaf for it).
+    targets: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     plan: Plan = field(default_factory=list)  # W's work, left by B
 
     def release(self) -> None:
         """Let go of every tensor the cell keeps (its step failed)."""
         self.leaves, self.inputs, self.outputs, self.upstream, self.plan = [], [], [], [], []
+        self.targets = []
 
 
 def needs_per_leaf(cell: StageCell) -> list[bool]:
@@ -114,6 +118,24 @@ def detached(value: Any) -> Any:
     )
 
 
+def cut_target(cell: StageCell, target: Any) -> Any:
+    """``target``, its tensors that want a gradient replaced by leaves of ``cell``'s own.
+
+    A target in the caller's graph (``target = teacher(x)``) is cut as a stage's inputs
+    are: the leaves' gradients go into the caller's graph at the end of the step, with
+    the inputs' (``StepRun.backward_upstream``).
+    """
+    leaves, spec = flatten(target)
+    if not any(isinstance(x, Tensor) and x.requires_grad for x in leaves):
+        return target
+    cell.targets = []
+    for k, x in enumerate(leaves):
+        if isinstance(x, Tensor) and x.requires_grad:
+            leaves[k] = x.detach().requires_grad_(True)
+            cell.targets.append((x, leaves[k]))
+    return unflatten(leaves, spec)
+
+
 def tensors_of(result: tuple[Any, dict[SkipKey, Any]]) -> list[Tensor]:
     """The tensors a cell gave out, in the order their gradients come back."""
     output, outbound = result
@@ -165,6 +187,7 @@ def connected_forward(
             guard=run.guards[s],
             record=None if run.trace is None else partial(run.trace.record, s, i),
             name=f"{s}B{i}",
+            trainable=run.trainable(s),
         )
         return result  # type: ignore[no-any-return]
     if s == 0 and grad:

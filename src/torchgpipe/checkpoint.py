@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import Spec, flatten, unflatten
 from torchgpipe.rng import CellRandomness
 from torchgpipe.trace import profiled
@@ -139,27 +140,42 @@ class _Checkpointed(torch.autograd.Function):
         if cell.fork:
             grads = grads[:-1]  # the phony's
         needs = ctx.needs_input_grad[2:]
-        # The guard holds until the recomputed graph is through: what it restores may be
-        # saved in that graph.
-        with profiled(cell.name), cell.guard():
-            started = time.perf_counter()
-            with recomputing(cell.randomness, cell.state):  # grad mode on: the aliases
-                inputs, aliased = fresh_leaves(ctx.saved_tensors, needs)  # are recorded
-                output = cell.call(tuple(aliased))
-            recomputed = time.perf_counter()
-            outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
-            pairs = [
-                (y, g)
-                for y, g in zip(outputs, grads, strict=True)
-                if g is not None and y.requires_grad
-            ]
-            if pairs:
-                torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
-            if cell.record is not None:
-                cell.record("recompute", started, recomputed)
-                cell.record("backward", recomputed, time.perf_counter())
-        grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
-        return (None, None, *grads_in)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"torchgpipe: a backward with create_graph=True reached the checkpointed "
+                f"cell {cell.name}, whose recomputed graph is not differentiable again; "
+                f"use checkpoint='never' for gradients of gradients (a gradient penalty)"
+            )
+        try:
+            return _recompute_backward(ctx, cell, grads, needs)
+        except BaseException as error:
+            add_note(error, f"torchgpipe: raised in {cell.name} (a checkpointed cell's backward)")
+            raise
+
+
+def _recompute_backward(
+    ctx: Any, cell: _Cell, grads: tuple[Tensor | None, ...], needs: tuple[bool, ...]
+) -> tuple[Tensor | None, ...]:
+    """Recompute ``cell`` and backpropagate ``grads`` through it; its inputs' gradients."""
+    # The guard holds until the recomputed graph is through: what it restores may be
+    # saved in that graph.
+    with profiled(cell.name), cell.guard():
+        started = time.perf_counter()
+        with recomputing(cell.randomness, cell.state):  # grad mode on: the aliases
+            inputs, aliased = fresh_leaves(ctx.saved_tensors, needs)  # are recorded
+            output = cell.call(tuple(aliased))
+        recomputed = time.perf_counter()
+        outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
+        pairs = [
+            (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        if cell.record is not None:
+            cell.record("recompute", started, recomputed)
+            cell.record("backward", recomputed, time.perf_counter())
+    grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
+    return (None, None, *grads_in)
 
 
 def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any], list[Any]]:
@@ -247,6 +263,7 @@ def checkpoint(
     guard: Callable[[], AbstractContextManager[None]] | None = None,
     record: Callable[[str, float, float], None] | None = None,
     name: str = "B",
+    trainable: bool = True,
 ) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
@@ -262,6 +279,7 @@ def checkpoint(
     to keep batch norm's running statistics from being updated a second time), and
     ``record``, when given, is told the spans of the recomputation and the backward;
     ``name`` names the recomputation and backward in ``torch.profiler`` traces.
+    ``trainable`` says whether a parameter of ``function`` wants a gradient.
     """
     leaves, spec = flatten(value)
     cell = _Cell(function, spec, leaves, state, randomness)
@@ -274,7 +292,10 @@ def checkpoint(
     # The parameters are not inputs of the autograd function, so an input that needs no
     # grad would make its outputs need none either: a phony that requires grad says they
     # do.
-    phony = after if after is not None else torch.empty(0, device=device, requires_grad=True)
+    # With nothing to train and no input wanting a gradient, the outputs want none either,
+    # as the plain model's would not.
+    wants = trainable or any(x.requires_grad for x in tensors)
+    phony = after if after is not None else torch.empty(0, device=device, requires_grad=wants)
     outputs = _Checkpointed.apply(cell, phony, *tensors)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     next_phony = outputs[-1] if fork else None
     if fork:

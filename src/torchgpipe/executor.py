@@ -30,6 +30,7 @@ from torchgpipe.cell import (
     StageCell,
     call_stage,
     connected_forward,
+    cut_target,
     detach_all,
     detached,
     needs_per_leaf,
@@ -41,13 +42,13 @@ from torchgpipe.cell import (
 from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
 from torchgpipe.mailbox import Mailbox
-from torchgpipe.microbatch import device_of, flatten, unflatten
+from torchgpipe.microbatch import device_of, flatten, map_tensors, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.split_backward import backward_inputs
 from torchgpipe.stages import Stages
-from torchgpipe.steps import LossFn
+from torchgpipe.steps import LossFn, one_number
 from torchgpipe.stream import (
     AnyStream,
     current_stream,
@@ -106,7 +107,8 @@ class StepRun:
 
     ``post`` carries the messages: in one process it is ``step`` itself; across
     processes it sends those for stages elsewhere. ``batches`` are needed where stage 0
-    runs, ``targets`` where the last stage runs.
+    runs, ``targets`` where the last stage runs. ``seed`` seeds the cells' generators:
+    by default drawn from the default CPU generator; across processes, rank 0's.
 
     Without ``loss_fn`` the run is ``model(x)``'s: the last stage's outputs are the
     step's, and their gradients, when they come, are the caller's. In a graph per stage
@@ -127,6 +129,7 @@ class StepRun:
         *,
         post: Mailbox | None = None,
         connected: bool = False,
+        seed: int | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.connected = connected
@@ -148,7 +151,8 @@ class StepRun:
         self.state = ThreadState.capture()
         self.split = table.splits_backward
         self.checkpoint_stop = stages.checkpoint_stop
-        self.seed = draw_seed()
+        # Across processes every rank runs with the seed rank 0 drew and sent.
+        self.seed = draw_seed() if seed is None else seed
         rank_device = {table.placement[s]: device for s, device in stages.devices.items()}
         self.rank_device = rank_device
         # A rank runs its stages on one device (checked by the schedules), and on the
@@ -244,11 +248,12 @@ class StepRun:
         """Action ``sFi``: stage ``s``'s forward of micro-batch ``i`` (and the loss, last)."""
         step, post, device = self.step, self.post, self.devices[s]
         r = self.table.placement[s]
-        started = time.perf_counter() if self.trace is not None else 0.0
         if s == 0:
             value, source = self.batches[i], self.source
         else:
             value, source = post.take(("F", s, i)), self._stream(s - 1)
+        # The copy span starts once the value is here: waiting for it is idle time.
+        started = time.perf_counter() if self.trace is not None else 0.0
         value = move(value, device, source=source, copy=self.copy[r], target=self.compute[r])
         # A skip comes straight from the stage that stashed it: one copy, here.
         inbound = {
@@ -288,28 +293,17 @@ class StepRun:
         if self.loss_fn is None:  # model(x): the caller's gradients start the backward
             step.outputs[i] = output
             return
-        step.outputs[i] = detached(output)
+        step.outputs[i] = map_tensors(Tensor.detach, output)  # the step's result: no graph
         if cell.checkpointed:
             # Its loss is computed once, in its recomputation (its B is in this step).
             cell.outputs = []
             return
         # The loss is part of the last stage's cell: it draws on from the cell's generators
         # (a recomputation draws what the forward and then the loss drew).
-        target = self._target(s, i)
+        target = self._target(s, i, cell)
         with cell.randomness.forward():
             loss = self.loss_fn(output, target)
         self._record_loss(i, cell, loss)
-
-    @staticmethod
-    def _checked(loss: Any) -> Tensor:
-        """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor."""
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(
-                f"loss_fn must return a tensor with one element, got "
-                f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
-                f"; use a reduction of 'mean' or 'sum' in the loss"
-            )
-        return loss.reshape(())
 
     def _run_forward(
         self, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
@@ -349,7 +343,7 @@ class StepRun:
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)
-            wants = any(needs) or self._is_trainable(s)
+            wants = any(needs) or self.trainable(s)
             return cell, (
                 wanting(output, wants),
                 {k: wanting(v, wants) for k, v in outbound.items()},
@@ -361,7 +355,7 @@ class StepRun:
         cell.outputs = tensors_of(result)
         return cell, result
 
-    def _is_trainable(self, s: int) -> bool:
+    def trainable(self, s: int) -> bool:
         """Whether a parameter of stage ``s`` wants a gradient."""
         trainable = self._trainable.get(s)
         if trainable is None:
@@ -393,6 +387,7 @@ class StepRun:
                     if y.requires_grad and g is not None
                 ]
                 wanted = [x for x in cell.inputs if x.requires_grad]
+                wanted += [leaf for _, leaf in cell.targets]
                 if not self.split:
                     if pairs:
                         torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
@@ -435,7 +430,7 @@ class StepRun:
 
     def _recompute(self, s: int, i: int, cell: StageCell) -> None:
         loss_fn = self.loss_fn if s == self.n - 1 else None  # the loss is part of the cell
-        target = self._target(s, i) if loss_fn is not None else None
+        target = self._target(s, i, cell) if loss_fn is not None else None
         loss = None
         with recomputing(cell.randomness):  # the rank's loop entered the caller's state
             leaves, aliased = fresh_leaves(cell.leaves, needs_per_leaf(cell))
@@ -450,16 +445,18 @@ class StepRun:
 
     def _record_loss(self, i: int, cell: StageCell, loss: Any) -> None:
         """Keep micro-batch ``i``'s loss; its cell's backward starts from it."""
-        loss = self._checked(loss)
+        loss = one_number(loss)
         self.step.losses[i] = loss.detach()
         cell.outputs = [loss] if loss.requires_grad else []
 
-    def _target(self, s: int, i: int) -> Any:
+    def _target(self, s: int, i: int, cell: StageCell) -> Any:
+        """Micro-batch ``i``'s target on stage ``s``'s device, cut for the cell's loss."""
         r = self.table.placement[s]
         device = self.devices[s]
-        return move(
+        target = move(
             self.targets[i], device, source=self.source, copy=self.copy[r], target=self.compute[r]
         )
+        return cut_target(cell, target)
 
     def _hand_back(self, s: int, i: int, cell: StageCell, grads: list[Tensor | None]) -> None:
         """Send the input gradients to the stages that produced the inputs."""
@@ -482,8 +479,9 @@ class StepRun:
             rest = rest[count:]
 
     def _release(self, s: int, i: int) -> None:
-        del self.step.cells[(s, i)]
+        cell = self.step.cells.pop((s, i))
         self.step.hold(s, -1)
+        self.step.upstream += [(x, leaf.grad) for x, leaf in cell.targets if leaf.grad is not None]
 
     # W
 

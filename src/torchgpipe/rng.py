@@ -27,8 +27,9 @@ layers' dropout between layers) run with a dispatch mode on for their own operat
 only (:class:`_RandomOperators`).
 
 Not covered, so drawing from the default generators without these guarantees: random
-draws of custom C++ or Triton kernels, cuDNN's recurrent dropout on CUDA (its state is
-seeded inside cuDNN), and ``torch.utils.checkpoint`` inside a partition, whose
+draws of custom C++ or Triton kernels, random ``torch.ops.aten`` operators called
+directly or from TorchScript (below the function mode), cuDNN's recurrent dropout on
+CUDA (its state is seeded inside cuDNN), and ``torch.utils.checkpoint`` inside a partition, whose
 recomputation restores the default generator rather than the cell's (use the
 pipeline's own checkpointing). On CUDA, Dropout in a cell runs as ``bernoulli_`` and a
 multiply rather than the fused kernel, and keeps its mask in the input's dtype.
@@ -52,7 +53,9 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 
 def draw_seed() -> int:
     """A seed for a forward pass's cells, drawn from the default CPU generator."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    # device="cpu": under torch.set_default_device("cuda") or "meta" the draw would go
+    # to that device's generator (or draw nothing at all).
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item())
 
 
 def cell_seed(seed: int, i: int, j: int) -> int:

@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import Tensor
 
+from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import flatten
 from torchgpipe.schedules import (
     Schedule,
@@ -22,6 +23,7 @@ __all__ = [
     "TableSteps",
     "batch_size",
     "loss_weights",
+    "one_number",
     "weighted",
 ]
 
@@ -82,7 +84,12 @@ class TableSteps:
         """
         table = self._checked.get(m)
         if table is None:
-            table = self._table if isinstance(self._table, Schedule) else self._table(m)
+            try:
+                table = self._table if isinstance(self._table, Schedule) else self._table(m)
+            except ValueError as error:
+                # A batch smaller than chunks makes fewer micro-batches than chunks.
+                add_note(error, f"torchgpipe: this step's batch made m = {m} micro-batches")
+                raise
             self._check_table(table, m)
             self._checked[m] = table
         return table
@@ -108,3 +115,14 @@ def batch_size(value: Any) -> int:
         if isinstance(leaf, Tensor):
             return int(leaf.shape[0])
     raise TypeError("a micro-batch without tensors")  # scatter() rejects such batches
+
+
+def one_number(loss: Any) -> Tensor:
+    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a tensor with one element, got "
+            f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+            f"; use a reduction of 'mean' or 'sum' in the loss"
+        )
+    return loss.reshape(())
