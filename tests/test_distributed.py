@@ -553,3 +553,36 @@ def test_a_step_issues_what_nccl_would_run(schedule: str) -> None:
         for thread, ops in record:
             rules.group(rank, ops, thread=thread)
     rules.check()
+
+
+# Randomness across processes: the seed rank 0 draws, not what each process drew before.
+
+
+def _dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+
+
+def _dropout_rank(rank: int, world: int) -> dict[str, Any]:
+    stage = PipelineStage(_dropout_model(), [2, 2], chunks=2)
+    torch.manual_seed(5)
+    if rank == 1:  # as a data loader of the last rank only might: another generator state
+        torch.rand(7)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 16)
+    schedule = Schedule1F1B(stage, _mse)
+    _step(schedule, x, y)
+    return {"grads": _grads(stage), "output": schedule.forward_only(x if rank == 0 else None)}
+
+
+def test_dropout_across_processes_follows_the_seed_rank_0_draws() -> None:
+    results = spawn(_dropout_rank, 2)
+    one = GPipe(_dropout_model(), [2, 2], chunks=2)
+    torch.manual_seed(5)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 16)
+    single.Schedule1F1B(one, _mse).step(x, y)
+    output = single.Schedule1F1B(one, _mse).forward_only(x)
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert grads.keys() == _grads(one).keys()
+    for name, grad in _grads(one).items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+    torch.testing.assert_close(results[1]["output"], output)

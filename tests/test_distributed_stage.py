@@ -125,7 +125,7 @@ def _stages(world: int, balance: list[int], **options: Any) -> list[PipelineStag
         ({"balance": [3, 3, 2]}, ValueError, "the balance has 3 partitions for 2 processes"),
         ({"balance": [4, 3]}, BalanceError, "balance sums to 7"),
         ({"rank": 1}, ValueError, "rank=1 was given, but this process is rank 0"),
-        ({"device": "meta"}, ValueError, "device is meta but the transport receives on cpu"),
+        ({"device": "meta"}, ValueError, "device 'meta' is the meta device"),
         ({"chunks": 0}, ValueError, "chunks must be a positive number"),
         ({"chunks": 2.0}, TypeError, "chunks must be an int"),
         ({"checkpoint": "sometimes"}, ValueError, "unknown checkpoint mode 'sometimes'"),
@@ -623,3 +623,122 @@ def test_traces_of_every_rank_merge_into_one_on_a_common_clock(tmp_path: Any) ->
     assert {e.kind for e in merged.events} >= {"forward", "backward"}
     merged.save_chrome(tmp_path / "pipeline.json")
     assert (tmp_path / "pipeline.json").stat().st_size > 0
+
+
+# Start-up checks that a step would otherwise find too late.
+
+
+def test_ranks_whose_models_tie_different_tensors_refuse_to_start() -> None:
+    # Same layers and shapes: only the tie differs, which changes the step's transfers
+    # (rank 0 would send a tied weight's gradient that rank 1 never receives).
+    models = [mlp() for _ in range(2)]
+    models[0][4].weight = models[0][2].weight
+    errors = _on_ranks(2, [4, 4], lambda stage: stage, models=models)
+    for error in errors:
+        assert isinstance(error, ValueError)
+        assert str(error) == str(errors[0])
+        assert "tied tensors differ, on rank 0 but not on rank 1: 4.weight is 2.weight" in str(
+            error
+        )
+
+
+@pytest.mark.parametrize(
+    ("dst", "trace", "error", "match"),
+    [
+        (2, None, ValueError, r"dst=2 is not a rank of the pipeline's 2 processes; pass a "),
+        (-1, None, ValueError, r"dst=-1 is not a rank .* from 0 to 1"),
+        ("0", None, TypeError, "dst must be a rank"),
+        (0, "a trace", TypeError, "gather_trace takes the Trace that stage.trace"),
+    ],
+)
+def test_gather_trace_refuses_bad_arguments_and_the_next_step_runs(
+    dst: Any, trace: Any, error: type[Exception], match: str
+) -> None:
+    x, y = _batch(6, 8, 4), _batch(7, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        with stage.trace() as recorded:
+            _step(schedule, x, y)
+        with pytest.raises(error, match=match):
+            stage.gather_trace(recorded if trace is None else trace, dst=dst)
+        return _step(schedule, x, y).loss
+
+    losses = _on_ranks(2, [4, 4], body, chunks=2)
+    for loss in losses:
+        torch.testing.assert_close(loss, _reference(mlp(), x, y)[0])
+
+
+# Randomness: every rank's cells follow the seed rank 0 draws at the step's start.
+
+
+def _dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+
+
+def test_dropout_on_every_rank_follows_the_seed_rank_0_draws() -> None:
+    import torchgpipe
+
+    x, y = _batch(6, 8, 4), _batch(7, 8, 16)
+    one = torchgpipe.GPipe(_dropout_model(), [2, 2], chunks=2)
+    torch.manual_seed(5)
+    result = torchgpipe.Schedule1F1B(one, _mse).step(x, y)
+    expected = _grads(one)
+    output = torchgpipe.Schedule1F1B(one, _mse).forward_only(x)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        step = _step(schedule, x, y)
+        return step.loss, _grads(stage), schedule.forward_only(x if stage.is_first else None)
+
+    models = [_dropout_model() for _ in range(2)]
+    # Rank 0 alone draws from the generator the threads share: one seed per step, as
+    # in one process. (Before, each rank drew its own: the second got another seed.)
+    torch.manual_seed(5)
+    (loss0, grads0, _), (loss1, grads1, output1) = _on_ranks(
+        2, [2, 2], body, models=models, chunks=2
+    )
+    torch.testing.assert_close(loss0, result.loss)
+    torch.testing.assert_close(loss1, result.loss)
+    _assert_grads(_merged([grads0, grads1]), expected)
+    torch.testing.assert_close(output1, output)
+
+
+# Promise 4: every rank of a failed step fails.
+
+
+class _WithStatistic(nn.Module):
+    """A head whose output holds a 0-dim tensor, which cannot be gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.linear(x)
+        return h, h.detach().norm()
+
+
+def test_an_output_the_last_rank_cannot_gather_fails_every_rank() -> None:
+    def models() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), _WithStatistic())
+
+    x, y = _batch(6, 6, 4), _batch(7, 6, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, lambda out, t: _mse(out[0], t))
+        step = _outcome(lambda: _step(schedule, x, y))
+        forward = _outcome(lambda: schedule.forward_only(x if stage.is_first else None))
+        return step, forward
+
+    (step0, forward0), (step1, forward1) = _on_ranks(
+        2, [2, 1], body, models=[models(), models()], chunks=2
+    )
+    for failed in (step1, forward1):
+        assert isinstance(failed, ValueError)
+        assert "output[1] is a 0-dim tensor" in str(failed)
+    for failed in (step0, forward0):
+        assert isinstance(failed, RemoteError)
+        assert "rank 1 (stages [1]) raised ValueError" in str(failed)

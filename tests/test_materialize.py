@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -205,3 +206,137 @@ def test_checkpoints_of_a_run_load_anywhere(tmp_path: Any) -> None:
     expected = _mse(plain(x), y).detach()
     for loss in losses:
         torch.testing.assert_close(loss, expected)
+
+
+# Ties inside a partition: to_empty() gives each holder of a tensor a new one, so
+# materialize puts the first holder's back in every holder (one tensor, filled once).
+
+
+class _Pair(nn.Module):
+    """Two Linears of one layer that share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Wrap(nn.Module):
+    """A layer around a module that another layer may hold too."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.inner(x))
+
+
+def _tied(kind: str) -> nn.Sequential:
+    """A model of four layers whose tie lies inside the first two-layer (or three) partition."""
+    torch.manual_seed(0)
+    if kind == "pair":
+        return nn.Sequential(_Pair(), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    if kind == "shared module":
+        inner = nn.Linear(4, 4)
+        return nn.Sequential(_Wrap(inner), _Wrap(inner), nn.Linear(4, 4), nn.Tanh())
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    if kind == "head":  # layer 2 uses layer 0's weight, in the same partition
+        model[2].weight = model[0].weight
+    else:  # "albert": every layer shares one weight, inside and across partitions
+        for layer in model[1:]:
+            layer.weight = model[0].weight
+    return model
+
+
+def _meta_tied(kind: str) -> nn.Sequential:
+    with torch.device("meta"):
+        return _tied(kind)
+
+
+def _same_tensor(module: nn.Module, names: list[str]) -> bool:
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    return all(tensors[name] is tensors[names[0]] for name in names)
+
+
+TIES = {  # kind: its balance, and names that must hold one tensor in partition 0
+    "head": ([3, 1], ["0.weight", "2.weight"]),
+    "albert": ([2, 2], ["0.weight", "1.weight"]),
+    "pair": ([2, 2], ["0.a.weight", "0.b.weight"]),
+    "shared module": ([2, 2], ["0.inner.weight", "1.inner.weight"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TIES))
+@pytest.mark.parametrize("fill", ["state_dict", "reset", "init"])
+def test_a_tie_inside_a_partition_stays_one_tensor_in_gpipe(kind: str, fill: str) -> None:
+    balance, names = TIES[kind]
+    plain = _tied(kind)
+    options: dict[str, Any] = {
+        "state_dict": {"state_dict": plain.state_dict()},
+        "reset": {},
+        "init": {"init": lambda layer: [p.normal_() for p in layer.parameters()]},
+    }[fill]
+    model = GPipe(_meta_tied(kind), balance, chunks=2, **options)
+    assert _same_tensor(model, names)
+    if fill != "state_dict":
+        return
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    _mse(model(x), y).backward()
+    _mse(plain(x), y).backward()
+    got = dict(model.named_parameters(remove_duplicate=False))
+    for name, q in plain.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(got[name].grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("kind", sorted(TIES))
+def test_a_tie_inside_a_stage_stays_one_tensor_across_processes(kind: str) -> None:
+    balance, names = TIES[kind]
+    plain = _tied(kind)
+    models = [_meta_tied(kind) for _ in range(2)]
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(
+            models[transport.rank],
+            balance,
+            transport=transport,
+            chunks=2,
+            state_dict=plain.state_dict(),
+        )
+        tied = _same_tensor(stage, names) if stage.is_first else True
+        Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y)
+        grads = {n: p.grad for n, p in stage.named_parameters(remove_duplicate=False)}
+        return tied, grads
+
+    (tied0, grads0), (_, grads1) = run_threads(rank, 2)
+    assert tied0
+    _mse(plain(x), y).backward()
+    grads = {**grads0, **grads1}
+    for name, q in plain.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(grads[name], q.grad, msg=name)
+
+
+# The legacy hook-based norms keep their values in weight_orig, weight_u, ... (weight_g,
+# weight_v), which reset_parameters() does not fill: it writes the derived weight.
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize(
+    ("norm", "hook"),
+    [(nn.utils.spectral_norm, "spectral_norm"), (nn.utils.weight_norm, "weight_norm")],
+)
+def test_legacy_norm_hooks_need_init_or_a_state_dict(norm: Callable[..., Any], hook: str) -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), norm(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match=rf"1 \(Linear under torch\.nn\.utils\.{hook}\)"):
+        GPipe(layers, [1, 1])
+    assert on_meta(layers[0])  # a refusal leaves the model as it was
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), norm(nn.Linear(4, 4))).eval()
+    model = GPipe(layers, [1, 1], state_dict=plain.state_dict()).eval()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), plain(x))

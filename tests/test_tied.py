@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
-from torchgpipe.distributed import PipelineStage, Transport
+from torchgpipe.distributed import PipelineStage, RemoteError, Transport
 
 VOCAB, WIDTH = 11, 6
 
@@ -281,7 +281,7 @@ def test_several_ties_travel_in_one_order_on_every_rank() -> None:
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_rank_that_fails_after_the_step_leaves_no_rank_waiting_on_a_tie() -> None:
+def test_an_output_that_cannot_gather_fails_every_rank_before_the_tie_reduces() -> None:
     class Aux(nn.Module):  # returns a 0-dim value, which the last rank cannot gather
         def __init__(self, head: nn.Module) -> None:
             super().__init__()
@@ -307,7 +307,10 @@ def test_a_rank_that_fails_after_the_step_leaves_no_rank_waiting_on_a_tie() -> N
         )
 
     first, last = run_threads(rank, 2, timeout=20.0)
-    assert not isinstance(first, BaseException)  # the tie reduced before the output failed
+    # The last rank gathers the output before the ranks agree on how the step ended:
+    # the step fails on every rank, and no rank goes on to reduce the tie alone.
+    assert isinstance(first, RemoteError)
+    assert "rank 1 (stages [1]) raised ValueError" in str(first)
     assert isinstance(last, ValueError)
     assert "0-dim" in str(last)
 

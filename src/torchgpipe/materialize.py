@@ -24,6 +24,8 @@ from itertools import chain
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from torchgpipe.split_stage import Stage
 
@@ -65,23 +67,80 @@ def materialize(
     with no meta tensor are left as they are. Every layer is checked before any is
     changed, so a refusal leaves the model as it was.
 
+    A tensor that several modules of ``layers`` hold (a head tied to an embedding of
+    the same partition, layers that share one weight, a module registered twice) stays
+    one tensor, with the values its first holder's layer gave it (its reset, ``init``,
+    or its first name in ``state_dict``); what a later holder's layer filled is dropped.
+    Ties across partitions are :mod:`torchgpipe.tied`'s.
+
+    A module under the legacy ``torch.nn.utils.spectral_norm`` or ``weight_norm``
+    (forward pre-hooks) keeps its values in ``weight_orig``, ``weight_u``, ... that its
+    ``reset_parameters()`` does not fill: it needs ``init`` or ``state_dict``, which
+    are trusted to fill them (the hooks recompute ``weight`` at each forward).
+
     Raises:
         ValueError: a layer mixes meta and real tensors; ``state_dict`` lacks a key of
             a layer, or has a shape that does not fit; or, without ``init``, a module
             holds a tensor that nothing fills (no ``reset_parameters``, not in
-            ``state_dict``).
+            ``state_dict``), among them one under the legacy spectral or weight norm.
     """
-    for name, layer in check_materializable(layers, init=init, state_dict=state_dict):
+    todo = check_materializable(layers, init=init, state_dict=state_dict)
+    holders = [_holders(layer) for _, layer in todo]  # before any is allocated
+    made: dict[int, Tensor] = {}  # a meta tensor's id: the one tensor that replaces it
+    for (name, layer), held in zip(todo, holders, strict=True):
         layer.to_empty(device=device)
         with torch.no_grad():
             if init is not None:
                 init(layer)
-                continue
-            _reset(layer)  # where a module can; the state dict's values then replace it
-            if state_dict is not None:
-                prefix = key_prefix(name, layer)
-                for key, tensor in layer.state_dict(keep_vars=True).items():
-                    tensor.copy_(state_dict[prefix + key])
+            else:
+                _reset(layer)  # where a module can; the state dict's values then replace it
+                if state_dict is not None:
+                    prefix = key_prefix(name, layer)
+                    for key, tensor in layer.state_dict(keep_vars=True).items():
+                        tensor.copy_(state_dict[prefix + key])
+        _retie(held, made)
+
+
+_Holder = tuple[int, nn.Module, str]
+"""The ``id`` of a meta tensor, and a module that holds it under a name of its own."""
+
+
+def _holders(layer: nn.Module) -> list[_Holder]:
+    """Every ``(id, module, name)`` that holds a meta tensor of ``layer``, in order.
+
+    One id held twice or more is a tie inside the partition (two layers' weights, two
+    names in one module, a module registered twice), which ``to_empty`` would cut: it
+    gives each holder a tensor of its own.
+    """
+    holders, seen = [], set()
+    for module in layer.modules(remove_duplicate=False):
+        for name, tensor in _own_tensors(module):
+            if tensor.is_meta and (id(module), name) not in seen:
+                seen.add((id(module), name))
+                holders.append((id(tensor), module, name))
+    return holders
+
+
+def _retie(holders: list[_Holder], made: dict[int, Tensor]) -> None:
+    """Give every holder of each meta tensor the one that replaced it first.
+
+    The first holder's tensor, as its layer's fill left it, is kept (in ``made``); a
+    later holder's, allocated by ``to_empty`` and filled by its own reset (or ``init``,
+    or the state dict), is dropped. So each tied tensor is filled once, as the first
+    holder fills it, and a module that two layers share is not filled anew by the
+    second.
+    """
+    for key, module, name in holders:
+        table = module._parameters if name in module._parameters else module._buffers
+        kept = made.setdefault(key, table[name])  # type: ignore[arg-type]  # a holder holds a tensor
+        if table[name] is not kept:
+            table[name] = kept  # type: ignore[assignment]  # a parameter's holder keeps a parameter
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """The tensors ``module`` holds itself, parameters and buffers, by name."""
+    tables = (module._parameters, module._buffers)
+    return [(n, t) for table in tables for n, t in table.items() if t is not None]
 
 
 def key_prefix(name: str, layer: nn.Module) -> str:
@@ -141,9 +200,24 @@ def _check_fillable(name: str, layer: nn.Module, state_dict: Mapping[str, Tensor
                     f"{tuple(tensor.shape)} in the model"
                 )
         filled = {prefix + k for k in expected}
+    modules = list(_children_first(layer, name))
+    legacy = [
+        f"{path} ({type(module).__name__} under {hook})"
+        for path, module in modules
+        for hook in _legacy_norms(module)
+        if any(f"{path}.{n}" not in filled for n in _own(module))
+    ]
+    if legacy:
+        raise ValueError(
+            f"{', '.join(legacy)} cannot be made on its device: the legacy hook keeps "
+            f"its values in tensors that reset_parameters() does not fill; pass init= "
+            f"(a function of each layer) or state_dict= (the plain model's) to fill them "
+            f"(torch.nn.utils.parametrizations' norms, which replace these deprecated "
+            f"hooks, need one of them too)"
+        )
     unfilled = [
         f"{path}.{n} ({type(module).__name__})"
-        for path, module in _children_first(layer, name)
+        for path, module in modules
         if _reset_of(module) is None
         for n in _own(module)
         if f"{path}.{n}" not in filled
@@ -155,6 +229,17 @@ def _check_fillable(name: str, layer: nn.Module, state_dict: Mapping[str, Tensor
             f"reset_parameters() to fill it{where}; pass init= (a function of each "
             f"layer) or state_dict= (the plain model's)"
         )
+
+
+def _legacy_norms(module: nn.Module) -> list[str]:
+    """The legacy hook-based norms on ``module`` (``torch.nn.utils.spectral_norm``, ...)."""
+    kinds = {SpectralNorm: "spectral_norm", WeightNorm: "weight_norm"}
+    return [
+        f"torch.nn.utils.{name}"
+        for hook in module._forward_pre_hooks.values()
+        for kind, name in kinds.items()
+        if isinstance(hook, kind)
+    ]
 
 
 def _reset(layer: nn.Module) -> None:

@@ -6,7 +6,8 @@ for several; given a :class:`PipelineStage`, their ``step(input, target)`` comes
 and the last rank the target (others may pass None). The step goes like this on each
 rank::
 
-    rank 0: scatter the input ── start(m, sizes, table, kind, key, static) ──▶ every other rank
+    rank 0: scatter the input
+            ── start(m, sizes, table, kind, key, static, seed) ──▶ every other rank
     every rank: its actions; messages to the ranks of other stages (exchange.py)
     every rank: end(status, losses from the last rank) ──▶ every other rank
     every rank: raise the step's failure, if any, or return its result
@@ -16,6 +17,11 @@ says a step or a forward only. With ``PipelineStage(static_shapes=True)``, ``key
 digest of the layout of the step's input, and ``static`` says that a step on an input
 so laid out ended well: this one reuses its messages' layouts. Every rank remembers
 those of the last :data:`LAYOUTS` layouts (alternating batch sizes stay fast).
+
+``seed`` is the step's seed, which rank 0 draws from its default generator
+(:func:`torchgpipe.rng.draw_seed`) as one process's step does: every rank's cells draw
+from it (dropout), so what they draw depends on that seed alone, not on what each
+process drew from its own generator before the step.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -36,6 +42,7 @@ from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
 from torchgpipe.microbatch import flatten, gather, scatter
+from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import (
     Action,
     Schedule,
@@ -62,9 +69,9 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
         RemoteError: on the other ranks, the failure of the rank where it started, or
             the loss of a process.
     """
-    exchange, step, sizes, m = _run(stage, steps, input, target, forward_only=False)
+    ran = _run(stage, steps, input, target, forward_only=False)
     stage.reduce_tied()  # every rank's step ended well: every holder of a tie takes part
-    return _result(stage, steps, exchange, step, sizes, m)
+    return _result(stage, steps, ran)
 
 
 def run_forward(stage: PipelineStage, steps: TableSteps, input: Any) -> Any:
@@ -75,22 +82,37 @@ def run_forward(stage: PipelineStage, steps: TableSteps, input: Any) -> Any:
     Raises:
         As :func:`run_step`.
     """
-    _, step, _, _ = _run(stage, steps, input, None, forward_only=True)
-    return gather(step.outputs) if stage.is_last else None
+    return _run(stage, steps, input, None, forward_only=True).output
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A step that ended well on every rank, as this rank saw it."""
+
+    exchange: Exchange
+    step: Step
+    sizes: list[int]
+    m: int
+    output: Any  # the micro-batches' outputs gathered, on the last rank; None elsewhere
 
 
 def _run(
     stage: PipelineStage, steps: TableSteps, input: Any, target: Any, *, forward_only: bool
-) -> tuple[Exchange, Step, list[int], int]:
-    """Run this rank's actions, end the step with every rank, raise its failure if any."""
+) -> _Ran:
+    """Run this rank's actions, end the step with every rank, raise its failure if any.
+
+    The last rank gathers the output before the ranks agree on how the step ended: an
+    output that does not gather (a 0-dim tensor in it) fails the step on every rank.
+    """
     exchange = stage.exchange()
+    output: Any = None
     shapes = stage.shapes
     step: Step | None = None
     m: int | None = None
     sizes: list[int] = []
     failure: tuple[BaseException, Action | None] | None = None
     try:
-        m, sizes, table, batches, targets = _start(
+        m, sizes, table, batches, targets, seed = _start(
             stage, steps, exchange, input, target, forward_only=forward_only, shapes=shapes
         )
         stage.expect_micro_batches(m)
@@ -110,6 +132,7 @@ def _run(
                 loss_weights(sizes, steps.reduction),
                 post=exchange,
                 connected=forward_only,
+                seed=seed,
             )
             try:
                 run.rank(stage.rank, "forward" if forward_only else "all")
@@ -120,6 +143,8 @@ def _run(
             failure = real[0]
         elif not exchange.halted:
             run.backward_upstream()
+            if stage.is_last:
+                output = gather(step.outputs)
     except Stopped:
         pass
     except BaseException as error:
@@ -158,7 +183,7 @@ def _run(
         raise remote
     assert step is not None  # no failure: the step ran
     assert m is not None
-    return exchange, step, sizes, m
+    return _Ran(exchange, step, sizes, m, output)
 
 
 def _start(
@@ -170,8 +195,8 @@ def _start(
     *,
     forward_only: bool = False,
     shapes: dict[bytes, dict[Any, Any]],
-) -> tuple[int, list[int], Schedule, list[Any], list[Any]]:
-    """Agree on the step's micro-batches and table; split the input and target.
+) -> tuple[int, list[int], Schedule, list[Any], list[Any], int]:
+    """Agree on the step's micro-batches, table and seed; split the input and target.
 
     As soon as this rank knows rank 0's table, its exchange follows the table's plan of
     transfers, so that it issues its share of them even if it then fails.
@@ -191,7 +216,8 @@ def _start(
             signature = _signature(table, forward_only, stage.training, batches)
             key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
-        start = (m, sizes, text, forward_only, key, bool(key) and key in shapes)
+        seed = draw_seed()  # the one draw of the step, as in one process
+        start = (m, sizes, text, forward_only, key, bool(key) and key in shapes, seed)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
         brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
@@ -208,7 +234,7 @@ def _start(
             if start is not None:
                 _follow(stage, exchange, _full(stage, start), shapes)
             raise
-        m, sizes, text, first_forward_only, _, _ = start
+        m, sizes, text, first_forward_only, _, _, seed = start
         _follow(stage, exchange, start, shapes)
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
@@ -230,14 +256,14 @@ def _start(
                 f"rank {stage.rank} runs the last stage and needs the target: pass it "
                 f"as schedule.step(input, target)"
             )
-        targets = scatter(target, m)
+        targets = scatter(target, m, name="target")
         target_sizes = [batch_size(t) for t in targets]
         if target_sizes != sizes:
             raise ValueError(
                 f"the target splits into micro-batches of {target_sizes} samples but "
                 f"the input into {sizes}; give them the same batch size"
             )
-    return m, sizes, table, batches, targets
+    return m, sizes, table, batches, targets, seed
 
 
 def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -260,7 +286,7 @@ def _follow(
     ``shapes``: what the last steps that ended well sent and received, by the layout of
     their input (``start``'s key: a digest of the layout, empty without static shapes).
     """
-    _, _, text, forward_only, key, static = start
+    _, _, text, forward_only, key, static, _ = start
     exchange.signature = key  # this step's messages are remembered under it, if it ends well
     table = _parsed(text, len(stage.balance))
     frames = None
@@ -316,22 +342,16 @@ def _plan(stage: PipelineStage, table: Schedule, kinds: str) -> RankPlan:
     return plan(table, routes, stage.rank, kinds)
 
 
-def _result(
-    stage: PipelineStage,
-    steps: TableSteps,
-    exchange: Exchange,
-    step: Step,
-    sizes: list[int],
-    m: int,
-) -> StepResult:
-    weights = loss_weights(sizes, steps.reduction)
+def _result(stage: PipelineStage, steps: TableSteps, ran: _Ran) -> StepResult:
+    exchange, step = ran.exchange, ran.step
+    weights = loss_weights(ran.sizes, steps.reduction)
     peaks = dict.fromkeys(range(len(stage.balance)), 0)
     peaks.update({s: step.peak[s] for s in stage.stages})
     for status, _ in exchange.ends.values():
         peaks.update({int(s): p for s, p in status["peaks"].items()})
     if stage.is_last:
         losses = [x for x in step.losses if x is not None]
-        output = gather(step.outputs)
+        output = ran.output
     else:
         last = (len(stage.balance) - 1) % stage.world_size
         _, tensors = exchange.ends[last]

@@ -6,8 +6,8 @@ balance has several partitions per process for an interleaved schedule) and move
 their layers to its device. The others' layers stay where the caller built them.
 
 At construction the processes compare what each was given (balance, options, each
-layer's type and parameter shapes, the skips) and all refuse to start, with the same
-message, when they differ.
+layer's type and parameter shapes, which tensors are tied: ``distributed/checks.py``)
+and all refuse to start, with the same message, when they differ.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.distributed.checks import check_rank, differences, fingerprint
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
 from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
@@ -183,7 +184,17 @@ class PipelineStage(nn.Module, StageHolder):
         self.stages = tuple(range(self.rank, n, self.world_size))
         """The stages this process runs."""
 
-        self._fingerprint = _fingerprint(module, self)
+        self._fingerprint = fingerprint(
+            module,
+            {
+                "processes": self.world_size,
+                "balance": list(self.balance),
+                "chunks": self.chunks,
+                "checkpoint": self.checkpoint,
+                "deferred_batch_norm": self.deferred_batch_norm,
+                "static_shapes": self.static_shapes,
+            },
+        )
         deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
         layers = list(module.named_children())
         starts = [sum(self.balance[:s]) for s in range(n + 1)]
@@ -337,11 +348,20 @@ class PipelineStage(nn.Module, StageHolder):
         span's thread (``CellEvent.thread``, in a Chrome file its ``args``) names its rank.
 
         Raises:
+            TypeError: ``trace`` is not a :class:`~torchgpipe.trace.Trace`, or ``dst``
+                not an int (before any message goes).
+            ValueError: ``dst`` is not a rank of the pipeline (before any message goes).
             RemoteError: another process failed or was lost.
         """
-        exchange = self.exchange()
+        dst = check_rank(dst, self.world_size, "dst")
+        if not isinstance(trace, Trace):
+            raise TypeError(
+                f"gather_trace takes the Trace that stage.trace() gave, got "
+                f"{type(trace).__name__}; pass `trace` of `with stage.trace() as trace:`"
+            )
         mine = (trace.m, trace.on_wall_clock())
         got: dict[int, Any] = {}
+        exchange = self.exchange()
         try:
             if self.rank != dst:
                 exchange.send(dst, ("trace", self.rank), mine)
@@ -349,7 +369,8 @@ class PipelineStage(nn.Module, StageHolder):
                 got = {peer: exchange.take(("trace", peer)) for peer in exchange.peers}
         except Stopped:  # a peer is lost; close() names it
             pass
-        exchange.close()
+        finally:  # whatever happened: the next step needs the listeners
+            exchange.close()
         if self.rank != dst:
             return None
         merged = Trace(len(self.balance), m=trace.m, origin=trace.origin)
@@ -434,7 +455,7 @@ class PipelineStage(nn.Module, StageHolder):
         except Stopped:  # a peer is lost; close() names it
             pass
         exchange.close()
-        problems = _differences(prints)
+        problems = differences(prints)
         if problems:
             raise ValueError(
                 f"the {self.world_size} processes of the pipeline were not given the same "
@@ -444,48 +465,3 @@ class PipelineStage(nn.Module, StageHolder):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a PipelineStage belongs to its process and cannot be copied")
-
-
-def _fingerprint(module: nn.Sequential, stage: PipelineStage) -> dict[str, Any]:
-    layers = []
-    for name, layer in module.named_children():
-        params = ", ".join(
-            f"{key} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-            for key, t in [*layer.named_parameters(), *layer.named_buffers()]
-        )
-        layers.append(f"{name}: {type(layer).__qualname__}({params})")
-    return {
-        "processes": stage.world_size,
-        "balance": list(stage.balance),
-        "chunks": stage.chunks,
-        "checkpoint": stage.checkpoint,
-        "deferred_batch_norm": stage.deferred_batch_norm,
-        "static_shapes": stage.static_shapes,
-        "layers": layers,
-    }
-
-
-def _differences(prints: dict[int, dict[str, Any]]) -> list[str]:
-    """Every way in which a rank's fingerprint differs from rank 0's, in one list."""
-    base = prints[0]
-    problems = []
-    for rank in sorted(prints):
-        if rank == 0:
-            continue
-        for field, value in prints[rank].items():
-            if value == base[field]:
-                continue
-            if field == "layers":
-                problems.append(_layer_difference(base[field], value, rank))
-            else:
-                problems.append(
-                    f"{field} is {base[field]!r} on rank 0 but {value!r} on rank {rank}"
-                )
-    return problems
-
-
-def _layer_difference(base: list[str], other: list[str], rank: int) -> str:
-    if len(base) != len(other):
-        return f"the model has {len(base)} layers on rank 0 but {len(other)} on rank {rank}"
-    k = next(k for k, (a, b) in enumerate(zip(base, other, strict=True)) if a != b)
-    return f"layer {k} is {base[k]} on rank 0 but {other[k]} on rank {rank}"
