@@ -385,6 +385,186 @@ def test_too_many_stages_and_bad_arguments() -> None:
         split(Keywords(), torch.randn(2, 6), at=["third"])
 
 
+# What the forward does besides computing: constants, in-place changes, state.
+
+
+class _Pair(nn.Module):
+    """Two layers, and a forward to fill in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def test_split_gives_each_call_a_fresh_copy_of_a_constant_changed_in_place() -> None:
+    class Accumulates(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            total = torch.zeros(4)  # fx makes it once and keeps it
+            h = self.a(x)
+            total += h.detach().mean(0)
+            return self.b(h) + total + torch.ones(4)
+
+    model, x = Accumulates(), torch.randn(3, 4)
+    stages = split(model, x, at=["b"])
+    for _ in range(3):  # the example's run and each call start from zeros
+        torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+    copied = [n for s in stages for n in s.graph.nodes if n.target == "clone"]
+    assert len(copied) == 1  # only the constant changed in place: torch.ones(4) is not
+
+
+def test_split_refuses_a_random_draw_on_no_input() -> None:
+    class Noisy(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x) + torch.randn(4))
+
+    with pytest.raises(SplitError, match=r"randn\(\.\.\.\) at .*test_split\.py:\d+.*randn_like"):
+        split(Noisy(), torch.randn(3, 4), at=["b"])
+
+    class Drawn(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            return self.b(h + torch.randn_like(h) + h.new_empty(4).normal_())
+
+    model, x = Drawn(), torch.randn(3, 4)
+    stages = split(model, x, at=["b"])
+    torch.manual_seed(1)
+    ours = stages(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(ours, model(x), rtol=0, atol=0)
+    assert not torch.equal(stages(x), ours)  # a new draw at each call
+
+
+def test_split_refuses_a_value_changed_in_place_by_a_later_stage() -> None:
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            y = self.b(h + 1)
+            h.mul_(2)  # in stage 1, on stage 0's value, which stage 2 reads
+            return self.c(y) + h
+
+    model, x = Doubles(), torch.randn(3, 4)
+    with pytest.raises(
+        SplitError, match=r"'a' made in stage 0 .*changed in place by mul_ in stage 1.*out-of-place"
+    ):
+        split(model, x, at=["b", "c"])
+    stages = split(model, x, at=["c"])  # made and changed in one stage: fine
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
+def test_split_stages_hold_the_modules_own_buffers() -> None:
+    class Scaled(_Pair):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("log_scale", torch.zeros(4))
+            self.register_buffer("pe", torch.randn(1, 16, 4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            x = x + self.pe[:, : x.size(1)]  # a positional encoding, sliced to the length
+            return self.b(self.a(x) * self.log_scale.exp())
+
+    model, x = Scaled(), torch.randn(2, 5, 4)
+    stages = split(model, x, at=["b"])
+    assert list(stages.state_dict()) == list(model.state_dict())
+    assert stages[0].log_scale is model.log_scale
+    other = Scaled()
+    other.log_scale.fill_(1.0)
+    stages.load_state_dict(other.state_dict())
+    torch.testing.assert_close(stages(x), other(x), rtol=0, atol=0)
+    fresh = Scaled()
+    fresh.load_state_dict(stages.state_dict())
+    torch.testing.assert_close(fresh(x), other(x), rtol=0, atol=0)
+    torch.testing.assert_close(stages(x[:, :3]), other(x[:, :3]), rtol=0, atol=0)
+
+
+def test_split_refuses_a_value_stored_on_the_module_and_puts_it_back() -> None:
+    class Auxiliary(_Pair):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aux_loss = torch.zeros(())
+            self.seen: list[Tensor] = []
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            self.aux_loss = h.pow(2).mean()
+            self.seen.append(h)
+            self.last = h
+            return self.b(h)
+
+    model = Auxiliary()
+    before = model.aux_loss
+    with pytest.raises(SplitError, match=r"stores a value on the module \(self\.aux_loss.*output"):
+        split(model, torch.randn(3, 4), at=["b"])
+    assert model.aux_loss is before
+    assert model.seen == []
+    assert "last" not in vars(model)
+
+
+def test_split_leaves_the_buffers_as_they_were() -> None:
+    class Counts(_Pair):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("running", torch.zeros(4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            self.seen.add_(x.size(0))
+            self.running.mul_(0.9).add_(0.1 * h.detach().mean(0))
+            return self.b(h)
+
+    model, x = Counts(), torch.randn(8, 4)
+    for stages in (split(model, x, at=["b"]), split(model, x, stages=2, by="size")):
+        assert model.seen.item() == 0
+        assert torch.equal(model.running, torch.zeros(4))
+        stages(x)  # the split model updates them as the model does
+        assert model.seen.item() == 8
+        model.seen.zero_()
+        model.running.zero_()
+
+
+def test_split_model_refuses_keyword_inputs_not_in_the_example() -> None:
+    torch.manual_seed(0)
+    x, scale = torch.randn(4, 6), torch.randn(4, 6)
+    stages = split(Keywords(), {"x": x, "scale": scale}, at=["third"])
+    with pytest.raises(TypeError, match=r"has \['bias'\].*arguments \['x', 'scale'\]"):
+        stages({"x": x, "scale": scale, "bias": x})
+    with pytest.raises(TypeError, match=r"has \['typo'\]"):
+        stages({"x": x, "scale": scale, "typo": 1})
+
+
+def test_split_refuses_a_constant_that_depends_on_the_mode() -> None:
+    class Scaled(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x)) * torch.tensor(0.5 if self.training else 1.0)
+
+    with pytest.raises(SplitError, match=r"test_split\.py:\d+\).*depends on train\(\) or eval"):
+        split(Scaled(), torch.randn(2, 4), at=["b"])
+
+
+def test_split_errors_for_a_flag_or_none_in_the_example() -> None:
+    class Flag(_Pair):
+        def forward(self, x: Tensor, hidden: bool = False) -> Any:
+            h = self.a(x)
+            return (self.b(h), h) if hidden else self.b(h)
+
+    class Optional(_Pair):
+        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+            h = self.a(x)
+            return self.b(h if mask is None else h * mask)
+
+    x = torch.randn(2, 4)
+    with pytest.raises(SplitError, match=r"TraceError: .*likely cause.*a flag given there"):
+        split(Flag(), {"x": x, "hidden": True}, at=["b"])
+    with pytest.raises(SplitError, match=r"\['mask'\] as None.*leave them out"):
+        split(Optional(), (x, None), at=["b"])
+    model = Optional()
+    torch.testing.assert_close(split(model, {"x": x}, at=["b"])({"x": x}), model(x))
+
+
 # In the pipeline: the same outputs and gradients as the module.
 
 

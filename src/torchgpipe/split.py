@@ -32,7 +32,10 @@ line to move into a submodule.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -40,19 +43,18 @@ from torch import fx, nn
 
 from torchgpipe.skip.skippable import Namespace, Skippable
 from torchgpipe.split_capture import (
+    ExampleRun,
     Kind,
-    SplitError,
     ancestors,
     candidates,
     compute_nodes,
     cuts_at,
-    inputs_of,
     trace_forward,
     trace_into,
     value_kinds,
     where_made,
 )
-from torchgpipe.split_stage import InputKind, Stage, keep_plain_keys
+from torchgpipe.split_stage import InputKind, SplitError, Stage, inputs_of, keep_plain_keys
 
 __all__ = ["SplitError", "Stage", "split"]
 
@@ -105,13 +107,45 @@ def split(
             f"itself: write the model as plain modules, or wrap it in GPipe as it is"
         )
     kind, names, concrete = inputs_of(module, example_input)
-    before = set(vars(module))
-    try:
+    with _kept(module):  # also drops the tensors fx keeps on it (the stages hold them)
         return _split(module, example_input, at, stages, by, kind, names, concrete)
-    finally:  # the tensors fx keeps on the module it traces (the stages hold them now)
-        for name in set(vars(module)) - before:
-            if name.startswith("_tensor_constant"):
-                delattr(module, name)
+
+
+@contextmanager
+def _kept(module: nn.Module) -> Iterator[None]:
+    """Leave ``module`` as it was: its attributes, and its buffers' values.
+
+    Split runs the example through the forward (and, for ``stages=k``, each stage to
+    time it): a running mean or a step counter the forward updates in place would
+    count those runs. The buffers are copied first, and put back.
+    """
+    attributes = {m: dict(vars(m)) for m in module.modules()}
+    buffers = [
+        (m, name, b, b._version, b.detach().clone())
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None
+    ]
+    versions = {name: p._version for name, p in module.named_parameters()}
+    try:
+        yield
+    finally:
+        for m, attrs in attributes.items():
+            for name in [n for n in vars(m) if n not in attrs]:
+                del m.__dict__[name]
+            m.__dict__.update(attrs)
+        with torch.no_grad():
+            for m, name, b, version, value in buffers:
+                m._buffers[name] = b
+                if b._version != version:
+                    b.copy_(value)
+    changed = [name for name, p in module.named_parameters() if p._version != versions[name]]
+    if changed:
+        raise SplitError(
+            f"{type(module).__name__}'s forward changed its parameters {changed} in place "
+            f"when split ran the example through it, and split cannot undo that; keep "
+            f"state a forward updates in buffers (register_buffer), not in parameters"
+        )
 
 
 def _split(
@@ -129,16 +163,15 @@ def _split(
             raise TypeError(f"at takes a list of submodule names, got {at!r}")
         through = ancestors(module, at)
         graph = trace_forward(module, through, concrete)
+        kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
         cuts = cuts_at(module, graph, list(at))
-        return _build(
-            module, graph, cuts, kind, names, value_kinds(module, graph, example_input, kind)
-        )
+        return _build(module, graph, cuts, kind, names, kinds)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise TypeError(f"stages must be a positive int, got {stages!r}")
     if by not in ("time", "size"):
         raise TypeError(f"by is 'time' or 'size', got {by!r}")
     graph = trace_into(module, stages, concrete)
-    kinds = value_kinds(module, graph, example_input, kind)
+    kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
     starts = candidates(graph)
     units = _build(module, graph, starts, kind, names, kinds)
     from torchgpipe import balance as balancing
@@ -148,6 +181,22 @@ def _split(
         counts = solve(stages, units, example_input)
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
     return _build(module, graph, [starts[end - 1] for end in ends], kind, names, kinds)
+
+
+def _fresh_constants(graph: fx.Graph, run: ExampleRun) -> dict[fx.Node, Kind]:
+    """Give each call a copy of the constants the graph changes in place.
+
+    fx makes ``torch.zeros(4)`` once, at trace time, and keeps it: changed in place
+    (``acc += ...``), it would carry each call's changes to the next.
+    """
+    kinds = dict(run.kinds)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and node.target in run.changed:
+            with graph.inserting_after(node):
+                fresh = graph.call_method("clone", (node,))
+            node.replace_all_uses_with(fresh, delete_user_cb=partial(operator.is_not, fresh))
+            kinds[fresh] = kinds[node]
+    return kinds
 
 
 # Building the stages.
@@ -169,6 +218,7 @@ def _build(
     for node in inputs:
         stage_of[node] = 0
     output = next(node for node in graph.nodes if node.op == "output")
+    _check_in_place(module, compute, stage_of)
 
     # Which earlier values each stage uses, and how each travels there.
     tensors = {node for node, (kind, _) in kinds.items() if kind == "tensor"}
@@ -282,3 +332,64 @@ def _check_modules(module: nn.Module, compute: list[fx.Node], stage_of: dict[fx.
                     f"calls fall in one stage, or use two modules"
                 )
         called.setdefault(name, (stage_of[node], node))
+
+
+_IN_PLACE_OPERATORS = {
+    getattr(operator, f"i{name}")
+    for name in [
+        *("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"),
+        *("and", "or", "xor", "lshift", "rshift"),
+    ]
+} | {operator.setitem}
+_FLAGS = {"requires_grad_", "share_memory_"}  # in place, but on no values
+
+
+def _changed_in_place(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` changes in place, if it is an in-place operation on one."""
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        return node.kwargs["out"]  # type: ignore[return-value]  # checked just above
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith(
+        "torch"
+    ):
+        name = getattr(node.target, "__name__", "")
+    else:
+        name = ""
+    in_place = (
+        node.target in _IN_PLACE_OPERATORS
+        or (name.endswith("_") and not name.endswith("__") and name not in _FLAGS)
+        or node.kwargs.get("inplace") is True
+    )
+    target = node.args[0] if in_place and node.args else None
+    return target if isinstance(target, fx.Node) else None
+
+
+def _check_in_place(
+    module: nn.Module, compute: list[fx.Node], stage_of: dict[fx.Node, int]
+) -> None:
+    """Refuse a value changed in place by a later stage than the one that makes it.
+
+    A stage gets its own handle on a value from an earlier one (its input, a skip, a
+    tensor received from another process): a change made there would not reach the
+    stages that read the value as a skip, the gradients would follow the value as it
+    was, and across processes the backward fails.
+    """
+    problems = []
+    for node in compute:
+        value = _changed_in_place(node)
+        if value is None or value.op == "get_attr" or stage_of[value] >= stage_of[node]:
+            continue
+        problems.append(
+            f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
+            f"changed in place by {getattr(node.target, '__name__', node.target)} in stage "
+            f"{stage_of[node]}{where_made(node)}"
+        )
+    if problems:
+        raise SplitError(
+            f"cannot split {type(module).__name__}: {'; '.join(problems)}. A stage gets its "
+            f"own handle on a value from an earlier stage, so the change would not reach "
+            f"the others and the gradients would be wrong; use an out-of-place operation "
+            f"(h = h * 2 for h.mul_(2)), or move the split points so that the value is "
+            f"made and changed in one stage"
+        )

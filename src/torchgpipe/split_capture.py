@@ -3,37 +3,49 @@
 ``torch.fx`` traces through the module's own forward, containers, the modules on the
 way to a split point and (``stages=k``) the largest submodules it can capture until
 there are enough calls; every other submodule stays one call. Each trace is made in
-both modes, and refused if ``train()`` and ``eval()`` give different code. Then the
-example runs once through the graph, to learn which values are tensors and devices.
+both modes, and refused if ``train()`` and ``eval()`` give different code (or different
+constants). Buffers are traced as attributes, so the stages read the module's own.
+Then the example runs once through the graph, to learn which values are tensors and
+devices, and which of the constants fx kept the graph changes in place.
+
+Two things fx would capture wrongly are refused while it traces: a random draw on no
+traced value (fx runs it once and keeps the numbers as a constant), and a value the
+forward stores on a module (``self.aux_loss = ...``: the module would keep a proxy).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import inspect
 import os
 import re
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
-from torchgpipe.split_stage import InputKind
+from torchgpipe.random_functions import HANDLERS
+from torchgpipe.split_stage import InputKind, SplitError
 
 Kind = tuple[str, torch.device]
 """What a node's value was in the example: ``("tensor", its device)`` or ``("device", it)``."""
 
 __all__ = [
     "TORCH_DIR",
+    "ExampleRun",
     "Kind",
-    "SplitError",
     "ancestors",
     "candidates",
     "compute_nodes",
     "cuts_at",
-    "inputs_of",
     "trace_forward",
     "trace_into",
     "value_kinds",
@@ -43,6 +55,7 @@ __all__ = [
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _CALLS = ("call_module", "call_function", "call_method")
 TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(__file__)
 # The machinery between a forward's line and the tracer's error: not where it failed.
 _MACHINERY = (
     os.path.join(TORCH_DIR, "fx", ""),
@@ -51,10 +64,6 @@ _MACHINERY = (
     os.path.join(TORCH_DIR, "_tensor.py"),
     __file__,
 )
-
-
-class SplitError(ValueError):
-    """A module cannot be split as asked; the message says where, why, and what to do."""
 
 
 # Capturing the forward.
@@ -67,47 +76,12 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.through = through
         self.record_stack_traces = True  # for errors that name the line
+        # A buffer is read by the stages (as the module's own tensor), not baked in: a
+        # checkpoint, .to() and the forward's own updates reach it.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return not (isinstance(m, _CONTAINERS) or module_qualified_name in self.through)
-
-
-def inputs_of(module: nn.Module, example: Any) -> tuple[InputKind, tuple[str, ...], dict[str, Any]]:
-    """How the split model takes its input, the names it fills, and the defaults kept."""
-    parameters = list(inspect.signature(module.forward).parameters.values())
-    variadic = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if variadic:
-        raise SplitError(
-            f"{type(module).__name__}.forward takes *{variadic[0]}; split needs named "
-            f"parameters: wrap the module in one whose forward names its arguments"
-        )
-    kind: InputKind
-    if isinstance(example, dict):
-        kind, given = "kwargs", list(example)
-        unknown = [name for name in given if name not in [p.name for p in parameters]]
-        if unknown:
-            raise TypeError(f"{type(module).__name__}.forward has no parameters {unknown}")
-        given = [p.name for p in parameters if p.name in example]  # in the forward's order
-    elif isinstance(example, tuple):
-        kind, given = "args", [p.name for p in parameters[: len(example)]]
-        if len(example) > len(parameters):
-            raise TypeError(
-                f"example_input gives {len(example)} positional arguments; "
-                f"{type(module).__name__}.forward takes {len(parameters)}"
-            )
-    else:
-        kind, given = "one", [p.name for p in parameters[:1]]
-    concrete = {}
-    for p in parameters:
-        if p.name in given:
-            continue
-        if p.default is p.empty:
-            raise TypeError(
-                f"example_input does not give {type(module).__name__}.forward's argument "
-                f"{p.name!r}, which has no default; give it (a tuple or dict of arguments)"
-            )
-        concrete[p.name] = p.default
-    return kind, tuple(given), concrete
 
 
 def ancestors(module: nn.Module, at: Sequence[str]) -> set[str]:
@@ -144,16 +118,11 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
     finally:
         for m, training in modes.items():
             m.training = training
-    ours, theirs = _code(graph), _code(other)
-    if ours != theirs:
-        first = next(
-            (a for a, b in zip(graph.nodes, other.nodes, strict=False) if _shown(a) != _shown(b)),
-            None,
-        )
-        where = where_made(first) if first is not None else ""
+    first = _first_difference(module, graph, other)
+    if first is not None:
         raise SplitError(
-            f"cannot split {type(module).__name__}: code that split captures{where} "
-            f"depends on train() or eval() (self.training, F.dropout(..., "
+            f"cannot split {type(module).__name__}: code that split captures"
+            f"{where_made(first)} depends on train() or eval() (self.training, F.dropout(..., "
             f"training=self.training)), and the stages would keep the mode they were "
             f"split in; use modules for it (nn.Dropout), or keep that code inside a "
             f"submodule that split calls whole (name split points elsewhere)"
@@ -174,18 +143,142 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
 
 def _traced(module: nn.Module, through: set[str], concrete: dict[str, Any]) -> fx.Graph:
     try:
-        return _Tracer(through).trace(module, concrete_args=concrete or None)
+        with _stored_values_refused(module), _ConstantDraws(type(module).__name__):
+            return _Tracer(through).trace(module, concrete_args=concrete or None)
+    except SplitError:
+        raise
     except Exception as error:
         raise SplitError(_trace_failure(module, error)) from error
 
 
-def _code(graph: fx.Graph) -> str:
-    """The graph's code, up to the names fx gives the constants it keeps on the module."""
-    return re.sub(r"_tensor_constant\d+", "_tensor_constant", graph.python_code("self").src)
+def _first_difference(module: nn.Module, graph: fx.Graph, other: fx.Graph) -> fx.Node | None:
+    """The first node of ``graph`` that differs in ``other`` (code, or a constant's value)."""
+    ours: list[fx.Node] = list(graph.nodes)
+    theirs: list[fx.Node] = list(other.nodes)
+    for a, b in zip(ours, theirs, strict=False):
+        if _shown(a) != _shown(b) or (a.op == "get_attr" and not _same(module, a, b)):
+            return a
+    return None if len(ours) == len(theirs) else ours[min(len(ours), len(theirs)) - 1]
+
+
+def _same(module: nn.Module, a: fx.Node, b: fx.Node) -> bool:
+    """Whether two get_attr nodes read equal values (constants are made per trace)."""
+    x, y = _attribute(module, str(a.target)), _attribute(module, str(b.target))
+    if x is y or not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+        return x is y
+    return x.shape == y.shape and x.dtype == y.dtype and bool(torch.equal(x, y))
+
+
+def _attribute(module: nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner), name)
 
 
 def _shown(node: fx.Node) -> str:
     return re.sub(r"_tensor_constant\d+", "_tensor_constant", node.format_node() or "")
+
+
+# Refused while tracing: frozen random draws, values stored on modules.
+
+
+@functools.cache
+def _draws(name: str) -> bool:
+    """Whether the ATen operator called ``name`` draws random numbers."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    overloads = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else []
+    return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in overloads)
+
+
+def _user_line() -> str:
+    """The innermost line outside torch and this package, as `` at file:line (`code`)``."""
+    for f in reversed(traceback.extract_stack()):
+        if not f.filename.startswith((TORCH_DIR, _HERE)):
+            return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    return ""
+
+
+class _ConstantDraws(TorchFunctionMode):
+    """Refuses a random function called on no traced value while fx traces.
+
+    fx runs a call that has no proxy among its arguments (``torch.randn(4)``) once, at
+    trace time, and keeps its result as a constant: every call would get the same draw.
+    """
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (func in HANDLERS or _draws(name)) and not any(
+            isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves((args, kwargs))
+        ):
+            raise SplitError(
+                f"cannot split {self.model}: {name}(...){_user_line()} draws random numbers "
+                f"from no input of the forward, and torch.fx would draw them once, at split time, "
+                f"and reuse them on every call; draw from a tensor of the forward instead "
+                f"(torch.randn_like(x), x.new_empty(shape).normal_(), torch.randn(shape, "
+                f"device=x.device)), or keep that code in a submodule split calls whole"
+            )
+        return func(*args, **kwargs)
+
+
+def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:
+    if isinstance(value, fx.Proxy):
+        return value
+    if depth < 4 and isinstance(value, list | tuple | set | frozenset | dict):
+        items = value.values() if isinstance(value, dict) else value
+        return next((p for v in items if (p := _holds_proxy(v, depth + 1)) is not None), None)
+    return None
+
+
+def _refill(container: Any, contents: Any) -> None:
+    container.clear()
+    if isinstance(container, list):
+        container.extend(contents)
+    else:
+        container.update(contents)
+
+
+@contextmanager
+def _stored_values_refused(module: nn.Module) -> Iterator[None]:
+    """Put back what a traced forward stored on the modules, and refuse it if it did."""
+    kept = {
+        m: (
+            dict(vars(m)),
+            {k: copy.copy(v) for k, v in vars(m).items() if type(v) in (list, dict, set)},
+        )
+        for m in module.modules()
+    }
+    stored: list[tuple[str, fx.Proxy]] = []
+    try:
+        yield
+    finally:
+        paths = {m: name for name, m in module.named_modules()}
+        for m, (attrs, contents) in kept.items():
+            for name, value in list(vars(m).items()):
+                proxy = _holds_proxy(value)
+                if proxy is None:
+                    continue
+                stored.append((f"{paths[m]}.{name}".lstrip("."), proxy))
+                if name not in attrs:
+                    del m.__dict__[name]
+                elif attrs[name] is value and name in contents:  # changed in place
+                    _refill(value, contents[name])
+                else:
+                    m.__dict__[name] = attrs[name]
+    if stored:
+        name, proxy = stored[0]
+        raise SplitError(
+            f"cannot split {type(module).__name__}: its forward stores a value on the "
+            f"module (self.{name}{where_made(proxy.node)}); split cannot carry values a "
+            f"forward keeps on its modules, and the split model would never set it: return "
+            f"it as an output of forward instead, or keep that code in a submodule that "
+            f"split calls whole"
+        )
 
 
 def where_made(node: fx.Node) -> str:
@@ -195,7 +288,7 @@ def where_made(node: fx.Node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[len('File "') :].partition('", line ')
-            if not path.startswith(TORCH_DIR):
+            if not path.startswith((TORCH_DIR, _HERE)):  # the user's own frames
                 frames.append(f"{path}:{rest.split(',')[0]}")
     return f" ({frames[-1]})" if frames else ""
 
@@ -210,11 +303,19 @@ def _trace_failure(module: nn.Module, error: Exception) -> str:
     if frames:  # the last line run before the tracer's machinery: a forward's
         f = frames[-1]
         where = f" at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
+    if "control flow" in str(error) or "iterate" in str(error):
+        cause = (
+            "The likely cause: code that branches on, or loops over, a value made from "
+            "the forward's arguments (a tensor's value, or an argument given in "
+            "example_input, which split traces: a flag given there is traced too; leave "
+            "it out so that it keeps its default, or fix it in a wrapper module)"
+        )
+    else:
+        cause = "The likely cause: code that needs a real value where fx has a proxy"
     return (
         f"cannot split {type(module).__name__}: torch.fx could not capture its forward{where}: "
-        f"{error}. Code that branches on a tensor's value, or loops over one, cannot be "
-        f"captured; move it into a submodule (split runs a submodule as one call, with "
-        f"any control flow), or out of the model"
+        f"{type(error).__name__}: {error}. {cause}. Move that code into a submodule "
+        f"(split runs a submodule as one call, with any control flow), or out of the model"
     )
 
 
@@ -325,15 +426,22 @@ def cuts_at(module: nn.Module, graph: fx.Graph, at: list[str]) -> list[int]:
     return cuts
 
 
-def value_kinds(
-    module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind
-) -> dict[fx.Node, Kind]:
-    """The nodes whose value was a tensor (and its device) or a device, in the example.
+@dataclass(frozen=True)
+class ExampleRun:
+    """What the example's run through the graph showed."""
 
-    In eval mode, without grad.
+    kinds: dict[fx.Node, Kind]
+    """The nodes whose value was a tensor (and its device) or a device."""
+    changed: frozenset[str]
+    """The constants fx kept (``_tensor_constant*``) that the graph changes in place."""
 
-    The run changes nothing: batch norm's statistics are left alone (eval), and the
-    random numbers drawn are given back (``fork_rng``).
+
+def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind) -> ExampleRun:
+    """Run the example through the graph, in eval mode, without grad: what its values are.
+
+    The run changes nothing: batch norm's statistics are left alone (eval), the random
+    numbers drawn are given back (``fork_rng``), and the constants it changes in place
+    are put back (``split`` keeps the module's buffers).
     """
     modes = {m: m.training for m in module.modules()}
     if kind == "one":
@@ -343,12 +451,16 @@ def value_kinds(
     else:
         args = tuple(example[p.target] for p in graph.nodes if p.op == "placeholder")
     kinds: dict[fx.Node, Kind] = {}
+    constants: dict[str, tuple[Tensor, int, Tensor]] = {}  # as they were: version, value
 
     class Record(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             value = super().run_node(n)
             if isinstance(value, Tensor):
                 kinds[n] = ("tensor", value.device)
+                target = str(n.target)
+                if n.op == "get_attr" and target.startswith("_tensor_constant"):
+                    constants.setdefault(target, (value, value._version, value.clone()))
             elif isinstance(value, torch.device):
                 kinds[n] = ("device", value)
             return value
@@ -361,4 +473,8 @@ def value_kinds(
     finally:
         for m, training in modes.items():
             m.training = training
-    return kinds
+        changed = frozenset(t for t, (v, version, _) in constants.items() if v._version != version)
+        with torch.no_grad():
+            for target in changed:
+                constants[target][0].copy_(constants[target][2])
+    return ExampleRun(kinds, changed)

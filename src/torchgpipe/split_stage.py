@@ -1,5 +1,6 @@
 """The stages of a split model (``split.py``), and the model's keys on what holds them.
 
+:func:`inputs_of` reads how the split model takes its input from ``split``'s example.
 A :class:`Stage` is a skippable module (:mod:`torchgpipe.skip`) that runs one piece of
 a module's captured forward on the module's own submodules, held at their original
 paths. :func:`keep_plain_keys` makes a container of stages (the ``nn.Sequential`` that
@@ -9,6 +10,7 @@ keys.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Generator, Mapping
 from typing import Any, Literal
 
@@ -16,9 +18,60 @@ from torch import fx, nn
 
 from torchgpipe.skip.skippable import Namespace, Skippable, pop, stash
 
-__all__ = ["InputKind", "Stage", "keep_plain_keys"]
+__all__ = ["InputKind", "SplitError", "Stage", "inputs_of", "keep_plain_keys"]
 
 InputKind = Literal["one", "args", "kwargs"]
+
+
+class SplitError(ValueError):
+    """A module cannot be split as asked; the message says where, why, and what to do."""
+
+
+def inputs_of(module: nn.Module, example: Any) -> tuple[InputKind, tuple[str, ...], dict[str, Any]]:
+    """How the split model takes its input, the names it fills, and the defaults kept."""
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    variadic = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if variadic:
+        raise SplitError(
+            f"{type(module).__name__}.forward takes *{variadic[0]}; split needs named "
+            f"parameters: wrap the module in one whose forward names its arguments"
+        )
+    kind: InputKind
+    if isinstance(example, dict):
+        kind, given = "kwargs", list(example)
+        unknown = [name for name in given if name not in [p.name for p in parameters]]
+        if unknown:
+            raise TypeError(f"{type(module).__name__}.forward has no parameters {unknown}")
+        given = [p.name for p in parameters if p.name in example]  # in the forward's order
+    elif isinstance(example, tuple):
+        kind, given = "args", [p.name for p in parameters[: len(example)]]
+        if len(example) > len(parameters):
+            raise TypeError(
+                f"example_input gives {len(example)} positional arguments; "
+                f"{type(module).__name__}.forward takes {len(parameters)}"
+            )
+    else:
+        kind, given = "one", [p.name for p in parameters[:1]]
+    values = {"kwargs": example, "args": dict(zip(given, example, strict=False))}.get(kind, {})
+    nones = [name for name in given if values.get(name, ...) is None]
+    if nones:
+        raise SplitError(
+            f"example_input gives {type(module).__name__}.forward's {nones} as None; split "
+            f"traces each argument it is given as a tensor, so code for None cannot be "
+            f"captured: leave them out (pass a dict of the other arguments: they keep their "
+            f"defaults), or give tensors"
+        )
+    concrete = {}
+    for p in parameters:
+        if p.name in given:
+            continue
+        if p.default is p.empty:
+            raise TypeError(
+                f"example_input does not give {type(module).__name__}.forward's argument "
+                f"{p.name!r}, which has no default; give it (a tuple or dict of arguments)"
+            )
+        concrete[p.name] = p.default
+    return kind, tuple(given), concrete
 
 
 class Stage(Skippable):
@@ -87,6 +140,14 @@ class Stage(Skippable):
         missing = [name for name in names if name not in value]
         if missing:
             raise TypeError(f"the split model's input lacks {missing}; it takes {list(names)}")
+        extra = [name for name in value if name not in names]
+        if extra:
+            raise TypeError(
+                f"the split model's input has {extra}, but it was split with an example of "
+                f"the arguments {list(names)} (the others keep their defaults, fixed in the "
+                f"stages); split again with an example that passes {extra} too, or leave "
+                f"them out"
+            )
         return tuple(value[name] for name in names)
 
     def _function(self) -> Callable[..., Any]:
@@ -119,7 +180,14 @@ def _install(stage: nn.Module, source: nn.Module, graph: fx.Graph) -> None:
         return place[path]
 
     modules = sorted({str(n.target) for n in graph.nodes if n.op == "call_module"}, key=position)
-    attributes = sorted({str(n.target) for n in graph.nodes if n.op == "get_attr"}, key=position)
+
+    def order(path: str) -> tuple[int, int]:  # and in its owner's order: parameters, buffers
+        owner, _, name = path.rpartition(".")
+        m = source.get_submodule(owner)
+        names = [*m._parameters, *m._buffers]
+        return position(path), names.index(name) if name in names else len(names)
+
+    attributes = sorted({str(n.target) for n in graph.nodes if n.op == "get_attr"}, key=order)
     for path in modules:
         *parents, name = path.split(".")
         _holder(stage, source, parents).add_module(name, source.get_submodule(path))
