@@ -106,48 +106,32 @@ def test_sum_reduction_and_uneven_micro_batches(schedule: str) -> None:
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_an_input_made_by_layers_before_the_pipeline_gets_their_gradients(
-    schedule: str, checkpoint: Checkpoint
+@pytest.mark.parametrize("made", ["input", "target"])
+def test_layers_that_make_the_input_or_the_target_get_their_gradients(
+    schedule: str, checkpoint: Checkpoint, made: str
 ) -> None:
-    # An embedding (here a Linear) outside the pipeline: its graph is walked once, for
-    # every micro-batch at once, as the plain model's backward walks it.
+    # A layer outside the pipeline makes the input (an embedding) or the target (a
+    # teacher): the micro-batches are pieces of its output, and its graph is walked once,
+    # for all of them, as the plain model's backward walks it.
     torch.manual_seed(0)
-    before = nn.Linear(6, 6).double()
+    outside = nn.Linear(6, 6 if made == "input" else 3).double()
     plain = MODELS["mlp"][0]().double()
     model = GPipe(copy.deepcopy(plain), [1, 1, 2, 1], chunks=4, checkpoint=checkpoint)
     x, target = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
-    theirs = copy.deepcopy(before)
+    theirs = copy.deepcopy(outside)
 
-    SCHEDULES[schedule](model, _mse).step(before(x), target)
-    _mse(plain(theirs(x)), target).backward()
-
-    _assert_same_grads(model, plain, exact=False)
-    for mine, expected in zip(before.parameters(), theirs.parameters(), strict=True):
-        assert mine.grad is not None
-        torch.testing.assert_close(mine.grad, expected.grad, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_a_target_made_by_a_teacher_gets_its_gradients(
-    schedule: str, checkpoint: Checkpoint
-) -> None:
-    # The target is in the caller's graph too (distillation): each micro-batch's piece
-    # gets a leaf of its own, and the teacher's graph is walked once, at the end.
-    torch.manual_seed(0)
-    teacher = nn.Linear(6, 3).double()
-    plain = MODELS["mlp"][0]().double()
-    model = GPipe(copy.deepcopy(plain), [1, 1, 2, 1], chunks=4, checkpoint=checkpoint)
-    x = torch.randn(8, 6, dtype=torch.float64)
-    theirs = copy.deepcopy(teacher)
-
-    result = SCHEDULES[schedule](model, _mse).step(x, teacher(x))
-    loss = _mse(plain(x), theirs(x))
+    run = SCHEDULES[schedule](model, _mse)
+    if made == "input":
+        result = run.step(outside(x), target)
+        loss = _mse(plain(theirs(x)), target)
+    else:
+        result = run.step(x, outside(x))
+        loss = _mse(plain(x), theirs(x))
     loss.backward()
 
     torch.testing.assert_close(result.loss, loss.detach())
     _assert_same_grads(model, plain, exact=False)
-    for mine, expected in zip(teacher.parameters(), theirs.parameters(), strict=True):
+    for mine, expected in zip(outside.parameters(), theirs.parameters(), strict=True):
         assert mine.grad is not None
         torch.testing.assert_close(mine.grad, expected.grad, rtol=1e-10, atol=1e-12)
 

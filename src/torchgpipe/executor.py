@@ -481,7 +481,8 @@ class StepRun:
     def _release(self, s: int, i: int) -> None:
         cell = self.step.cells.pop((s, i))
         self.step.hold(s, -1)
-        self.step.upstream += [(x, leaf.grad) for x, leaf in cell.targets if leaf.grad is not None]
+        if cell.targets:  # the target's gradients, into the caller's graph after the step
+            self.step.upstream += [(x, t.grad) for x, t in cell.targets if t.grad is not None]
 
     # W
 

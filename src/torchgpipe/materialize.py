@@ -252,10 +252,7 @@ def _reset(layer: nn.Module) -> None:
 
 def _own(module: nn.Module) -> list[str]:
     """The names of the tensors ``module`` holds itself (not its children's)."""
-    return [
-        *(n for n, _ in module.named_parameters(recurse=False)),
-        *(n for n, t in module.named_buffers(recurse=False) if t is not None),
-    ]
+    return [name for name, _ in _own_tensors(module)]
 
 
 def _reset_of(module: nn.Module) -> Callable[[], object] | None:
