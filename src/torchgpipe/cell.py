@@ -89,6 +89,8 @@ def wanting(value: Any, wants: bool) -> Any:
     """``value`` with its floating tensors marked as wanting a gradient, if ``wants``."""
     if not wants or value is None:
         return value
+    if isinstance(value, Tensor):  # the common case, on the path of every cell
+        return value.requires_grad_(True) if differentiable(value) else value
     leaves, spec = flatten(value)
     return unflatten(
         [

@@ -70,14 +70,25 @@ def is_recomputing() -> bool:
     return bool(getattr(_flags, "recomputing", False))
 
 
-@contextmanager
-def set_flag(name: str) -> Iterator[None]:
-    previous = getattr(_flags, name, False)
-    setattr(_flags, name, True)
-    try:
-        yield
-    finally:
-        setattr(_flags, name, previous)
+class set_flag:  # lower case: used as a function: `with set_flag("recomputing"):`
+    """Set the calling thread's flag ``name`` while entered (``is_recomputing()``...).
+
+    A class, not a generator-based context manager: it is entered around every
+    checkpointed cell, on the pipeline's critical path, where a generator costs more.
+    """
+
+    __slots__ = ("_name", "_previous")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._previous = False
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_flags, self._name, False)
+        setattr(_flags, self._name, True)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(_flags, self._name, self._previous)
 
 
 class _Cell:

@@ -332,14 +332,11 @@ class StepRun:
             else [],
         )
         if checkpointed:
-            # Keep a copy: a first layer may modify its input in place.
-            cell.leaves = [x.detach().clone() if isinstance(x, Tensor) else x for x in leaves]
-            with (
-                torch.no_grad(),
-                set_flag("checkpointing"),
-                cell.randomness.forward(),
-            ):
-                output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
+            with torch.no_grad():
+                # Keep a copy: a first layer may modify its input in place.
+                cell.leaves = [x.clone() if isinstance(x, Tensor) else x for x in leaves]
+                with set_flag("checkpointing"), cell.randomness.forward():
+                    output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)

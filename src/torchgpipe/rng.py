@@ -105,11 +105,12 @@ class _CellGenerators(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
         handler = HANDLERS.get(func)
+        if handler is None:  # most functions draw nothing: the fast way through
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         if (
-            handler is None
-            or kwargs.get("generator") is not None
+            kwargs.get("generator") is not None
             or any(isinstance(a, torch.Generator) for a in args)  # given one, positionally
         ):
             return func(*args, **kwargs)
