@@ -48,9 +48,18 @@ def test_fork_join_pick_the_first_float_leaf() -> None:
     assert phony is not None
     assert value["ids"] is ids
     assert value["x"] is not x
-    joined = join({"ids": ids, "h": torch.zeros(3)}, phony)
+    h = torch.zeros(3, requires_grad=True)
+    joined = join({"ids": ids, "h": h}, phony)
+    assert joined["h"] is not h
     assert joined["h"].requires_grad
     assert joined["ids"] is ids
+
+
+def test_join_leaves_an_input_that_wants_no_gradient_as_it_is() -> None:
+    # Joining would make it want one, where the plain model's input does not.
+    _, phony = fork(torch.ones(1, requires_grad=True))
+    value = {"h": torch.zeros(3)}
+    assert join(value, phony) is value
 
 
 def test_join_without_float_leaf_is_a_no_op() -> None:

@@ -162,6 +162,31 @@ def test_a_frozen_model_gives_outputs_that_want_no_gradient(
     assert not model(torch.randn(6, 3)).requires_grad  # as plain(x)'s
 
 
+class SeesRequiresGrad(nn.Module):
+    """Records whether each input it is given wants a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.requires_grad)
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_partition_input_wants_a_gradient_as_the_plain_models_does(
+    checkpoint: str, backward_by: str
+) -> None:
+    # The ordering edge between a partition's cells must not make an input that wants no
+    # gradient (after a parameter-free first partition) want one.
+    probe = SeesRequiresGrad()
+    layers = nn.Sequential(nn.Identity(), probe, nn.Linear(4, 4))
+    model = GPipe(layers, [1, 2], chunks=4, checkpoint=checkpoint)
+    model(torch.randn(8, 4)).sum().backward()
+    assert probe.seen[-4:] == [False] * 4  # the last forward of each micro-batch
+
+
 class FailOnce(nn.Module):
     """Fails in backward on the micro-batch whose first sample is ``target``, once."""
 

@@ -76,12 +76,19 @@ def fork(value: Any) -> tuple[Any, Tensor | None]:
 
 
 def join(value: Any, phony: Tensor | None) -> Any:
-    """Return ``value`` with ``phony`` joined into its first float tensor leaf."""
+    """Return ``value`` with ``phony`` joined into its first float tensor leaf.
+
+    Not when that leaf wants no gradient: the join would make it want one, where the
+    plain model's input does not (a layer that reads ``requires_grad`` would see the
+    difference, and the backward would run through layers whose input needs none). No
+    gradient then leaves the cell through its input, and its parameters' gradients
+    add up the same in any order: there is nothing to order.
+    """
     if phony is None:
         return value
     leaves, spec = flatten(value)
     index = _anchor(leaves)
-    if index is None:
+    if index is None or not leaves[index].requires_grad:
         return value
     leaves[index] = _Join.apply(leaves[index], phony)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return unflatten(leaves, spec)
