@@ -313,3 +313,24 @@ def test_inplace_first_layer_on_an_input_that_needs_grad(checkpoint: str, backwa
     plain(leaf * 1).sum().backward()
     torch.testing.assert_close(expected, leaf.grad)
     _assert_same_grads(model, plain, exact=False)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_inplace_first_layer_on_an_input_that_needs_no_grad(
+    checkpoint: str, training: bool, backward_by: str
+) -> None:
+    # The micro-batches are views of one input sharing its version counter: an in-place
+    # first layer on one of them must not fail what another saved (a Linear's input),
+    # in training or in eval mode (no checkpointing there) with grad on.
+    plain = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Linear(4, 4)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2, checkpoint=checkpoint)
+    model.train(training)
+    plain.train(training)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    out = model(x.clone())
+    out.sum().backward()
+    expected = plain(x.clone())
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    _assert_same_grads(model, plain, exact=False)

@@ -77,12 +77,12 @@ def wanted(cell: StageCell, grads: list[Tensor | None]) -> list[Tensor | None]:
 
 def stage_leaf(x: Tensor, first: bool) -> Tensor:
     """The stage's own leaf for input ``x``, carrying a gradient if ``x`` wants one."""
-    if not x.requires_grad:
-        return x.detach()
-    # The first stage's inputs may be views of the caller's batch; a copy keeps a layer
-    # that works in place from touching the caller's tensor.
-    y = x.detach().clone() if first else x.detach()
-    return y.requires_grad_(True)
+    # The first stage's inputs are views of the caller's batch, which share its version
+    # counter: a layer that works in place on one micro-batch (ReLU(inplace=True)) would
+    # fail autograd's checks on what another saved, and touch the caller's tensor. A
+    # copy each keeps them apart, as the whole batch in one piece is in the plain model.
+    y = x.detach().clone() if first and x._is_view() else x.detach()
+    return y.requires_grad_(True) if x.requires_grad else y
 
 
 def wanting(value: Any, wants: bool) -> Any:
@@ -193,11 +193,11 @@ def connected_forward(
         )
         return result  # type: ignore[no-any-return]
     if s == 0 and grad:
-        # Micro-batches are views of one input: when it needs grad, a layer that
-        # works in place (ReLU(inplace=True)) on two of them would break autograd's
-        # version checks, which the whole batch in one piece does not. Checkpointed
-        # cells copy their input anyway.
-        packed = map_tensors(lambda x: x.clone() if x.requires_grad and x._is_view() else x, packed)
+        # Micro-batches are views of one input, sharing its version counter: a layer
+        # that works in place (ReLU(inplace=True)) on two of them would break autograd's
+        # checks on what each saved, which the whole batch in one piece does not.
+        # Checkpointed cells copy their input anyway.
+        packed = map_tensors(lambda x: x.clone() if x._is_view() else x, packed)
     packed = join(packed, phony)
     span = None
     if run.trace is not None and grad:
