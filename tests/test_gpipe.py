@@ -5,11 +5,12 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
 
-from torchgpipe import BalanceError, GPipe, Schedule1F1B
+from torchgpipe import BalanceError, GPipe, Schedule1F1B, ScheduleGPipe
 
 
 def _mlp(n: int = 4) -> nn.Sequential:
@@ -216,10 +217,39 @@ def test_cuda_device_without_cuda_rejected() -> None:
         GPipe(_mlp(), [2, 2], devices=["cuda:0", "cuda:1"])
 
 
-@pytest.mark.parametrize("chunks", [2.0, "2", True])
+@pytest.mark.parametrize("chunks", [2.5, "2", True])
 def test_chunks_that_are_not_integers_rejected(chunks: object) -> None:
     with pytest.raises(TypeError, match="chunks must be an int"):
         GPipe(_mlp(), [4], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_arguments_taken_as_torchgpipe_0_0_7_took_them() -> None:
+    class Named:
+        def __init__(self, value: str) -> None:
+            self.value = value
+
+        def __str__(self) -> str:
+            return self.value
+
+    model = GPipe(
+        nn.Sequential(nn.Linear(1, 1)),
+        balance=(1,),
+        devices=("cpu",),
+        chunks=42.000,  # type: ignore[arg-type]
+        checkpoint=Named("always"),  # type: ignore[arg-type]
+        deferred_batch_norm=np.bool_(True),  # type: ignore[arg-type]
+    )
+    assert model.balance == [1]
+    assert model.devices == [torch.device("cpu")]
+    assert model.chunks == 42
+    assert type(model.chunks) is int
+    assert model.checkpoint == "always"
+    assert type(model.checkpoint) is str
+    assert model.deferred_batch_norm is True
+    assert GPipe(_mlp(), [4], checkpoint=np.str_("never")).checkpoint.__class__ is str
+    assert GPipe(_mlp(), [4], deferred_batch_norm=0).deferred_batch_norm is False  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="deferred_batch_norm must be a bool, got 2"):
+        GPipe(_mlp(), [4], deferred_batch_norm=2)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("chunks", [0, -2])
@@ -422,3 +452,17 @@ def test_step_errors_about_the_target_name_it() -> None:
         schedule.step(x, ["a"] * 6)
     with pytest.raises(ValueError, match=r"of the target .*target\['w'\] has 5"):
         schedule.step(x, {"y": torch.zeros(6), "w": torch.zeros(5)})
+
+
+def test_an_empty_model_passes_its_input_through() -> None:
+    # As nn.Sequential() does, and as torchgpipe 0.0.7's GPipe(nn.Sequential(), []) did.
+    model = GPipe(nn.Sequential(), [])
+    x = torch.tensor(42)
+    assert model(x) is x
+    assert model((x,)) == (x,)
+    assert len(model) == 0
+    assert len(model.partitions) == 0
+    with pytest.raises(ValueError, match="this GPipe is empty"):
+        ScheduleGPipe(model, nn.functional.mse_loss).step(torch.ones(2, 1), torch.ones(2, 1))
+    with pytest.raises(BalanceError, match="balance is empty"):
+        GPipe(nn.Sequential(nn.Linear(1, 1)), [])

@@ -147,9 +147,7 @@ class GPipe(nn.Module, StageHolder):
         self.devices = check_devices(devices, len(self.balance))
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
-        self.deferred_batch_norm = deferred_batch_norm
+        self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
 
         clashes = [
             name
@@ -241,6 +239,8 @@ class GPipe(nn.Module, StageHolder):
             BaseException: whatever a layer raised, with a note naming the partition
                 and the micro-batch.
         """
+        if not self._partitions:  # an empty model, as the empty nn.Sequential does
+            return input
         batches = scatter(input, self.chunks)
         m = len(batches)
         self.expect_micro_batches(m)
@@ -256,6 +256,8 @@ class GPipe(nn.Module, StageHolder):
     def schedule_ranks(self, virtual_stages: int, schedule: str) -> int:
         """Ranks of a table with ``virtual_stages`` partitions each: a divisor of them."""
         n = len(self.balance)
+        if n == 0:
+            raise ValueError(f"{schedule}: this GPipe is empty (no layers): nothing to step")
         v = virtual_stages
         if isinstance(v, bool) or not isinstance(v, int) or v < 1 or n % v:
             raise ValueError(
@@ -398,6 +400,8 @@ def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
             f"balance must be a sequence of ints, got {balance!r}; pass the number of "
             f"layers of each partition, such as [2, 2]"
         ) from None
+    if not values and num_layers == 0:
+        return []  # an empty model: GPipe passes its input through, as nn.Sequential()
     if not values:
         raise BalanceError(f"balance is empty; give at least one partition, {_AUTO_BALANCE_HINT}")
     bad = [f"balance[{j}] = {b}" for j, b in enumerate(values) if b <= 0]
@@ -420,12 +424,19 @@ def checkpoint_stop(mode: Checkpoint, m: int) -> int:
 
 
 def check_chunks(chunks: int) -> int:
+    """``chunks`` as an int: an int, a NumPy integer, or a whole float (``42.0``).
+
+    Whole floats are taken as torchgpipe 0.0.7 took them; any other value is refused.
+    """
+    given: object = chunks
+    if isinstance(given, float) and given.is_integer():  # NumPy's floats included
+        chunks = int(given)
     try:
         if isinstance(chunks, bool):
             raise TypeError
         chunks = operator.index(chunks)  # an int, or a NumPy integer
     except TypeError:
-        raise TypeError(f"chunks must be an int, got {chunks!r}") from None
+        raise TypeError(f"chunks must be an int, got {given!r}") from None
     if chunks <= 0:
         raise ValueError(
             f"chunks must be a positive number of micro-batches, got {chunks}; pass "
@@ -435,9 +446,25 @@ def check_chunks(chunks: int) -> int:
 
 
 def check_checkpoint(checkpoint: str) -> Checkpoint:
-    if checkpoint not in _CHECKPOINT_MODES:
+    """``str(checkpoint)``, if it names a mode (as torchgpipe 0.0.7 read it)."""
+    mode = str(checkpoint)
+    if mode not in _CHECKPOINT_MODES:
         raise ValueError(
             f"unknown checkpoint mode {checkpoint!r}; use one of "
             f"{', '.join(map(repr, _CHECKPOINT_MODES))}"
         )
-    return checkpoint  # type: ignore[return-value]
+    return mode  # type: ignore[return-value]
+
+
+def check_flag(value: bool, name: str) -> bool:
+    """``value`` as a bool: a bool, a NumPy bool, or the int 0 or 1 (as 0.0.7 took them)."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if isinstance(value, bool) or numpy_bool:
+        return bool(value)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(number)
