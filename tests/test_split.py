@@ -720,3 +720,28 @@ def test_processes_step_a_split_model_with_keyword_inputs_and_dict_outputs(check
     loss.backward()
     torch.testing.assert_close(results[0][0], loss.detach(), rtol=1e-5, atol=1e-6)
     _assert_close({**results[0][1], **results[1][1]}, _grads(plain))
+
+
+@pytest.mark.parametrize("how", ["at", "stages"])
+def test_split_leaves_the_process_wide_generator_to_other_threads(how: str) -> None:
+    # The example run and the balancing draw from generators of their own: the default
+    # one is neither advanced nor put back (fork_rng would rewind it under a thread that
+    # draws meanwhile, which would then get numbers it already had).
+    class Drawn(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x) + torch.randn_like(x))
+
+    model, x = Drawn(), torch.randn(3, 4)
+    # The draw runs between a and b: hooks there see whether it moved the default one.
+    states: list[Tensor] = []
+    unchanged: list[bool] = []
+    model.a.register_forward_pre_hook(lambda *_: states.append(torch.random.get_rng_state()))
+    model.b.register_forward_pre_hook(
+        lambda *_: unchanged.append(torch.equal(states[-1], torch.random.get_rng_state()))
+    )
+    if how == "at":
+        split(model, x, at=["b"])
+    else:
+        split(model, x, stages=2)
+    assert unchanged
+    assert all(unchanged)

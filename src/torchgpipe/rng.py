@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchgpipe.random_functions import HANDLERS, NAMES, native_dropout
 
-__all__ = ["CellRandomness", "cell_seed", "draw_seed", "random_functions"]
+__all__ = ["CellRandomness", "cell_seed", "draw_seed", "own_generators", "random_functions"]
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -67,6 +67,17 @@ def cell_seed(seed: int, i: int, j: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1  # 63 bits
+
+
+def own_generators(seed: int = 0) -> TorchFunctionMode:
+    """A scope whose random functions draw from generators of its own, seeded ``seed``.
+
+    For the library's own runs of a user's layers outside a pipeline (``split``'s
+    example run, balancing by time): the process-wide generators are neither advanced
+    nor put back, so a thread drawing meanwhile gets fresh numbers, as it would
+    without the library (``torch.random.fork_rng`` would hand it some twice).
+    """
+    return _CellGenerators(seed)
 
 
 def random_functions() -> list[str]:

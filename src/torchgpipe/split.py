@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
+from torchgpipe.rng import own_generators
 from torchgpipe.skip.skippable import Namespace, Skippable
 from torchgpipe.split_capture import (
     ExampleRun,
@@ -177,7 +178,7 @@ def _split(
     from torchgpipe import balance as balancing
 
     solve = balancing.balance_by_time if by == "time" else balancing.balance_by_size
-    with torch.random.fork_rng(devices=[]):  # timing draws no number the user will miss
+    with own_generators():  # timing draws no number from the process-wide generators
         counts = solve(stages, units, example_input)
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
     return _build(module, graph, [starts[end - 1] for end in ends], kind, names, kinds)

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from torchgpipe.random_functions import HANDLERS
+from torchgpipe.rng import own_generators
 from torchgpipe.split_stage import InputKind, SplitError
 
 Kind = tuple[str, torch.device]
@@ -440,8 +441,8 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
     """Run the example through the graph, in eval mode, without grad: what its values are.
 
     The run changes nothing: batch norm's statistics are left alone (eval), the random
-    numbers drawn are given back (``fork_rng``), and the constants it changes in place
-    are put back (``split`` keeps the module's buffers).
+    numbers come from generators of the run's own (``own_generators``), and the
+    constants it changes in place are put back (``split`` keeps the module's buffers).
     """
     modes = {m: m.training for m in module.modules()}
     if kind == "one":
@@ -465,10 +466,9 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
                 kinds[n] = ("device", value)
             return value
 
-    devices = sorted({x.device.index or 0 for x in module.parameters() if x.is_cuda})
     try:
         module.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), own_generators():
             Record(fx.GraphModule(module, graph)).run(*args)
     finally:
         for m, training in modes.items():
