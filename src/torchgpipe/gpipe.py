@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, check_devices
 from torchgpipe.devices import as_device as as_device  # for distributed/stage.py
 from torchgpipe.materialize import (
@@ -200,6 +201,27 @@ class GPipe(nn.Module, StageHolder):
         self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
         self._tracer: Trace | None = None  # set by trace()
         self.workers = Workers(n)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients by their total norm, a tied weight counted once (``clip.py``).
+
+        Use it rather than ``clip_grad_norm_(model.parameters(), ...)``, which would count
+        a tied weight once per partition that holds a copy. Every copy is scaled alike.
+
+        Returns:
+            The total norm before clipping (a 0-dim float32 tensor on the CPU).
+        """
+        ties = self._ties
+        counted = counted_once(self.parameters(), ties.groups, ties.ranks)
+        return clip_grad_norm(
+            counted,
+            list(self.parameters()),
+            max_norm,
+            norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+        )
 
     @property
     def partitions(self) -> nn.ModuleList:

@@ -1,0 +1,118 @@
+"""Clipping a pipeline's gradients by their total norm, each weight counted once.
+
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does not fit a pipeline
+that ties weights or spans processes: a tied weight has a copy in every partition that
+uses it, each holding the same summed gradient, so the norm would count it once per
+copy; and across processes each rank sees its own parameters only, so each would clip
+by another norm, and the copies of a tied weight would drift apart.
+``GPipe.clip_grad_norm_`` and ``PipelineStage.clip_grad_norm_`` count each weight once
+(its owner's copy), add up the processes' parts in rank order (every rank gets the same
+total), and scale every copy alike::
+
+    loss_fn(model(x), y).backward()
+    model.clip_grad_norm_(1.0)          # not clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+The parts are summed in float64, so the total can differ from torch's float32 one in
+the last bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["clip_grad_norm", "counted_once", "norm_part"]
+
+
+def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, float]:
+    """``max_norm`` and ``norm_type`` as floats, refused when they mean nothing.
+
+    Raises:
+        TypeError: either is not a real number.
+        ValueError: ``max_norm`` is negative or not finite, ``norm_type`` not positive.
+    """
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (2.0, or math.inf), got {norm_type!r}")
+    return float(max_norm), float(norm_type)
+
+
+def counted_once(
+    parameters: Iterable[Tensor],
+    groups: Sequence[Sequence[Tensor]],
+    ranks: Sequence[tuple[int, ...] | None],
+    rank: int = 0,
+) -> list[Tensor]:
+    """The ``parameters`` whose gradients count in the norm: each weight once.
+
+    ``groups``: the tied weights' copies in this process, owner first; ``ranks``: per
+    group, the processes that hold it (the first counts it), or None for this one only.
+    """
+    skip: set[int] = set()
+    for group, held in zip(groups, ranks, strict=True):
+        skip.update(id(copy) for copy in group[1:])
+        if held is not None and held[0] != rank:
+            skip.add(id(group[0]))
+    return [p for p in parameters if id(p) not in skip]
+
+
+def norm_part(grads: Iterable[Tensor], norm_type: float) -> Tensor:
+    """This holder's part of the total norm: the sum of ``|g| ** p``, or the max ``|g|``.
+
+    A 0-dim float64 tensor on the CPU; 0 for no gradients.
+    """
+    part = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64).cpu()
+        part = torch.maximum(part, norm) if math.isinf(norm_type) else part + norm**norm_type
+    return part
+
+
+def clip_grad_norm(
+    counted: Sequence[Tensor],
+    every: Sequence[Tensor],
+    max_norm: float,
+    norm_type: float,
+    *,
+    error_if_nonfinite: bool,
+    gather: Callable[[Tensor], list[Tensor]] | None = None,
+) -> Tensor:
+    """Scale the gradients of ``every`` parameter so that their total norm is ``max_norm``.
+
+    ``counted`` holds each weight once (the norm is theirs); ``every`` also the copies,
+    which are scaled alike. ``gather(part)``: every process's part, in rank order (None
+    in one process). Returns the total norm before clipping, a 0-dim float32 tensor on
+    the CPU.
+
+    Raises:
+        RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
+    """
+    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
+    grads = [p.grad for p in counted if p.grad is not None]
+    parts = [norm_part(grads, norm_type)]
+    if gather is not None:
+        parts = gather(parts[0])
+    if math.isinf(norm_type):
+        total = torch.stack(parts).max()
+    else:
+        total = torch.stack(parts).sum() ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is {total.item()}, so they "
+            f"cannot be clipped; pass error_if_nonfinite=False to scale them anyway"
+        )
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        with torch.no_grad():
+            for p in every:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+    return total.float()

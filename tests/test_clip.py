@@ -1,0 +1,110 @@
+"""Clipping by the total norm: each weight once, tied copies and processes alike."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from torchgpipe import GPipe
+
+VOCAB, WIDTH = 11, 6
+
+
+class Mean(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1)
+
+
+def _language_model() -> nn.Sequential:
+    """Embedding, a body, and an output head tied to the embedding."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, WIDTH)
+    head = nn.Linear(WIDTH, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, Mean(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), head)
+
+
+def _data(seed: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (8, 5), generator=generator)
+    return ids, torch.randint(0, VOCAB, (8,), generator=generator)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_a_tied_weight_counts_once_and_training_follows_the_plain_model(
+    norm_type: float,
+) -> None:
+    plain = _language_model()
+    model = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
+    assert len(list(model.parameters())) == len(list(plain.parameters())) + 1  # a copy
+    ours = torch.optim.SGD(model.parameters(), lr=0.5)
+    theirs = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for k in range(20):
+        ids, target = _data(k)
+        ours.zero_grad()
+        theirs.zero_grad()
+        F.cross_entropy(model(ids), target).backward()
+        F.cross_entropy(plain(ids), target).backward()
+        total = model.clip_grad_norm_(0.05, norm_type)
+        expected = nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type)
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-7)
+        assert total > 0.05  # clipping is at work
+        ours.step()
+        theirs.step()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert torch.equal(model[0].weight, model[4].weight.to(model[0].weight.device))
+
+
+def test_without_ties_it_is_torchs_clip() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2)
+    x = torch.randn(6, 4)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    total = model.clip_grad_norm_(0.1)
+    torch.testing.assert_close(total, nn.utils.clip_grad_norm_(plain.parameters(), 0.1))
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_gradients_under_the_limit_are_left_alone() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), [1, 1], chunks=2)
+    model(torch.randn(4, 4)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    total = model.clip_grad_norm_(1e6)
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert total < 1e6
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_non_finite_norm_raises_when_asked() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(2, 2)), [1])
+    model[0].weight.grad = torch.full((2, 2), math.inf)
+    with pytest.raises(RuntimeError, match="error_if_nonfinite=False"):
+        model.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    assert model.clip_grad_norm_(1.0) == math.inf
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "error", "match"),
+    [
+        ("1", 2.0, TypeError, "max_norm must be a number"),
+        (-1.0, 2.0, ValueError, "max_norm must be a finite number >= 0"),
+        (math.nan, 2.0, ValueError, "max_norm must be a finite number"),
+        (1.0, 0.0, ValueError, "norm_type must be positive"),
+        (1.0, True, TypeError, "norm_type must be a number"),
+    ],
+)
+def test_bad_arguments_are_refused(
+    max_norm: object, norm_type: object, error: type[Exception], match: str
+) -> None:
+    model = GPipe(nn.Sequential(nn.Linear(2, 2)), [1])
+    with pytest.raises(error, match=match):
+        model.clip_grad_norm_(max_norm, norm_type)  # type: ignore[arg-type]
