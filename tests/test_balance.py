@@ -258,12 +258,55 @@ def test_balancing_rejects_bad_arguments() -> None:
         balance_by_time(3, model, x, device="cpu")
     with pytest.raises(ValueError, match="timeout must be positive"):
         balance_by_time(2, model, x, timeout=0, device="cpu")
-    with pytest.raises(ValueError, match="chunks must be a positive int"):
+    with pytest.raises(ValueError, match="chunks must be a positive number of micro-batches"):
         balance_by_size(2, model, x, chunks=0, device="cpu")
     with pytest.raises(ValueError, match="param_scale must be non-negative"):
         balance_by_size(2, model, x, param_scale=-1.0, device="cpu")
     with pytest.raises(TypeError, match=r"balancing takes an nn\.Sequential"):
         balance_by_size(1, nn.Linear(2, 2), x, device="cpu")  # type: ignore[arg-type]
+
+
+def test_balancing_takes_numpy_integers() -> None:
+    # GPipe takes NumPy integers for chunks, and so did torchgpipe 0.0.7's balancing;
+    # ours refused them ("partitions must be a positive int, got np.int64(2)").
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    x = torch.randn(4, 2)
+    balance = balance_by_time(np.int64(2), model, x, timeout=0.01, device="cpu")  # type: ignore[arg-type]
+    assert sum(balance) == 3
+    assert len(balance) == 2
+    balance = balance_by_size(
+        np.int32(3), model, x, chunks=np.int64(2), device="cpu",  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert balance == [1, 1, 1]
+    assert all(type(n) is int for n in balance)
+    assert solve([1.0, 2.0, 3.0], np.int8(2)) == [2, 1]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "2", None])
+def test_balancing_refuses_partitions_that_are_not_integers(bad: object) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=f"partitions must be an int, got {bad!r}"):
+        balance_by_time(bad, model, torch.randn(2, 2), device="cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [True, 2.5, "2", None])
+def test_balancing_refuses_chunks_that_are_not_integers(bad: object) -> None:
+    # chunks is checked as GPipe checks it (GPipe also takes a whole float, as 0.0.7 did).
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=f"chunks must be an int, got {bad!r}"):
+        balance_by_size(2, model, torch.randn(2, 2), chunks=bad, device="cpu")  # type: ignore[arg-type]
+
+
+def test_balancing_refuses_partitions_that_are_not_positive() -> None:
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    x = torch.randn(2, 2)
+    for bad in (0, -1, np.int64(0)):
+        with pytest.raises(ValueError, match=f"partitions must be a positive int, got {bad}"):
+            balance_by_size(bad, model, x, device="cpu")  # type: ignore[arg-type]
 
 
 def test_balance_public_names() -> None:

@@ -206,3 +206,94 @@ def test_lazy_batch_norm_must_be_initialized_first() -> None:
     assert not isinstance(model[1], DeferredBatchNorm)  # nothing was changed
     model(torch.randn(3, 4))  # initialized by a first run, it converts
     GPipe(model, [1, 1], deferred_batch_norm=True)(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_deferred_batch_norm_alone_updates_once_per_chunks_micro_batches(
+    momentum: float | None,
+) -> None:
+    # torchgpipe 0.0.7 usage: the layer on its own, told how many micro-batches make a
+    # mini-batch. It took no chunks and updated after every micro-batch.
+    plain = nn.BatchNorm2d(3, momentum=momentum).double()
+    deferred = DeferredBatchNorm(3, momentum=momentum, chunks=4).double()
+    for step in (1, 2):
+        x = torch.rand(16, 3, 4, 4, dtype=torch.float64) * 10 + step
+        plain(x)
+        pieces = x.chunk(4)
+        for piece in pieces[:3]:
+            deferred(piece)
+        assert int(deferred.num_batches_tracked) == step - 1  # not before the fourth
+        deferred(pieces[3])
+        assert int(deferred.num_batches_tracked) == int(plain.num_batches_tracked) == step
+        torch.testing.assert_close(deferred.running_mean, plain.running_mean)
+        torch.testing.assert_close(deferred.running_var, plain.running_var)
+
+
+def test_deferred_batch_norm_chunks_is_checked() -> None:
+    import numpy as np
+
+    deferred = DeferredBatchNorm(3, chunks=np.int64(2))  # type: ignore[arg-type]
+    assert deferred.chunks == 2
+    assert type(deferred.chunks) is int
+    assert "chunks=2" in repr(deferred)
+    with pytest.raises(ValueError, match="chunks must be a positive number of micro-batches"):
+        DeferredBatchNorm(3, chunks=0)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match=f"chunks must be an int, got {bad!r}"):
+            DeferredBatchNorm(3, chunks=bad)  # type: ignore[arg-type]
+
+
+def test_deferred_batch_norm_refuses_chunks_in_track_running_stats() -> None:
+    # 0.0.7's fifth positional argument was chunks; BatchNorm's is track_running_stats,
+    # where 4 would silently read as True.
+    with pytest.raises(TypeError, match=r"got 4; pass the number of micro-batches by keyword"):
+        DeferredBatchNorm(3, 1e-5, 0.1, True, 4)
+
+
+def test_deferred_batch_norm_classmethod_converts_nested_modules() -> None:
+    inner = DeferredBatchNorm(3, chunks=7)
+    model = nn.Sequential(
+        nn.Conv2d(3, 3, 1), nn.Sequential(nn.BatchNorm2d(3), MyBatchNorm(3)), inner
+    )
+    before = dict(model.state_dict(keep_vars=True))
+    converted = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
+    assert converted is model  # replaced in place, as 0.0.7 did
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(layers) == 3
+    assert all(type(m) is DeferredBatchNorm for m in layers)
+    assert [m.chunks for m in layers] == [4, 4, 4]  # the deferred one already there too
+    assert model[2] is inner
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] for k in before)
+
+
+def test_deferred_batch_norm_classmethod_converts_a_batch_norm_itself() -> None:
+    bn = nn.BatchNorm2d(3).eval()
+    deferred = DeferredBatchNorm.convert_deferred_batch_norm(bn, chunks=2)
+    assert type(deferred) is DeferredBatchNorm
+    assert deferred.chunks == 2
+    assert not deferred.training
+    assert deferred.weight is bn.weight
+    assert deferred.running_mean is bn.running_mean
+    assert DeferredBatchNorm.convert_deferred_batch_norm(deferred) is deferred
+
+
+def test_deferred_batch_norm_classmethod_checks_chunks_before_converting() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    with pytest.raises(ValueError, match="chunks must be a positive number"):
+        DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=0)
+    assert type(model[0]) is nn.BatchNorm1d  # nothing was replaced
+
+
+def test_gpipe_sets_the_micro_batches_of_a_deferred_layer() -> None:
+    bn = nn.BatchNorm1d(2).double()
+    reference = copy.deepcopy(bn)
+    deferred = DeferredBatchNorm.convert_deferred_batch_norm(bn, chunks=5)
+    model = GPipe(nn.Sequential(deferred), [1], chunks=3, deferred_batch_norm=True)
+    x = torch.randn(6, 2, dtype=torch.float64)
+    model(x)
+    reference(x)
+    assert deferred.chunks == 3
+    assert int(deferred.num_batches_tracked) == 1
+    torch.testing.assert_close(deferred.running_mean, reference.running_mean)

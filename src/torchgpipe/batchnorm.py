@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -30,22 +31,50 @@ from torchgpipe.checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "freeze_running_stats"]
 
+TModule = TypeVar("TModule", bound=nn.Module)
+
 
 class DeferredBatchNorm(_BatchNorm):
     """Batch norm that updates its running statistics once per mini-batch.
 
-    GPipe calls :meth:`expect` before each forward with the number of micro-batches;
-    the running statistics are updated when that many have been seen in training mode.
-    Evaluation uses the running statistics, as ``BatchNorm`` does.
+    A mini-batch is ``chunks`` micro-batches in a row, in training mode: the running
+    statistics are updated after the last of them, as plain ``BatchNorm`` would update
+    them seeing the mini-batch at once. GPipe sets the number itself, calling
+    :meth:`expect` before each mini-batch. Evaluation uses the running statistics, as
+    ``BatchNorm`` does. Example, on its own::
+
+        bn = DeferredBatchNorm(64, chunks=4)
+        for micro_batch in batch.chunk(4):
+            bn(micro_batch)  # the running statistics change after the fourth
+
+    Args:
+        *args: ``BatchNorm``'s positional arguments (``num_features``, ``eps``, ...).
+        chunks: the micro-batches of a mini-batch, until :meth:`expect` says otherwise.
+        **kwargs: ``BatchNorm``'s keyword arguments.
+
+    Raises:
+        TypeError: ``chunks`` is not an int, or ``track_running_stats`` not a bool.
+        ValueError: ``chunks`` is not positive.
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # BatchNorm's own arguments
-        self._expected = 1
+    chunks: int
+    """The micro-batches of a mini-batch: the running statistics change after so many."""
+
+    def __init__(self, *args: Any, chunks: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.track_running_stats, bool):
+            # torchgpipe 0.0.7 took chunks as the fifth positional argument, where
+            # BatchNorm has track_running_stats: an int there is most likely chunks.
+            raise TypeError(
+                f"track_running_stats must be a bool, got {self.track_running_stats!r}; "
+                f"pass the number of micro-batches by keyword: "
+                f"DeferredBatchNorm({self.num_features}, chunks=...)"
+            )
         self._seen = 0
         self._count: Tensor | None = None  # samples per channel merged so far
         self._mean: Tensor | None = None
         self._m2: Tensor | None = None  # sum of squared deviations from the mean
+        self.expect(chunks)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -54,9 +83,14 @@ class DeferredBatchNorm(_BatchNorm):
                 f"channels, ...), got {input.dim()}"
             )
 
-    def expect(self, micro_batches: int) -> None:
-        """Start a mini-batch of ``micro_batches`` pieces (drops any partial one)."""
-        self._expected = micro_batches
+    def expect(self, chunks: int) -> None:
+        """Start a mini-batch of ``chunks`` micro-batches, dropping any partial one.
+
+        Raises:
+            TypeError: ``chunks`` is not an int.
+            ValueError: ``chunks`` is not positive.
+        """
+        self.chunks = _check_chunks(chunks)
         self._seen = 0
         self._count = self._mean = self._m2 = None
 
@@ -95,7 +129,7 @@ class DeferredBatchNorm(_BatchNorm):
             self._m2 = self._m2 + m2 + delta.square() * (self._count * count / total)
             self._count = total
         self._seen += 1
-        if self._seen == self._expected:
+        if self._seen == self.chunks:
             self._commit()
 
     def _commit(self) -> None:
@@ -115,7 +149,7 @@ class DeferredBatchNorm(_BatchNorm):
                 factor = self.momentum
             self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)
             self.running_var.lerp_(variance.to(self.running_var.dtype), factor)
-        self.expect(self._expected)
+        self.expect(self.chunks)
 
     @classmethod
     def from_batch_norm(cls, module: _BatchNorm) -> DeferredBatchNorm:
@@ -134,6 +168,54 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.train(module.training)
         return deferred
 
+    @overload
+    @classmethod
+    def convert_deferred_batch_norm(
+        cls, module: _BatchNorm, chunks: int = 1
+    ) -> DeferredBatchNorm: ...
+
+    @overload
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: TModule, chunks: int = 1) -> TModule: ...
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
+        """``module`` with every batch-norm layer deferred over ``chunks`` micro-batches.
+
+        The layers inside ``module`` are replaced in place, as by
+        :func:`convert_deferred_batch_norm`, sharing their parameters and buffers;
+        ``module`` itself is returned, or a deferred copy of it when it is a batch-norm
+        layer (which cannot replace itself in place). Deferred layers already there
+        now expect ``chunks`` micro-batches too. Example::
+
+            model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
+
+        Raises:
+            TypeError: ``chunks`` is not an int.
+            ValueError: ``chunks`` is not positive, or a lazy batch-norm layer has not
+                been initialized yet.
+        """
+        chunks = _check_chunks(chunks)  # before anything is replaced
+        layers = convert_deferred_batch_norm(module)
+        if isinstance(module, _BatchNorm) and not isinstance(module, DeferredBatchNorm):
+            module = cls.from_batch_norm(module)
+            layers.append(module)
+        for layer in layers:
+            layer.expect(chunks)
+        return module
+
+    def extra_repr(self) -> str:
+        """BatchNorm's description, and the micro-batches of a mini-batch."""
+        base = super().extra_repr()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return f"{base}, chunks={self.chunks}"
+
+
+def _check_chunks(chunks: int) -> int:
+    # Imported here, as GPipe's own check: gpipe.py imports this module.
+    from torchgpipe.gpipe import check_chunks
+
+    return check_chunks(chunks)
+
 
 def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
     """Replace, in place, every batch-norm layer inside ``module`` with a deferred one.
@@ -145,7 +227,7 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
         ValueError: a lazy batch-norm layer has not been initialized yet.
     """
     lazy = [
-        name
+        name or "(the module itself)"
         for name, m in module.named_modules()
         if isinstance(m, _BatchNorm)
         and isinstance(m, LazyModuleMixin)
@@ -154,7 +236,8 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
     if lazy:
         raise ValueError(
             f"batch-norm layers {lazy} are lazy and not initialized yet; run the model once "
-            f"on a sample batch before wrapping it with deferred_batch_norm=True"
+            f"on a sample batch before converting them to DeferredBatchNorm (as GPipe's "
+            f"deferred_batch_norm=True does)"
         )
     converted: list[DeferredBatchNorm] = []
     for parent in list(module.modules()):

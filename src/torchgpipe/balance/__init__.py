@@ -21,6 +21,7 @@ from torch import nn
 
 from torchgpipe.balance.blockpartition import check_partitions, solve
 from torchgpipe.balance.profile import layerwise_size, layerwise_time
+from torchgpipe.gpipe import check_chunks
 from torchgpipe.skip.layout import verify_skippables
 
 __all__ = ["balance_by_size", "balance_by_time"]
@@ -56,10 +57,12 @@ def balance_by_time(
         The number of layers of each partition, positive and summing to ``len(module)``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or its skips do not match.
-        ValueError: fewer layers than partitions, or a non-positive ``timeout``.
+        TypeError: ``partitions`` is not an integer, ``module`` is not an
+            ``nn.Sequential``, or its skips do not match.
+        ValueError: ``partitions`` not positive or more than the layers, or a
+            non-positive ``timeout``.
     """
-    _check(partitions, module)
+    partitions = _check(partitions, module)
     if not timeout > 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     times = layerwise_time(module, sample, timeout=timeout, device=_device(device))
@@ -96,13 +99,13 @@ def balance_by_size(
         The number of layers of each partition, positive and summing to ``len(module)``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or its skips do not match.
-        ValueError: fewer layers than partitions, ``chunks`` not positive, or a
-            negative ``param_scale``.
+        TypeError: ``partitions`` or ``chunks`` is not an integer, ``module`` is not
+            an ``nn.Sequential``, or its skips do not match.
+        ValueError: ``partitions`` not positive or more than the layers, ``chunks``
+            not positive, or a negative ``param_scale``.
     """
-    _check(partitions, module)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    partitions = _check(partitions, module)
+    chunks = check_chunks(chunks)  # as GPipe checks it
     if not param_scale >= 0:
         raise ValueError(f"param_scale must be non-negative, got {param_scale!r}")
     sizes = layerwise_size(
@@ -111,11 +114,12 @@ def balance_by_size(
     return solve(sizes, partitions)
 
 
-def _check(partitions: int, module: nn.Sequential) -> None:
+def _check(partitions: int, module: nn.Sequential) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"balancing takes an nn.Sequential, got {type(module).__name__}")
-    check_partitions(len(module), partitions)  # before profiling, which takes a while
+    partitions = check_partitions(len(module), partitions)  # before the slow profiling
     verify_skippables(module)
+    return partitions
 
 
 def _device(device: Device | None) -> torch.device:

@@ -21,6 +21,7 @@ optimal for the costs given.
 from __future__ import annotations
 
 import math
+import operator
 import random
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -30,19 +31,32 @@ from itertools import accumulate, pairwise
 __all__ = ["check_partitions", "solve"]
 
 
-def check_partitions(num_layers: int, partitions: int) -> None:
+def check_partitions(num_layers: int, partitions: int) -> int:
     """Refuse a number of partitions that ``num_layers`` layers cannot fill.
 
+    Returns ``partitions`` as a Python int (it may be any integer, a NumPy one say).
+
     Raises:
-        ValueError: ``partitions`` is not a positive int, or exceeds ``num_layers``.
+        TypeError: ``partitions`` is not an integer (a bool or a float, say).
+        ValueError: ``partitions`` is not positive, or exceeds ``num_layers``.
     """
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions <= 0:
-        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+    try:
+        if isinstance(partitions, bool):
+            raise TypeError
+        partitions = operator.index(partitions)  # an int, or a NumPy integer
+    except TypeError:
+        raise TypeError(f"partitions must be an int, got {partitions!r}") from None
+    if partitions <= 0:
+        raise ValueError(
+            f"partitions must be a positive int, got {partitions}; pass 1 to keep all "
+            f"layers in one partition"
+        )
     if num_layers < partitions:
         raise ValueError(
             f"cannot split {num_layers} layers into {partitions} partitions: every "
             f"partition needs at least one layer; use at most {num_layers} partitions"
         )
+    return partitions
 
 
 def solve(costs: Sequence[float], partitions: int) -> list[int]:
@@ -51,10 +65,11 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
     Returns the number of items in each group: positive ints summing to ``len(costs)``.
 
     Raises:
+        TypeError: ``partitions`` is not an integer.
         ValueError: ``partitions`` is not positive, there are fewer costs than
             partitions, or a cost is negative or not finite.
     """
-    check_partitions(len(costs), partitions)
+    partitions = check_partitions(len(costs), partitions)
     try:
         values = [float(c) for c in costs]  # numpy scalars and 0-dim tensors included
     except (TypeError, ValueError) as error:
