@@ -49,10 +49,13 @@ def test_a_meta_model_loads_the_plain_models_state_dict_and_computes_the_same() 
     assert model.state_dict().keys() == plain.state_dict().keys()
 
 
-def test_a_meta_model_is_reset_by_its_modules_own_reset_parameters() -> None:
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_meta_model_is_reset_by_its_modules_own_reset_parameters(deferred: bool) -> None:
+    # BatchNorm's running statistics are buffers its reset fills: torch's own class (and
+    # DeferredBatchNorm, this library's), so known to.
     with torch.device("meta"):
         layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-    model = GPipe(layers, [2, 2], chunks=2)
+    model = GPipe(layers, [2, 2], chunks=2, deferred_batch_norm=deferred)
     assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
     bound = 1 / 4**0.5  # a Linear's reset draws its weight within 1 / sqrt(fan_in)
     assert 0 < model[0].weight.abs().max() <= bound
@@ -89,7 +92,9 @@ def test_init_fills_each_layer() -> None:
 def test_what_cannot_be_filled_is_refused_by_name() -> None:
     with torch.device("meta"):
         layers = nn.Sequential(nn.Linear(4, 4), Positions())
-    with pytest.raises(ValueError, match=r"1\.table \(Positions\) cannot be made on its device"):
+    with pytest.raises(
+        ValueError, match=r"nothing is known to fill 1\.table \(Positions: it has no"
+    ):
         GPipe(layers, [1, 1])
     assert on_meta(layers[0])  # a refusal leaves the model as it was
     # A persistent buffer comes from the state dict; one outside it cannot.
@@ -340,3 +345,169 @@ def test_legacy_norm_hooks_need_init_or_a_state_dict(norm: Callable[..., Any], h
     model = GPipe(layers, [1, 1], state_dict=plain.state_dict()).eval()
     x = torch.randn(3, 4)
     torch.testing.assert_close(model(x), plain(x))
+
+
+# What nothing is known to fill is refused up front: torch.empty would leave it garbage.
+
+
+class _MaskedLinear(nn.Linear):
+    """A subclass that adds a buffer, which the Linear reset it inherits leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.register_buffer("mask", torch.ones(4, 4).tril())
+
+
+class _Rotary(nn.Module):
+    """A reset of its own, for its Linear and (``fills``) its buffer out of state dicts."""
+
+    def __init__(self, fills: bool = False) -> None:
+        super().__init__()
+        self.fills = fills
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("frequencies", torch.arange(1.0, 5.0), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.linear.reset_parameters()
+        if self.fills:
+            self.frequencies.copy_(torch.arange(1.0, 5.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.frequencies
+
+
+def test_a_buffer_of_a_users_class_is_refused_for_torchs_reset_alone() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(_MaskedLinear(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="nothing is known to fill") as refused:
+        GPipe(layers, [1, 1])
+    message = str(refused.value)
+    assert "0.mask (_MaskedLinear: a buffer of a class not torch's" in message
+    assert "pass init=" in message
+    assert "0.weight" not in message  # the reset fills that
+    assert on_meta(layers[0])  # a refusal leaves the model as it was
+
+
+def test_a_users_own_reset_is_trusted_with_its_buffers_and_checked() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), _Rotary(fills=True))
+    model = GPipe(layers, [1, 1])
+    torch.testing.assert_close(model[1].frequencies, torch.arange(1.0, 5.0))
+    # A reset that leaves its buffer as allocated is caught once it has run.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), _Rotary())
+    with pytest.raises(ValueError, match=r"reset_parameters\(\) left 1\.frequencies as allocated"):
+        GPipe(layers, [1, 1])
+    # A state dict never holds the buffer (persistent=False): the check still applies.
+    plain = nn.Sequential(nn.Linear(4, 4), _Rotary())
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), _Rotary())
+    with pytest.raises(ValueError, match=r"left 1\.frequencies as allocated"):
+        GPipe(layers, [1, 1], state_dict=plain.state_dict())
+
+
+def test_what_a_reset_cannot_fill_comes_from_init_a_state_dict_or_a_real_layer() -> None:
+    with torch.device("meta"):
+        masked = nn.Sequential(_MaskedLinear(), nn.Tanh())
+    model = GPipe(masked, [1, 1], state_dict=nn.Sequential(_MaskedLinear()).state_dict())
+    torch.testing.assert_close(model[0].mask, torch.ones(4, 4).tril())
+    with torch.device("meta"):
+        layers = nn.Sequential(_MaskedLinear(), _Rotary())
+    model = GPipe(layers, [1, 1], init=lambda layer: [t.fill_(2.0) for t in layer.buffers()])
+    torch.testing.assert_close(model[1].frequencies, torch.full((4,), 2.0))
+    # A layer built with values is kept as it is, its neighbours made from meta.
+    with torch.device("meta"):
+        first = nn.Linear(4, 4)
+    model = GPipe(nn.Sequential(first, _Rotary()), [1, 1])
+    torch.testing.assert_close(model[1].frequencies, torch.arange(1.0, 5.0))
+
+
+# A tied parameter: every holder ends with its first holder's values; a state dict may
+# hold any of its names, the last present winning, as in load_state_dict (loaded_value).
+
+
+class _Table(nn.Module):
+    """A layer that holds a weight and has no reset_parameters()."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1) @ self.weight.t()
+
+
+def _head_tied(head_resets: bool = False) -> nn.Sequential:
+    """An embedding, a body, and a head tied to the embedding (with a reset, or none)."""
+    embedding = nn.Embedding(11, 6)
+    head: nn.Module = nn.Linear(6, 11, bias=False) if head_resets else _Table(embedding.weight)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Tanh(), nn.Linear(6, 6), head)
+
+
+@pytest.mark.parametrize("balance", [[2, 2], [4]])
+def test_a_head_tied_to_an_earlier_layer_needs_no_reset_of_its_own(balance: list[int]) -> None:
+    with torch.device("meta"):
+        layers = _head_tied()
+    model = GPipe(layers, balance)
+    torch.testing.assert_close(model[3].weight, model[0].weight, rtol=0, atol=0)
+    assert model[0].weight.abs().max() > 0  # Embedding's reset: drawn from N(0, 1)
+
+
+def test_the_first_holder_of_a_tied_parameter_must_be_filled() -> None:
+    # The head's reset would fill it, but every holder ends with the first's values.
+    with torch.device("meta"):
+        table = _Table(nn.Parameter(torch.empty(11, 6)))
+        head = nn.Linear(6, 11, bias=False)
+        head.weight = table.weight
+    with pytest.raises(ValueError, match=r"fill 0\.weight \(_Table: it has no reset") as refused:
+        GPipe(nn.Sequential(table, nn.Tanh(), head), [2, 1])
+    assert "2.weight" not in str(refused.value)
+
+
+KEEPS = ["0.weight", "3.weight", "both, unequal"]
+
+
+def _tied_checkpoint(keep: str) -> tuple[nn.Sequential, dict[str, Tensor]]:
+    """A plain tied model that loaded a checkpoint keeping one name of the tie (or both)."""
+    plain = _head_tied(head_resets=True)
+    state = {key: value.clone() for key, value in plain.state_dict().items()}
+    if keep == "both, unequal":
+        state["3.weight"] = torch.full((11, 6), 7.0)
+    else:
+        del state[{"0.weight": "3.weight", "3.weight": "0.weight"}[keep]]
+    plain.load_state_dict(state, strict=False)  # strict: it would want both names
+    return plain, state
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("balance", [[2, 2], [4]])
+def test_a_tie_fills_from_a_state_dict_as_load_state_dict_does(
+    keep: str, balance: list[int]
+) -> None:
+    plain, state = _tied_checkpoint(keep)
+    loaded = GPipe(_head_tied(head_resets=True), balance)
+    loaded.load_state_dict(state, strict=False)  # [4]: no copies, so strict wants both names
+    with torch.device("meta"):
+        layers = _head_tied(head_resets=True)
+    model = GPipe(layers, balance, state_dict=state)
+    for name in ("0.weight", "3.weight"):
+        torch.testing.assert_close(model.state_dict()[name], plain.state_dict()[name])
+        torch.testing.assert_close(model.state_dict()[name], loaded.state_dict()[name])
+
+
+@pytest.mark.parametrize("keep", [None, *KEEPS])
+def test_every_rank_starts_a_tie_with_its_first_holders_values(keep: str | None) -> None:
+    # The head, with no reset, on rank 1: its values come from rank 0's embedding.
+    plain, state = _tied_checkpoint(keep) if keep else (None, None)
+    with torch.device("meta"):
+        models = [_head_tied() for _ in range(2)]
+
+    def rank(transport: Transport) -> dict[str, Tensor]:
+        stage = PipelineStage(models[transport.rank], [2, 2], transport=transport, state_dict=state)
+        return dict(stage.state_dict())
+
+    merged = {key: value for weights in run_threads(rank, 2) for key, value in weights.items()}
+    torch.testing.assert_close(merged["3.weight"], merged["0.weight"], rtol=0, atol=0)
+    for name, value in {} if plain is None else plain.state_dict().items():
+        torch.testing.assert_close(merged[name], value, msg=name)

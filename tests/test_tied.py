@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
 from torchgpipe.distributed import PipelineStage, RemoteError, Transport
+from torchgpipe.tied import loaded_value, tied_state_dict
 
 VOCAB, WIDTH = 11, 6
 
@@ -126,6 +127,22 @@ def test_loading_one_name_of_a_tied_weight_sets_every_copy() -> None:
     outer.load_state_dict(state)
     assert torch.equal(outer["pipe"][0].weight, state["pipe.4.weight"])
     assert torch.equal(outer["pipe"][4].weight, state["pipe.4.weight"])
+
+
+@pytest.mark.parametrize("drop", [None, "0.weight", "4.weight"])
+def test_tied_state_dict_gives_each_name_what_the_plain_model_loads(drop: str | None) -> None:
+    # One rule for load_state_dict and a meta model's state_dict=: the last name present.
+    plain = _language_model()
+    state = {**plain.state_dict(), "4.weight": torch.full((VOCAB, WIDTH), 7.0)}
+    state.pop(drop or "", None)
+    tied = tied_state_dict(plain, state)
+    assert tied is not None
+    assert tied_state_dict(plain, None) is None
+    plain.load_state_dict(state, strict=False)
+    for name in ("0.weight", "4.weight"):
+        assert tied[name] is loaded_value(state, ["0.weight", "4.weight"])
+        torch.testing.assert_close(tied[name], plain.state_dict()[name], rtol=0, atol=0)
+    assert "0.weight" in state or drop == "0.weight"  # the caller's dict is left as it was
 
 
 def test_assigning_a_state_dict_keeps_one_tensor_per_copy() -> None:

@@ -28,7 +28,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.tied import Ties, check_layers, state_names
+from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
 from torchgpipe.trace import Trace
 from torchgpipe.worker import Workers
 
@@ -168,6 +168,7 @@ class GPipe(nn.Module, StageHolder):
             self.add_module(name, layer)
         partitions = []
         layers = list(module.named_children())
+        state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
         check_materializable(layers, init=init, state_dict=state_dict)  # before any change
         ends = [sum(self.balance[: j + 1]) for j in range(len(self.balance))]
         parts = [

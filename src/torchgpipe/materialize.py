@@ -9,10 +9,26 @@ A model too large for one process is built without memory, then each process (or
     stage = PipelineStage(model, balance, init=my_init)   # or a function of each layer
     stage = PipelineStage(model, balance, state_dict=sd)  # or the plain model's keys
 
-Without ``init`` or ``state_dict``, every module that holds tensors of its own is reset
-by its ``reset_parameters()`` (or ``_reset_parameters()``, as ``nn.MultiheadAttention``
-names it), children before parents, the order in which their constructors ran. A module
-that holds tensors and has neither is refused, by name: its values cannot be made up.
+What fills a tensor, checked for every layer before any is changed (a tensor that
+nothing is known to fill is refused, by name: ``torch.empty`` would leave it garbage):
+
+- ``init`` fills every tensor of a layer; that is the caller's promise.
+- ``state_dict`` fills each tensor saved under a key it holds, and must hold every key
+  of a meta layer (a buffer registered with ``persistent=False`` is never saved, so
+  never filled this way). One name of a tied parameter is enough: the meta path reads
+  the state dict as ``load_state_dict`` would (:func:`torchgpipe.tied.tied_state_dict`).
+- Otherwise, a module's own reset: ``reset_parameters()`` (or ``_reset_parameters()``,
+  as ``nn.MultiheadAttention`` names it), children before parents, the order in which
+  their constructors ran. It is trusted to fill the module's parameters (its name says
+  so), but its buffers only for torch's own classes (and this library's), whose resets
+  are known to: ``BatchNorm`` resets its running statistics. A buffer that a class of
+  yours registers (on its own, or added to a torch class it extends, such as a mask on
+  a subclass of ``nn.Linear``) is known to nothing.
+- A parameter that an earlier layer of the model (or an earlier module of the same
+  layer) holds too needs nothing of its own: every holder ends with its first holder's
+  values (:func:`_retie` inside a partition, :mod:`torchgpipe.tied` across them). Only
+  the first holder must be filled.
+
 The values drawn differ from a model built on the CPU under the same seed (each process
 draws only its own layers); load a state dict where they must be equal.
 """
@@ -63,28 +79,25 @@ def materialize(
 
     ``layers`` are ``(name, layer)`` pairs, ``name`` the layer's in the plain
     ``nn.Sequential`` (its keys in ``state_dict`` start with ``name + "."``, but for a
-    split model's stages, :func:`key_prefix`). Layers
-    with no meta tensor are left as they are. Every layer is checked before any is
-    changed, so a refusal leaves the model as it was.
+    split model's stages, :func:`key_prefix`). Layers with no meta tensor are left as
+    they are.
+
+    Call :func:`check_materializable` first, on every layer this process will fill and
+    with the whole model: it refuses what cannot be filled before anything changes,
+    and it alone sees ties to layers outside ``layers``. This fills what that check
+    found: each module's reset, ``init``, or the keys ``state_dict`` holds. A tensor
+    that none of them fills here is a later holder of a tied parameter, left as
+    allocated until its first holder's values reach it.
 
     A tensor that several modules of ``layers`` hold (a head tied to an embedding of
     the same partition, layers that share one weight, a module registered twice) stays
-    one tensor, with the values its first holder's layer gave it (its reset, ``init``,
-    or its first name in ``state_dict``); what a later holder's layer filled is dropped.
-    Ties across partitions are :mod:`torchgpipe.tied`'s.
-
-    A module under the legacy ``torch.nn.utils.spectral_norm`` or ``weight_norm``
-    (forward pre-hooks) keeps its values in ``weight_orig``, ``weight_u``, ... that its
-    ``reset_parameters()`` does not fill: it needs ``init`` or ``state_dict``, which
-    are trusted to fill them (the hooks recompute ``weight`` at each forward).
+    one tensor, with the values its first holder's layer gave it; what a later holder's
+    layer filled is dropped. Ties across partitions are :mod:`torchgpipe.tied`'s.
 
     Raises:
-        ValueError: a layer mixes meta and real tensors; ``state_dict`` lacks a key of
-            a layer, or has a shape that does not fit; or, without ``init``, a module
-            holds a tensor that nothing fills (no ``reset_parameters``, not in
-            ``state_dict``), among them one under the legacy spectral or weight norm.
+        ValueError: a layer mixes meta and real tensors.
     """
-    todo = check_materializable(layers, init=init, state_dict=state_dict)
+    todo = _meta_layers(layers)
     holders = [_holders(layer) for _, layer in todo]  # before any is allocated
     made: dict[int, Tensor] = {}  # a meta tensor's id: the one tensor that replaces it
     for (name, layer), held in zip(todo, holders, strict=True):
@@ -93,11 +106,18 @@ def materialize(
             if init is not None:
                 init(layer)
             else:
-                _reset(layer)  # where a module can; the state dict's values then replace it
+                loaded: dict[str, Tensor] = {}  # layer's key: its value in the state dict
+                prefix = key_prefix(name, layer)
                 if state_dict is not None:
-                    prefix = key_prefix(name, layer)
-                    for key, tensor in layer.state_dict(keep_vars=True).items():
-                        tensor.copy_(state_dict[prefix + key])
+                    loaded = {
+                        key: state_dict[prefix + key]
+                        for key in layer.state_dict(keep_vars=True)
+                        if prefix + key in state_dict  # else a tie's later name
+                    }
+                _reset(layer, set(loaded), prefix)  # where it can; the state dict's values win
+                targets = layer.state_dict(keep_vars=True)
+                for key, value in loaded.items():
+                    targets[key].copy_(value)
         _retie(held, made)
 
 
@@ -157,14 +177,35 @@ def check_materializable(
     *,
     init: Init | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
+    model: nn.Sequential | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """The meta layers among ``layers``, once checked that they can be filled.
 
+    ``model`` is the whole ``nn.Sequential`` that ``layers`` are part of (by default
+    ``layers`` are all of it): a parameter tied to one of its earlier layers needs no
+    fill here. What fills what is the module docstring's; ``state_dict`` is read as
+    given, so pass it through :func:`torchgpipe.tied.tied_state_dict` first.
+
     Raises:
-        ValueError: as :func:`materialize`, which calls this first.
+        ValueError: ``init`` and ``state_dict`` both given; a layer mixes meta and real
+            tensors; ``state_dict`` lacks a key of a meta layer, or has a shape that
+            does not fit; or, without ``init``, a tensor that nothing fills (every one
+            named, with the reason), among them those of a module under the legacy
+            ``torch.nn.utils.spectral_norm`` or ``weight_norm`` hooks, which keep their
+            values in tensors (``weight_orig``, ``weight_u``, ...) that
+            ``reset_parameters()`` does not fill.
     """
     if init is not None and state_dict is not None:
         raise ValueError("pass init or state_dict, not both: either fills the layers")
+    todo = _meta_layers(layers)
+    if init is None:
+        whole = layers if model is None else list(model.named_children())
+        _check_fillable(todo, state_dict, _first_holders(whole))
+    return todo
+
+
+def _meta_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The layers with a tensor on the meta device; refuses one that mixes them."""
     todo = []
     for name, layer in layers:
         meta = [t.is_meta for t in chain(layer.parameters(), layer.buffers())]
@@ -175,60 +216,124 @@ def check_materializable(
                 f"layer {name} holds tensors on the meta device and others with values; "
                 f"build every tensor of a layer on the meta device, or none"
             )
-        if init is None:
-            _check_fillable(name, layer, state_dict)
         todo.append((name, layer))
     return todo
 
 
-def _check_fillable(name: str, layer: nn.Module, state_dict: Mapping[str, Tensor] | None) -> None:
-    """Refuse a layer whose tensors the state dict or its modules' resets cannot fill."""
-    prefix, filled = key_prefix(name, layer), set()
-    if state_dict is not None:
-        expected = layer.state_dict(keep_vars=True)
-        missing = sorted(prefix + k for k in expected if prefix + k not in state_dict)
-        if missing:
-            raise ValueError(
-                f"the state dict has no {', '.join(missing)}; give the plain model's "
-                f"state dict (its keys are the nn.Sequential's: '<layer>.<name>')"
-            )
-        for key, tensor in expected.items():
-            value = state_dict[prefix + key]
-            if value.shape != tensor.shape:
-                raise ValueError(
-                    f"{prefix}{key} has shape {tuple(value.shape)} in the state dict but "
-                    f"{tuple(tensor.shape)} in the model"
-                )
-        filled = {prefix + k for k in expected}
-    modules = list(_children_first(layer, name))
-    legacy = [
-        f"{path} ({type(module).__name__} under {hook})"
-        for path, module in modules
-        for hook in _legacy_norms(module)
-        if any(f"{path}.{n}" not in filled for n in _own(module))
-    ]
+def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, tuple[int, str]]:
+    """Each parameter's first holder in the model: its layer's ``id``, and its key there.
+
+    In the order of the state dict, of :func:`_holders` and of ``Ties.untie``: layers in
+    order, each module before its children.
+    """
+    first: dict[int, tuple[int, str]] = {}
+    for name, layer in layers:
+        prefix = key_prefix(name, layer)
+        for path, module in layer.named_modules(remove_duplicate=False):
+            for n, parameter in module._parameters.items():
+                if parameter is not None:
+                    first.setdefault(id(parameter), (id(layer), prefix + _join(path, n)))
+    return first
+
+
+def _check_fillable(
+    layers: list[tuple[str, nn.Module]],
+    state_dict: Mapping[str, Tensor] | None,
+    first: dict[int, tuple[int, str]],
+) -> None:
+    """Refuse, all at once, every tensor of ``layers`` that nothing fills (no ``init``)."""
+    missing: list[str] = []
+    shapes: list[str] = []
+    legacy: list[str] = []
+    unfilled: list[str] = []
+    for name, layer in layers:
+        prefix = key_prefix(name, layer)
+        saved = {} if state_dict is None else layer.state_dict(prefix=prefix, keep_vars=True)
+        for path, module in _children_first(layer, prefix.removesuffix(".")):
+            hooks, outside = _legacy_norms(module), False
+            for n, tensor in _own_tensors(module):
+                key = _join(path, n)
+                mine = (id(layer), key)
+                if isinstance(tensor, nn.Parameter) and first.get(id(tensor), mine) != mine:
+                    continue  # a later holder of a tied parameter: it takes the first's values
+                if key in saved and state_dict is not None:
+                    if key not in state_dict:
+                        missing.append(key)
+                    elif state_dict[key].shape != tensor.shape:
+                        shapes.append(
+                            f"{key} has shape {tuple(state_dict[key].shape)} in the state dict "
+                            f"but {tuple(tensor.shape)} in the model"
+                        )
+                    continue
+                outside = True
+                why = _why_unfilled(module, n)
+                if why and not hooks:
+                    unfilled.append(f"{key} ({type(module).__name__}: {why})")
+            if hooks and outside:
+                legacy.extend(f"{path} ({type(module).__name__} under {hook})" for hook in hooks)
+    problems = []
+    if missing:
+        problems.append(
+            f"the state dict has no {', '.join(sorted(missing))}; give the plain model's "
+            f"state dict (its keys are the nn.Sequential's: '<layer>.<name>'; one name of "
+            f"a tied weight is enough)"
+        )
+    problems.extend(shapes)
     if legacy:
-        raise ValueError(
+        problems.append(
             f"{', '.join(legacy)} cannot be made on its device: the legacy hook keeps "
             f"its values in tensors that reset_parameters() does not fill; pass init= "
             f"(a function of each layer) or state_dict= (the plain model's) to fill them "
             f"(torch.nn.utils.parametrizations' norms, which replace these deprecated "
             f"hooks, need one of them too)"
         )
-    unfilled = [
-        f"{path}.{n} ({type(module).__name__})"
-        for path, module in modules
-        if _reset_of(module) is None
-        for n in _own(module)
-        if f"{path}.{n}" not in filled
-    ]
     if unfilled:
-        where = "" if state_dict is None else ", nor the state dict"
-        raise ValueError(
-            f"{', '.join(unfilled)} cannot be made on its device: its module has no "
-            f"reset_parameters() to fill it{where}; pass init= (a function of each "
-            f"layer) or state_dict= (the plain model's)"
+        problems.append(
+            f"nothing is known to fill {', '.join(unfilled)}, so each would keep whatever "
+            f"memory it was given; pass init= (a function of each layer, which must then "
+            f"fill every tensor of it), state_dict= holding them (the plain model's; a "
+            f"buffer registered with persistent=False is never in one), or build those "
+            f"layers outside torch.device('meta') (a layer with values is kept as it is)"
         )
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _why_unfilled(module: nn.Module, name: str) -> str | None:
+    """Why no reset of ``module`` is known to fill its tensor ``name``; None: one is."""
+    if _reset_of(module) is None:
+        return "it has no reset_parameters()"
+    if name in module._buffers and not _torchs_own(module) and not _users_reset(module):
+        unsaved = name in module._non_persistent_buffers_set
+        return (
+            "a buffer of a class not torch's, whose reset_parameters() is torch's and knows "
+            "nothing of it" + ("; persistent=False keeps it out of state dicts" if unsaved else "")
+        )
+    return None
+
+
+def _users_reset(module: nn.Module) -> bool:
+    """Whether the reset that runs on ``module`` is the user's code, not torch's.
+
+    A reset a user wrote for a class is trusted to fill that class's buffers, and
+    checked after it ran (:func:`_reset`); torch's reset inherited by a user's subclass
+    knows nothing of the buffers the subclass adds.
+    """
+    name = "reset_parameters" if callable(getattr(module, "reset_parameters", None)) else ""
+    name = name or "_reset_parameters"
+    for klass in type(module).__mro__:
+        if name in vars(klass):
+            return klass.__module__.split(".")[0] not in ("torch", "torchgpipe")
+    return False
+
+
+def _torchs_own(module: nn.Module) -> bool:
+    """Whether ``module``'s class is torch's own (or this library's), not a user's.
+
+    Their resets are known to fill their buffers too (``BatchNorm``'s running
+    statistics, ``DeferredBatchNorm``'s); a user's subclass may add buffers they do not.
+    """
+    return type(module).__module__.split(".")[0] in ("torch", "torchgpipe")
 
 
 def _legacy_norms(module: nn.Module) -> list[str]:
@@ -242,17 +347,34 @@ def _legacy_norms(module: nn.Module) -> list[str]:
     ]
 
 
-def _reset(layer: nn.Module) -> None:
-    """Reset every module of ``layer`` that holds tensors and can, children first."""
-    for _, module in _children_first(layer, ""):
+def _reset(layer: nn.Module, loaded: set[str], prefix: str) -> None:
+    """Reset every module of ``layer`` that holds tensors and can, children first.
+
+    ``loaded``: the keys (in ``layer``'s state dict) a state dict fills afterwards;
+    ``prefix``: what the layer's keys start with in the model's, for errors.
+
+    Raises:
+        ValueError: a user's reset left a buffer of its module as it was allocated:
+            neither replaced nor written (its version counter did not move).
+    """
+    for path, module in _children_first(layer, ""):
         reset = _reset_of(module)
-        if reset is not None and _own(module):
-            reset()
-
-
-def _own(module: nn.Module) -> list[str]:
-    """The names of the tensors ``module`` holds itself (not its children's)."""
-    return [name for name, _ in _own_tensors(module)]
+        if reset is None or not _own_tensors(module):
+            continue
+        before = {n: (b, b._version) for n, b in module._buffers.items() if b is not None}
+        reset()
+        left = [
+            n
+            for n, (b, v) in before.items()
+            if module._buffers.get(n) is b and b._version == v and _join(path, n) not in loaded
+        ]
+        if left and not _torchs_own(module):
+            names = ", ".join(prefix + _join(path, n) for n in left)
+            raise ValueError(
+                f"{type(module).__name__}.reset_parameters() left {names} as allocated "
+                f"(uninitialized memory): fill it there, or pass init= or a state dict "
+                f"holding it, or build that layer outside the meta device"
+            )
 
 
 def _reset_of(module: nn.Module) -> Callable[[], object] | None:
@@ -262,7 +384,14 @@ def _reset_of(module: nn.Module) -> Callable[[], object] | None:
 
 
 def _children_first(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
-    """``module``'s submodules, each after its children: the order constructors ran."""
+    """``module``'s submodules, each after its children: the order constructors ran.
+
+    Each with its path under ``path``, as its keys in a state dict start.
+    """
     for name, child in module.named_children():
-        yield from _children_first(child, f"{path}.{name}")
+        yield from _children_first(child, _join(path, name))
     yield path, module
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

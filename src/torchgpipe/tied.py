@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.split_stage import Stage
 
-__all__ = ["Ties", "check_layers", "state_names"]
+__all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tied_state_dict"]
 
 
 def check_layers(module: nn.Sequential) -> None:
@@ -80,6 +80,48 @@ def state_names(module: nn.Sequential) -> dict[int, list[str]]:
             if isinstance(layer, Stage):
                 keys.append(name)
     return names
+
+
+V = TypeVar("V")
+
+
+def loaded_value(state_dict: Mapping[str, V], keys: Sequence[str]) -> V | None:
+    """What a tied weight holds once ``state_dict`` is loaded, its names ``keys`` in order.
+
+    The plain model loads each name into its one tensor, in the order of its state
+    dict: the last name present wins. A name the state dict lacks ends with that value
+    too, as checkpoints that keep one name of a tied weight expect. None: no name is
+    there. The one rule for both paths: ``load_state_dict`` (:meth:`Ties.watch_loads`)
+    and a meta model's ``state_dict=`` (:func:`tied_state_dict`).
+    """
+    present = [key for key in keys if key in state_dict]
+    return state_dict[present[-1]] if present else None
+
+
+def tied_state_dict(
+    module: nn.Sequential, state_dict: Mapping[str, Tensor] | None
+) -> dict[str, Tensor] | None:
+    """``state_dict`` with every name of each tied parameter of ``module`` as loaded.
+
+    Each name holds the value :func:`loaded_value` gives, as if the plain model had
+    loaded ``state_dict``: what a model built on the meta device fills its layers from
+    (``state_dict=``), so that every holder of a tied weight, in any partition or
+    process, starts with that value. Call it while ``module``'s ties are whole (before
+    :meth:`Ties.untie`). The tensors are ``state_dict``'s own, not copies; None stays
+    None.
+    """
+    if state_dict is None:
+        return None
+    holders: dict[int, int] = {}  # a stage's parameter has two names, yet one holder
+    for _, layer in module.named_children():
+        for _, parameter in layer.named_parameters(remove_duplicate=False):
+            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    loaded = dict(state_dict)
+    for key, keys in state_names(module).items():
+        value = loaded_value(state_dict, keys)
+        if value is not None and holders[key] > 1:
+            loaded.update(dict.fromkeys(keys, value))
+    return loaded
 
 
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter in it
@@ -303,20 +345,18 @@ class Ties:
     ) -> None:
         """Give every name of each tied weight here the value the plain model would end with.
 
-        The plain model loads each name into its one tensor, in order: the last name
-        present wins. Each copy gets a tensor of its own (``assign=True`` would
-        otherwise put one tensor under two parameters). A name the state dict lacks is
-        filled from another (as checkpoints that keep one name of a tied weight expect),
-        so it is not reported missing: torch tells a hook nothing of ``strict``.
+        That is :func:`loaded_value`: a name the state dict lacks is filled from another,
+        so it is not reported missing (torch tells a hook nothing of ``strict``). Each
+        copy gets a tensor of its own (``assign=True`` would otherwise put one tensor
+        under two parameters).
         """
         mine: dict[int, list[str]] = {}
         for name, parameter in module.named_parameters(remove_duplicate=False):
             mine.setdefault(id(parameter), []).append(prefix + name)
         for g, group in enumerate(self.groups):
-            present = [prefix + key for key in self.names[g] if prefix + key in state_dict]
-            if not present:
+            value = loaded_value(state_dict, [prefix + key for key in self.names[g]])
+            if value is None:
                 continue
-            value = state_dict[present[-1]]
             for member in group:
                 for key in mine.get(id(member), []):
                     state_dict[key] = value.detach().clone()
