@@ -40,6 +40,7 @@ def test_skip_public_names() -> None:
     assert sorted(torchgpipe.skip.__all__) == sorted(
         [
             "Namespace",
+            "SkipError",
             "SkipLayout",
             "SkipRoute",
             "pop",

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import torchgpipe.executor
 from torchgpipe import GPipe, is_recomputing
 from torchgpipe.microbatch import flatten
-from torchgpipe.skip import Namespace, pop, skippable, stash
+from torchgpipe.skip import Namespace, SkipError, pop, skippable, stash
 
 MARK = 1234.5
 
@@ -201,6 +201,33 @@ def test_misuse_inside_gpipe_reaches_the_caller_and_the_next_call_works() -> Non
     assert any("partition 0" in note for note in getattr(info.value, "__notes__", []))
     good = GPipe(nn.Sequential(StashMark(), PopMark()), [1, 1], chunks=2)
     torch.testing.assert_close(good(torch.zeros(2, 1)), torch.full((2, 1), 2.0))
+
+
+@skippable(stash=["skip"])
+class StashUndeclared(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        yield stash("other", x)
+        return x
+
+
+def test_skip_misuse_inside_gpipe_is_caught_as_runtime_error() -> None:
+    # torchgpipe 0.0.7 raised RuntimeError here; SkipError is one (and a ValueError).
+    model = GPipe(nn.Sequential(StashUndeclared(), PopMark()), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match=r"yielded stash\('other'\) but") as info:
+        model(torch.zeros(2, 1))
+    assert isinstance(info.value, SkipError)
+
+
+@skippable()
+class Double(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2
+
+
+def test_a_skippable_that_returns_directly_runs_in_gpipe() -> None:
+    model = GPipe(nn.Sequential(StashMark(), Double(), PopMark()), [1, 1, 1], chunks=2)
+    torch.testing.assert_close(model(torch.zeros(2, 1)), torch.full((2, 1), 4.0))
 
 
 @pytest.mark.cuda

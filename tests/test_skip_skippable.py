@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.skip import Namespace, pop, skippable, stash
+from torchgpipe.skip import Namespace, SkipError, pop, skippable, stash
 from torchgpipe.skip.skippable import GLOBAL_NAMESPACE, SkipKey, Skippable
 from torchgpipe.skip.tracker import current_tracker
 
@@ -41,6 +41,43 @@ def test_skippables_work_in_a_plain_sequential() -> None:
     x = torch.randn(4, 3)
     expected = model[1](x * 2) + x
     torch.testing.assert_close(model(x), expected)
+
+
+def test_skippable_has_the_0_0_7_name_sets() -> None:
+    # torchgpipe 0.0.7 spelled the declared names stashable_names and poppable_names.
+    @skippable(stash=["a", "b"])
+    class Two(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("a", x)
+            yield stash("b", x)
+            return x
+
+    assert Two.stashable_names == frozenset({"a", "b"})
+    assert Two().stashable_names == frozenset({"a", "b"})
+    assert Two().poppable_names == frozenset()
+    assert Pop().poppable_names == frozenset({"skip"})
+    assert Pop.stashable_names == frozenset()
+    assert isinstance(Stash().stashable_names, frozenset)
+
+
+def test_the_0_0_7_name_sets_are_read_only() -> None:
+    layer = Stash()
+    with pytest.raises(AttributeError, match=r"stashable_names is read-only.*@skippable"):
+        layer.stashable_names = frozenset({"other"})  # type: ignore[assignment]  # refused: the point
+    with pytest.raises(AttributeError, match="poppable_names is read-only"):
+        layer.poppable_names = frozenset()  # type: ignore[assignment]  # refused: the point
+    assert layer.stashable_names == frozenset({"skip"})
+
+
+def test_the_0_0_7_name_sets_follow_a_new_declaration() -> None:
+    @skippable(pop=["other"])
+    class Redeclared(Stash):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield pop("other")
+            return x
+
+    assert Redeclared.stashable_names == frozenset()
+    assert Redeclared().poppable_names == frozenset({"other"})
 
 
 def test_namespaces_keep_two_uses_of_a_class_apart() -> None:
@@ -111,13 +148,32 @@ def test_layers_isolated_together_and_copied_one_by_one_still_match() -> None:
     assert str(SkipKey(GLOBAL_NAMESPACE, "x")) == "'x'"
 
 
-def test_forward_must_give_a_generator() -> None:
+def test_a_forward_that_returns_its_output_directly_is_accepted() -> None:
+    # As in torchgpipe 0.0.7: a forward that yields nothing may return its output.
+    @skippable()
+    class Plain(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x * 2
+
+    x = torch.ones(1)
+    torch.testing.assert_close(Plain()(x), x * 2)
+    model = nn.Sequential(Stash(), Plain(), Pop())
+    torch.testing.assert_close(model(x), x * 4 + x)
+
+
+def test_a_forward_that_returns_directly_must_not_declare_names() -> None:
     class Plain(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             return x
 
-    layer = skippable(stash=["skip"])(Plain)()
-    with pytest.raises(TypeError, match=r"Plain.forward returned Tensor, not a generator"):
+    layer = skippable(stash=["skip"], pop=["other"])(Plain)()
+    match = (
+        r"Plain.forward returned its output directly \(not a generator\), without "
+        r"yielding stash\('skip'\), pop\('other'\)"
+    )
+    with pytest.raises(SkipError, match=match):
+        layer(torch.ones(1))
+    with pytest.raises(RuntimeError, match=match):  # what torchgpipe 0.0.7 raised
         layer(torch.ones(1))
 
 
@@ -234,6 +290,60 @@ def test_each_declared_skip_is_used_once_per_call() -> None:
         Never()(torch.ones(1))
 
 
+@skippable()
+class StashUndeclared(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return x
+
+
+@skippable()
+class PopUndeclared(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield pop("skip")
+        return x
+
+
+@skippable(stash=["skip"])
+class NeverStashes(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        if False:
+            yield
+        return x
+
+
+@skippable(pop=["skip"])
+class NeverPops(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        if False:
+            yield
+        return x
+
+
+@pytest.mark.parametrize(
+    ("layers", "match"),
+    [
+        ([StashUndeclared()], r"yielded stash\('skip'\) but .* declares stash=\[\]; add 'skip'"),
+        ([Stash(), PopUndeclared()], r"yielded pop\('skip'\) but .* declares pop=\[\]; add"),
+        ([NeverStashes()], r"NeverStashes.forward returned without yielding stash\('skip'\)"),
+        ([Stash(), NeverPops()], r"NeverPops.forward returned without yielding pop\('skip'\)"),
+        ([Pop().isolate(Namespace("fresh"))], r"popped before any layer stashed it"),
+    ],
+)
+def test_skip_misuse_is_a_skip_error(layers: list[nn.Module], match: str) -> None:
+    # torchgpipe 0.0.7 raised RuntimeError, we raised ValueError: SkipError is both.
+    for error in (SkipError, RuntimeError, ValueError):
+        with pytest.raises(error, match=match):
+            nn.Sequential(*layers)(torch.ones(1))
+    current_tracker().waiting.clear()  # the stash a failed pop left, for later tests
+
+
+def test_skip_error_is_both_value_error_and_runtime_error() -> None:
+    assert issubclass(SkipError, ValueError)
+    assert issubclass(SkipError, RuntimeError)
+    assert SkipError.__doc__
+
+
 def test_pop_before_stash_at_run_time() -> None:
     with pytest.raises(
         ValueError,
@@ -278,12 +388,12 @@ def test_a_subclass_may_be_decorated_again_with_other_names() -> None:
     assert current_tracker().waiting.pop(Other().skip_key("other")) is not None
 
 
-def test_a_subclass_cannot_make_forward_a_plain_function() -> None:
+def test_a_subclass_that_returns_directly_still_owes_its_stash() -> None:
     class Plain(Stash):
         def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
             return x
 
-    with pytest.raises(TypeError, match=r"Plain.forward returned Tensor, not a generator"):
+    with pytest.raises(SkipError, match=r"Plain.forward returned its output directly"):
         Plain()(torch.ones(1))
 
 

@@ -5,11 +5,13 @@ Decorate a module class with :func:`skippable`; its ``forward`` yields
 partition that stashes it to the one that pops it. See ``skippable.py`` for an example.
 """
 
+from torchgpipe.skip.errors import SkipError
 from torchgpipe.skip.layout import SkipLayout, SkipRoute, verify_skippables
 from torchgpipe.skip.skippable import Namespace, pop, skippable, stash
 
 __all__ = [
     "Namespace",
+    "SkipError",
     "SkipLayout",
     "SkipRoute",
     "pop",

@@ -20,6 +20,10 @@ Where the tensors go is up to whoever runs the layers (see ``tracker.py``): a pl
 ``nn.Sequential`` keeps them on the calling thread until they are popped; GPipe sends
 each one from the partition that stashes it straight to the partition that pops it.
 
+A ``forward`` that yields nothing may return its output directly, as in torchgpipe
+0.0.7; it then stashes and pops nothing. A skip used against the declaration (a name
+not declared, used twice, or declared and not used) raises :class:`SkipError`.
+
 Names are scoped by a :class:`Namespace`. ``module.isolate(ns)`` moves a module's names
 into ``ns``, so that one class can appear several times in a model (a U-Net's levels)
 without their skips colliding. Names no namespace was given live in a global one.
@@ -30,10 +34,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from torch import Tensor, nn
 
+from torchgpipe.skip.errors import SkipError
 from torchgpipe.skip.tracker import current_tracker
 
 __all__ = ["Namespace", "SkipKey", "Skippable", "pop", "skippable", "stash"]
@@ -121,16 +126,43 @@ class pop:  # lower case: the name torchgpipe users write, pop(name)
     name: str
 
 
+class _NameSet:
+    """A read-only frozenset view of a tuple of names, on a class and its instances."""
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        self._name = source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, instance: object, owner: type | None = None) -> frozenset[str]:
+        names: tuple[str, ...] = getattr(instance if instance is not None else owner, self._source)
+        return frozenset(names)
+
+    def __set__(self, instance: object, value: object) -> NoReturn:
+        raise AttributeError(
+            f"{self._name} is read-only: it is {self._source} as a set; declare the names "
+            f"with @skippable(stash=[...], pop=[...])"
+        )
+
+
 class Skippable(nn.Module):
     """The base that :func:`skippable` adds to a class; drives its generator ``forward``.
 
     Subclasses get ``stash_names`` and ``pop_names`` (the declared names, in order)
-    from the decorator. A subclass of a skippable class may override ``forward`` with
-    another generator: it keeps the declared names, unless decorated again.
+    from the decorator; ``stashable_names`` and ``poppable_names`` are the same names
+    as frozensets, under torchgpipe 0.0.7's spelling. A subclass of a skippable class
+    may override ``forward`` with another generator: it keeps the declared names,
+    unless decorated again.
     """
 
     stash_names: tuple[str, ...] = ()
     pop_names: tuple[str, ...] = ()
+    stashable_names = _NameSet("stash_names")
+    """``stash_names`` as a frozenset, read-only: torchgpipe 0.0.7's name for them."""
+    poppable_names = _NameSet("pop_names")
+    """``pop_names`` as a frozenset, read-only: torchgpipe 0.0.7's name for them."""
     _generator_forward: Callable[..., Generator[Any, Any, Any]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -188,20 +220,19 @@ class Skippable(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the decorated class's generator ``forward``, serving its stashes and pops.
 
+        A ``forward`` that returns something other than a generator yielded nothing:
+        what it returned is the output, as in torchgpipe 0.0.7.
+
         Raises:
             TypeError: the generator yielded something other than ``stash``/``pop``,
                 or stashed something other than a tensor or None.
-            ValueError: a name was not declared, was used twice, or a declared name
+            SkipError: a name was not declared, was used twice, or a declared name
                 was not stashed or popped by the time ``forward`` returned.
         """
         generator = self._generator_forward(*args, **kwargs)
         if not isinstance(generator, Generator):
-            raise TypeError(
-                f"{self._where()} returned {type(generator).__name__}, not a generator; "
-                f"{type(self).__name__} is a skippable module: its forward yields "
-                f"stash(name, tensor) and pop(name), then returns its output (or returns "
-                f"a generator that does)"
-            )
+            self._check_all_used(set(), set(), generator=False)
+            return generator
         tracker = current_tracker()
         stashed: set[str] = set()
         popped: set[str] = set()
@@ -242,26 +273,30 @@ class Skippable(nn.Module):
 
     def _check_use(self, name: str, declared: tuple[str, ...], used: set[str], verb: str) -> None:
         if name not in declared:
-            raise ValueError(
+            raise SkipError(
                 f"{self._where()} yielded {verb}({name!r}) but {type(self).__name__} "
                 f"declares {verb}={list(declared)}; add {name!r} to @skippable({verb}=[...])"
             )
         if name in used:
-            raise ValueError(
+            raise SkipError(
                 f"{self._where()} yielded {verb}({name!r}) twice in one call; each skip is "
                 f"stashed once and popped once per forward"
             )
         used.add(name)
 
-    def _check_all_used(self, stashed: set[str], popped: set[str]) -> None:
+    def _check_all_used(
+        self, stashed: set[str], popped: set[str], *, generator: bool = True
+    ) -> None:
         missing = [f"stash({n!r})" for n in self.stash_names if n not in stashed]
         missing += [f"pop({n!r})" for n in self.pop_names if n not in popped]
-        if missing:
-            raise ValueError(
-                f"{self._where()} returned without yielding {', '.join(missing)}; each "
-                f"declared skip is stashed once and popped once per forward (stash None "
-                f"when there is nothing to pass)"
-            )
+        if not missing:
+            return
+        how = "returned" if generator else "returned its output directly (not a generator),"
+        raise SkipError(
+            f"{self._where()} {how} without yielding {', '.join(missing)}; each declared "
+            f"skip is stashed once and popped once per forward (stash None when there is "
+            f"nothing to pass), or leave it out of @skippable(...)"
+        )
 
 
 ModuleType = TypeVar("ModuleType", bound=type[nn.Module])
@@ -279,8 +314,12 @@ def skippable(
 
     ``forward`` is a generator function, or any callable that returns a generator (a
     generator function wrapped by ``functools.wraps``, or a ``forward`` that returns a
-    helper's generator); calling the module raises ``TypeError`` if it returns
-    something else.
+    helper's generator). As in torchgpipe 0.0.7, a ``forward`` may also return its
+    output directly: it yields nothing, so the class must declare no names, or calling
+    it raises :class:`SkipError`.
+
+    The class gets ``stash_names`` and ``pop_names`` (tuples, in declared order), and
+    torchgpipe 0.0.7's ``stashable_names`` and ``poppable_names`` (frozensets).
 
     Raises:
         TypeError: the decorated object is not an ``nn.Module`` class.

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from torchgpipe.skip.errors import SkipError
+
 if TYPE_CHECKING:
     from torchgpipe.skip.skippable import SkipKey
 
@@ -50,10 +52,10 @@ class SkipTracker:
         """Take the tensor stashed as ``key`` out.
 
         Raises:
-            ValueError: nothing was stashed as ``key`` (yet).
+            SkipError: nothing was stashed as ``key`` (yet).
         """
         if key not in self.waiting:
-            raise ValueError(
+            raise SkipError(
                 f"skip {key} was popped before any layer stashed it; a layer that "
                 f"stashes {key} must run first (verify_skippables(model) checks a "
                 f"Sequential)"
@@ -114,7 +116,7 @@ def run_cell(
     """Run a partition on ``(value, inbound)``; return ``(output, outbound skips)``.
 
     Raises:
-        ValueError: an inbound skip was not popped, or an outbound one not stashed
+        SkipError: an inbound skip was not popped, or an outbound one not stashed
             (the layout and the layers disagree).
     """
     value, inbound = packed
@@ -124,7 +126,7 @@ def run_cell(
     missing = [str(key) for key in outbound if key not in tracker.out]
     left = [str(key) for key in inbound if key in tracker.waiting]
     if missing or left:
-        raise ValueError(
+        raise SkipError(
             f"GPipe routes skips {missing} out of this partition and {left} into it, but "
             f"its layers did not stash or pop them under those names; a layer's skip "
             f"names and namespaces must not change after GPipe is built (isolate() "
