@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
+from distributed_helpers import run_threads
+from nccl_rules import NCCLRules
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from torchgpipe import GPipe
+from torchgpipe import GPipe, Schedule1F1B, ScheduleGPipe
+from torchgpipe.distributed import PipelineStage, Transport
 
 VOCAB, WIDTH = 11, 6
 
@@ -108,3 +112,52 @@ def test_bad_arguments_are_refused(
     model = GPipe(nn.Sequential(nn.Linear(2, 2)), [1])
     with pytest.raises(error, match=match):
         model.clip_grad_norm_(max_norm, norm_type)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("world", "balance", "norm_type"),
+    [(2, [2, 3], 2.0), (3, [1, 2, 2], 2.0), (2, [2, 3], math.inf)],
+)
+def test_processes_clip_by_one_norm_and_train_as_the_plain_model(
+    world: int, balance: list[int], norm_type: float
+) -> None:
+    # Each rank clipping its own parameters would clip by another norm, and the copies
+    # of the tied weight would drift apart; clip_grad_norm_ adds up every rank's part.
+    rules = NCCLRules(world)
+    models = [_language_model() for _ in range(world)]
+    steps = 10
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
+        schedule = (Schedule1F1B if world == 2 else ScheduleGPipe)(stage, F.cross_entropy)
+        optimizer = torch.optim.SGD(stage.parameters(), lr=0.5)
+        totals = []
+        for k in range(steps):
+            ids, target = _data(k)
+            optimizer.zero_grad()
+            schedule.step(ids if stage.is_first else None, target if stage.is_last else None)
+            totals.append(stage.clip_grad_norm_(0.05, norm_type))
+            optimizer.step()
+        return stage.state_dict(), totals
+
+    results = run_threads(rank, world, timeout=60.0, observe=rules.group)
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    rules.check()
+    plain = _language_model()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    expected = []
+    for k in range(steps):
+        ids, target = _data(k)
+        optimizer.zero_grad()
+        F.cross_entropy(plain(ids), target).backward()
+        expected.append(nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type))
+        optimizer.step()
+    for _, totals in results:  # every rank got the same total, the plain model's
+        torch.testing.assert_close(torch.stack(totals), torch.stack(expected), rtol=1e-5, atol=1e-7)
+    state: dict[str, Tensor] = {}
+    for part, _ in results:
+        state.update(part)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(results[0][0]["0.weight"], results[-1][0]["4.weight"])

@@ -9,13 +9,15 @@ process, so threads building them at once would draw each other's numbers.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from distributed_helpers import mlp, run_threads, skip_net
+import torch.distributed as dist
+from distributed_helpers import mlp, run_threads, skip_net, spawn
 from torch import Tensor, nn
 
 from torchgpipe import BalanceError
@@ -127,9 +129,9 @@ def _stages(world: int, balance: list[int], **options: Any) -> list[PipelineStag
         ({"rank": 1}, ValueError, "rank=1 was given, but this process is rank 0"),
         ({"device": "meta"}, ValueError, "device 'meta' is the meta device"),
         ({"chunks": 0}, ValueError, "chunks must be a positive number"),
-        ({"chunks": 2.0}, TypeError, "chunks must be an int"),
+        ({"chunks": 2.5}, TypeError, "chunks must be an int"),
         ({"checkpoint": "sometimes"}, ValueError, "unknown checkpoint mode 'sometimes'"),
-        ({"deferred_batch_norm": 1}, TypeError, "deferred_batch_norm must be a bool"),
+        ({"deferred_batch_norm": "yes"}, TypeError, "deferred_batch_norm must be a bool"),
         ({"static_shapes": "yes"}, TypeError, "static_shapes must be a bool"),
     ],
 )
@@ -640,6 +642,96 @@ def test_ranks_whose_models_tie_different_tensors_refuse_to_start() -> None:
         assert "tied tensors differ, on rank 0 but not on rank 1: 4.weight is 2.weight" in str(
             error
         )
+
+
+def _meta_mlp_and_states(world: int) -> tuple[list[nn.Sequential], list[dict[str, Tensor]]]:
+    """Meta models of ``mlp()``, and its state dict, without ``4.weight`` on rank 1."""
+    with torch.device("meta"):
+        models = [mlp() for _ in range(world)]
+    states = [mlp().state_dict() for _ in range(world)]
+    del states[1]["4.weight"]  # layer 4: rank 1's with balance [4, 4] or [3, 3, 2]
+    return models, states
+
+
+def test_a_rank_that_fails_to_build_its_stage_fails_every_rank_at_once() -> None:
+    # Regression: a failure of rank 1's own start (after the ranks have built their
+    # transports) was not told to the others: they waited for its fingerprint until it
+    # exited, or until the timeout. Now every rank fails at once and the ranks are left
+    # able to start again, with no listener thread of the failed start behind.
+    models, states = _meta_mlp_and_states(3)
+    plain = [mlp() for _ in range(3)]
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    before = set(threading.enumerate())
+    everyone = threading.Barrier(3)
+    left: list[str] = []
+
+    def rank(transport: Transport) -> Any:
+        r = transport.rank
+        start = time.monotonic()
+        failed = _outcome(
+            lambda: PipelineStage(models[r], [3, 3, 2], transport=transport, state_dict=states[r])
+        )
+        seconds = time.monotonic() - start
+        if everyone.wait() == 0:  # one rank, once every start is over: what still runs
+            listeners = [t for t in threading.enumerate() if "listener" in t.name]
+            deadline = time.monotonic() + 5.0
+            for thread in set(listeners) - before:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+                left.extend([thread.name] if thread.is_alive() else [])
+        everyone.wait()
+        stage = PipelineStage(plain[r], [3, 3, 2], transport=transport, chunks=2)
+        return failed, seconds, _step(Schedule1F1B(stage, _mse), x, y).loss
+
+    out = run_threads(rank, 3, timeout=30.0)  # the transports time out after 15 s
+    assert not left
+    assert all(isinstance(o, tuple) for o in out), out
+    own = out[1][0]
+    assert isinstance(own, ValueError), repr(own)
+    assert "the state dict has no 4.weight" in str(own)
+    for r in (0, 2):
+        remote, seconds, _ = out[r]
+        assert isinstance(remote, RemoteError), repr(remote)
+        assert (remote.rank, remote.stages, remote.action) == (1, (1,), None)
+        assert str(remote).startswith(
+            "rank 1 (stages [1]) raised ValueError: the state dict has no 4.weight"
+        )
+        assert "while building its PipelineStage" in str(remote)
+        assert remote.remote_traceback is not None
+        assert "ValueError: the state dict has no 4.weight" in remote.remote_traceback
+        assert seconds < 5.0  # told by rank 1, not found by a timeout
+    loss, _, _ = _reference(mlp(), x, y)
+    for o in out:  # and the ranks start again, and step
+        torch.testing.assert_close(o[2], loss)
+
+
+def _failing_start_rank(rank: int, world: int) -> dict[str, Any]:
+    models, states = _meta_mlp_and_states(world)
+    start = time.monotonic()
+    failed = _outcome(lambda: PipelineStage(models[rank], [4, 4], state_dict=states[rank]))
+    seconds = time.monotonic() - start
+    # Rank 1 lives on until every rank has failed: they must hear of its failure from
+    # it, not from its exit (the others would still fail, but naming no cause).
+    dist.barrier()
+    return {
+        "type": type(failed).__name__,
+        "text": str(failed),
+        "rank": getattr(failed, "rank", None),
+        "seconds": seconds,
+    }
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_to_build_its_stage_is_named_by_every_process() -> None:
+    timeout = 60.0
+    other, own = spawn(_failing_start_rank, 2, timeout=timeout)  # ranks 0 and 1
+    assert own["type"] == "ValueError", own
+    assert "the state dict has no 4.weight" in own["text"]
+    assert other["type"] == "RemoteError", other
+    assert other["rank"] == 1
+    assert other["text"].startswith(
+        "rank 1 (stages [1]) raised ValueError: the state dict has no 4.weight"
+    )
+    assert other["seconds"] < timeout / 4  # told by rank 1, not found by a timeout
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,21 @@ difference that slipped through would surface later as transfers that do not mat
 or as a hang until the process group's timeout. The fingerprint holds the options,
 each layer's type and tensor shapes, and the model's ties: which names hold one tensor
 (``model[2].weight = model[0].weight``), since ties decide which transfers a step makes.
+
+The same exchange carries a failure of a rank's own start (:func:`start_together`): a
+state dict without a key of its layers, a layer that cannot be moved to its device.
+Such a failure may happen on one rank alone, after the others have built their
+transports and wait for its fingerprint; it goes to them in its ``end`` in place of the
+fingerprint, so they raise a :class:`~torchgpipe.distributed.RemoteError` that names it
+at once, rather than when the failing process exits or the process group times out::
+
+    rank 0                       rank 1 (its state dict lacks 2.weight)
+    build its stage: fine        build its stage: ValueError
+    hello(fingerprint) ────────▶ (left in its mailbox)
+    take hello of 1 ◀─────────── end(failed: ValueError ...)
+       Stopped                   wait for the others' ends
+    end(failed) ───────────────▶ raise ValueError (its own)
+    raise RemoteError("rank 1 (stages [1]) raised ValueError: ...")
 """
 
 from __future__ import annotations
@@ -16,7 +31,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["check_rank", "differences", "fingerprint"]
+from torchgpipe.distributed.exchange import Exchange, describe
+from torchgpipe.mailbox import Stopped
+
+__all__ = ["check_rank", "differences", "fingerprint", "start_together"]
 
 
 def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -29,6 +47,43 @@ def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, 
         )
         layers.append(f"{name}: {type(layer).__qualname__}({params})")
     return {**options, "layers": layers, "ties": _ties(module)}
+
+
+def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> None:
+    """Tell every other rank how this rank's start went, and learn how theirs went.
+
+    Every rank calls it once, on a fresh ``exchange``, with the ``outcome`` of its own
+    start: its fingerprint, or the exception that stopped it. The exchange is ended in
+    either case, so each rank learns of a failure anywhere as soon as it happened.
+
+    Raises:
+        Exception: ``outcome``, this rank's own failure, once every other rank was told.
+        RemoteError: another rank failed to start, or was lost.
+        ValueError: the ranks were given different models or arguments; every rank
+            raises it with the same message.
+    """
+    rank = exchange.rank
+    if isinstance(outcome, Exception):
+        status = describe(outcome, None, rank, exchange.stages[rank], None)
+        status["where"] = " while building its PipelineStage"
+        exchange.finish({"failed": True, "error": status}, [])  # waits for their ends
+        raise outcome
+    prints = {rank: outcome}
+    try:
+        for peer in exchange.peers:
+            exchange.send(peer, ("hello", rank), outcome)
+        for peer in exchange.peers:
+            prints[peer] = exchange.take(("hello", peer))
+    except Stopped:  # a peer failed or is lost; close() names it
+        pass
+    exchange.close()
+    problems = differences(prints)
+    if problems:
+        raise ValueError(
+            f"the {len(exchange.peers) + 1} processes of the pipeline were not given the "
+            f"same model and arguments: {'; '.join(problems)}; build the same "
+            f"nn.Sequential and PipelineStage in every process"
+        )
 
 
 def _ties(module: nn.Sequential) -> list[str]:

@@ -7,7 +7,9 @@ their layers to its device. The others' layers stay where the caller built them.
 
 At construction the processes compare what each was given (balance, options, each
 layer's type and parameter shapes, which tensors are tied: ``distributed/checks.py``)
-and all refuse to start, with the same message, when they differ.
+and all refuse to start, with the same message, when they differ. The same exchange
+carries a failure of one process's own start (a state dict that lacks a key of its
+layers): it raises its error, the others a ``RemoteError`` that names it, at once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
-from torchgpipe.distributed.checks import check_rank, differences, fingerprint
+from torchgpipe.clip import clip_grad_norm, counted_once
+from torchgpipe.distributed.checks import check_rank, fingerprint, start_together
+from torchgpipe.distributed.collect import collect
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
 from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
@@ -31,9 +35,9 @@ from torchgpipe.gpipe import (
     check_balance,
     check_checkpoint,
     check_chunks,
+    check_flag,
     checkpoint_stop,
 )
-from torchgpipe.mailbox import Stopped
 from torchgpipe.materialize import (
     Init,
     check_materializable,
@@ -46,7 +50,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.tied import Ties, check_layers, state_names
+from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
 from torchgpipe.trace import Trace
 from torchgpipe.worker import WorkerPool
 
@@ -111,8 +115,10 @@ class PipelineStage(nn.Module, StageHolder):
         TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``, or a
             balance that does not give every process the same number of stages.
         RuntimeError: ``torch.distributed`` is not initialized (and no transport given).
-        ValueError: the processes were given different models or arguments.
-        RemoteError: another process failed to start or died.
+        ValueError: the processes were given different models or arguments; or
+            ``state_dict`` or ``init`` cannot fill this process's layers (raised once
+            the other processes have been told, see ``RemoteError``).
+        RemoteError: another process failed to start (named, with its error) or died.
     """
 
     def __init__(
@@ -143,9 +149,7 @@ class PipelineStage(nn.Module, StageHolder):
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint: Checkpoint = check_checkpoint(checkpoint)
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
-        self.deferred_batch_norm = deferred_batch_norm
+        self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
         if not isinstance(static_shapes, bool):
             raise TypeError(f"static_shapes must be a bool, got {static_shapes!r}")
         self.static_shapes = static_shapes
@@ -184,7 +188,29 @@ class PipelineStage(nn.Module, StageHolder):
         self.stages = tuple(range(self.rank, n, self.world_size))
         """The stages this process runs."""
 
-        self._fingerprint = fingerprint(
+        self._pool: WorkerPool | None = None
+        self._tracer: Trace | None = None  # set by trace()
+        # What follows may fail here alone (a state dict without a key of these layers),
+        # while the others wait for this process's fingerprint: they must hear of it.
+        outcome: dict[str, Any] | Exception
+        try:
+            outcome = self._build(module, init=init, state_dict=state_dict)
+        except Exception as error:
+            outcome = error
+        try:
+            start_together(self._start_exchange(), outcome)
+            self._across = AcrossRanks(transport)
+            self._across.align(self._ties)
+        except BaseException:
+            self._stop_listening()  # a stage that failed to start leaves no thread behind
+            raise
+
+    def _build(
+        self, module: nn.Sequential, *, init: Init | None, state_dict: Mapping[str, Tensor] | None
+    ) -> dict[str, Any]:
+        """Take this process's stages of ``module``; its fingerprint, for the others."""
+        n = len(self.balance)
+        mine = fingerprint(
             module,
             {
                 "processes": self.world_size,
@@ -195,7 +221,7 @@ class PipelineStage(nn.Module, StageHolder):
                 "static_shapes": self.static_shapes,
             },
         )
-        deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
+        deferred = convert_deferred_batch_norm(module) if self.deferred_batch_norm else []
         layers = list(module.named_children())
         starts = [sum(self.balance[:s]) for s in range(n + 1)]
         self.skip_layout: SkipLayout = skip_layout(module, self.balance)
@@ -205,7 +231,9 @@ class PipelineStage(nn.Module, StageHolder):
         ]
         self.partitions: dict[int, nn.Sequential] = {}
         own = [layer for s in self.stages for layer in layers[starts[s] : starts[s + 1]]]
-        check_materializable(own, init=init, state_dict=state_dict)  # before any change
+        state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
+        # The whole model: a parameter tied to another rank's layer is filled there.
+        check_materializable(own, init=init, state_dict=state_dict, model=module)
         every = [[layer for _, layer in layers[starts[s] : starts[s + 1]]] for s in range(n)]
         shared = tied_ranks(every, [s % self.world_size for s in range(n)])
         self._ties = Ties.untie(  # a tied weight: a copy per stage here, kept equal to theirs
@@ -225,16 +253,12 @@ class PipelineStage(nn.Module, StageHolder):
             keep_plain_keys(self)  # a split model's keys: the model's own
         if self._ties:  # load the whole model's state dict on every rank (strict=False)
             self._ties.watch_loads(self)
-        mine = {id(layer) for part in self.partitions.values() for layer in part.modules()}
-        self._deferred = [layer for layer in deferred if id(layer) in mine]
-        self._pool: WorkerPool | None = None
+        held = {id(layer) for part in self.partitions.values() for layer in part.modules()}
+        self._deferred = [layer for layer in deferred if id(layer) in held]
         # Recomputation must not update plain batch norm's running statistics again.
         self._guards = {s: batch_norm_guard(self.partitions[s]) for s in self.stages}
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
-        self._tracer: Trace | None = None  # set by trace()
-        self._check_peers()
-        self._across = AcrossRanks(transport)
-        self._across.align(self._ties)
+        return mine
 
     @property
     def is_first(self) -> bool:
@@ -321,10 +345,9 @@ class PipelineStage(nn.Module, StageHolder):
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
-        """Record this process's cells while the block runs (see :mod:`torchgpipe.trace`).
+        """Record this process's cells while the block runs; gather_trace() merges them.
 
-        Each process records its own stages' spans; :meth:`gather_trace` then brings
-        every process's trace to one, on a common clock::
+        ::
 
             with stage.trace() as trace:
                 schedule.step(x, y)
@@ -341,11 +364,8 @@ class PipelineStage(nn.Module, StageHolder):
     def gather_trace(self, trace: Trace, dst: int = 0) -> Trace | None:
         """Every process's trace merged on rank ``dst``, which gets it; None elsewhere.
 
-        Call it in every process at once, outside a step. The spans of each process are
-        placed on ``dst``'s clock through the wall clock (``time.time()``): exact between
-        processes of one machine, as good as the machines' clock synchronization (NTP,
-        typically a millisecond or better) between machines. The rows are the stages; each
-        span's thread (``CellEvent.thread``, in a Chrome file its ``args``) names its rank.
+        Call it in every process at once, outside a step. Spans go on ``dst``'s clock
+        through the wall clock: exact on one machine, as good as NTP between machines.
 
         Raises:
             TypeError: ``trace`` is not a :class:`~torchgpipe.trace.Trace`, or ``dst``
@@ -359,26 +379,38 @@ class PipelineStage(nn.Module, StageHolder):
                 f"gather_trace takes the Trace that stage.trace() gave, got "
                 f"{type(trace).__name__}; pass `trace` of `with stage.trace() as trace:`"
             )
-        mine = (trace.m, trace.on_wall_clock())
-        got: dict[int, Any] = {}
-        exchange = self.exchange()
-        try:
-            if self.rank != dst:
-                exchange.send(dst, ("trace", self.rank), mine)
-            else:
-                got = {peer: exchange.take(("trace", peer)) for peer in exchange.peers}
-        except Stopped:  # a peer is lost; close() names it
-            pass
-        finally:  # whatever happened: the next step needs the listeners
-            exchange.close()
+        got = collect(self, "trace", (trace.m, trace.on_wall_clock()), [dst])
         if self.rank != dst:
             return None
         merged = Trace(len(self.balance), m=trace.m, origin=trace.origin)
-        merged.merge(mine[1], f"rank {self.rank}")
         for peer, (m, events) in sorted(got.items()):
             merged.m = max(merged.m, m)
             merged.merge(events, f"rank {peer}")
         return merged
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip every process's gradients by one total norm, each weight counted once.
+
+        Call it in every process at once, after a step, instead of
+        ``clip_grad_norm_(stage.parameters(), ...)``, which would clip each process by
+        its own norm and let the copies of a tied weight drift apart (``clip.py``).
+        Returns the total norm before clipping, the same everywhere (0-dim, on the CPU).
+
+        Raises:
+            RemoteError: another process failed or was lost.
+        """
+        ties, every, ranks = self._ties, list(self.parameters()), range(self.world_size)
+
+        def gather(part: Tensor) -> list[Tensor]:
+            return [part for _, part in sorted(collect(self, "norm", part, ranks).items())]
+
+        counted = counted_once(every, ties.groups, ties.ranks, self.rank)
+        limit, error = max_norm, error_if_nonfinite
+        return clip_grad_norm(
+            counted, every, limit, norm_type, error_if_nonfinite=error, gather=gather
+        )
 
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
@@ -429,9 +461,7 @@ class PipelineStage(nn.Module, StageHolder):
             self.transport,
             self._listeners(),
             owner=owner,
-            stages=[
-                tuple(range(r, len(self.balance), self.world_size)) for r in range(self.world_size)
-            ],
+            stages=self._rank_stages(),
             wire=wire,
             unwire=unwire,
         )
@@ -443,25 +473,28 @@ class PipelineStage(nn.Module, StageHolder):
             pool = self._pool = WorkerPool(peers, name="torchgpipe-listener")
         return pool
 
-    def _check_peers(self) -> None:
-        """Compare every process's model and arguments; refuse to start if they differ."""
-        exchange = self.exchange()
-        prints = {self.rank: self._fingerprint}
-        try:
-            for peer in exchange.peers:
-                exchange.send(peer, ("hello", self.rank), self._fingerprint)
-            for peer in exchange.peers:
-                prints[peer] = exchange.take(("hello", peer))
-        except Stopped:  # a peer is lost; close() names it
-            pass
-        exchange.close()
-        problems = differences(prints)
-        if problems:
-            raise ValueError(
-                f"the {self.world_size} processes of the pipeline were not given the same "
-                f"model and arguments: {'; '.join(problems)}; build the same nn.Sequential "
-                f"and PipelineStage in every process"
-            )
+    def _rank_stages(self) -> list[tuple[int, ...]]:
+        """The stages of each rank, by rank."""
+        n, world = len(self.balance), self.world_size
+        return [tuple(range(r, n, world)) for r in range(world)]
+
+    def _start_exchange(self) -> Exchange:
+        """The exchange of the start (``checks.start_together``), for no step's messages.
+
+        It needs none of what :meth:`_build` makes, which may have failed.
+        """
+        return Exchange(
+            self.transport,
+            self._listeners(),
+            owner=lambda key: self.rank,
+            stages=self._rank_stages(),
+        )
+
+    def _stop_listening(self) -> None:
+        """Let the listener threads end (those of a stage that failed to start)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a PipelineStage belongs to its process and cannot be copied")
