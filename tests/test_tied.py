@@ -387,6 +387,45 @@ def test_a_meta_model_starts_with_the_owners_values_on_every_rank() -> None:
     assert torch.equal(results[0][0]["0.weight"], results[1][0]["4.weight"])
 
 
+class _Halves(nn.Linear):
+    """A Linear whose reset fills its weight with 0.5: values a test can recognize."""
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 0.5)
+        nn.init.zeros_(self.bias)
+
+
+class _TiedHead(nn.Module):
+    """A head whose only weight is another layer's: nothing of its own to fill."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight
+
+
+def test_a_tie_whose_first_holder_is_on_a_higher_rank_takes_its_values() -> None:
+    # Interleaved: stage 1 (rank 1) holds the weight first, stage 2 (rank 0) after it.
+    # The owner is the first holder's rank, which a meta model fills; the later
+    # holder's copy, allocated and never filled, must not be the one handed round.
+    def build() -> nn.Sequential:
+        with torch.device("meta"):
+            first = _Halves(WIDTH, WIDTH)
+            return nn.Sequential(nn.Tanh(), first, _TiedHead(first.weight), nn.Tanh())
+
+    models = [build() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [1, 1, 1, 1], transport=transport)
+        return stage.state_dict()
+
+    low, high = run_threads(rank, 2, timeout=20.0)
+    assert torch.equal(high["1.weight"], torch.full((WIDTH, WIDTH), 0.5))
+    assert torch.equal(low["2.weight"], torch.full((WIDTH, WIDTH), 0.5))
+
+
 # On gloo, in processes: the ProcessGroupTransport's own transfers.
 
 

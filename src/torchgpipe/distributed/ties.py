@@ -3,7 +3,9 @@
 A parameter that layers of two stages use (a language model's token embedding and its
 output head) lives in each process that runs one of those stages. Every process sees
 the whole model, so each works out the same groups (:func:`tied_ranks`): the ranks
-holding a tied parameter, sorted, the first its owner. Inside a process the partitions
+holding a tied parameter, in the order the model first uses it there, the first its
+owner: the rank of its first holder, which is the one a meta model must fill
+(``materialize.py``; the later holders take its values). Inside a process the partitions
 share copies as ``GPipe``'s do (``torchgpipe/tied.py``); between processes,
 :class:`AcrossRanks` moves them:
 
@@ -38,15 +40,19 @@ def tied_ranks(
 ) -> dict[int, tuple[int, ...]]:
     """For each parameter used by stages on two ranks or more: ``id`` to those ranks.
 
+    The ranks in the order of their stages' first use of it (an interleaved schedule can
+    put a later stage on a lower rank), so the first is its first holder's, its owner.
     ``partitions`` holds every stage's layers (of the whole model, as every process has
     it), ``placement`` each stage's rank.
     """
-    ranks: dict[int, set[int]] = {}
+    ranks: dict[int, list[int]] = {}
     for layers, rank in zip(partitions, placement, strict=True):
         for layer in layers:
             for parameter in layer.parameters():
-                ranks.setdefault(id(parameter), set()).add(rank)
-    return {key: tuple(sorted(held)) for key, held in ranks.items() if len(held) > 1}
+                held = ranks.setdefault(id(parameter), [])
+                if rank not in held:
+                    held.append(rank)
+    return {key: tuple(held) for key, held in ranks.items() if len(held) > 1}
 
 
 class AcrossRanks:
