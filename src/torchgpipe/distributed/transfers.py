@@ -24,6 +24,7 @@ its size, so that the two sides still match.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
@@ -119,7 +120,9 @@ class Transfers:
         """
         if self.static is None or buffer is None or buffer.device.type != "cpu":
             return False
-        return int(buffer[-MARK]) == 0
+        # The mark's first byte, read in place: indexing the tensor costs ~40 us a message.
+        mark = buffer.data_ptr() + (buffer.numel() - MARK) * buffer.element_size()
+        return ctypes.c_uint8.from_address(mark).value == 0
 
     def issue_before(self, position: int) -> None:
         """Issue the rounds up to the time this rank's action ``position`` starts.
