@@ -9,8 +9,9 @@ A model too large for one process is built without memory, then each process (or
     stage = PipelineStage(model, balance, init=my_init)   # or a function of each layer
     stage = PipelineStage(model, balance, state_dict=sd)  # or the plain model's keys
 
-What fills a tensor, checked for every layer before any is changed (a tensor that
-nothing is known to fill is refused, by name: ``torch.empty`` would leave it garbage):
+What fills a tensor, checked for every layer before any is changed where it can be (a
+tensor that nothing is known to fill is refused, by name: ``torch.empty`` would leave
+it garbage):
 
 - ``init`` fills every tensor of a layer; that is the caller's promise.
 - ``state_dict`` fills each tensor saved under a key it holds, and must hold every key
@@ -20,10 +21,11 @@ nothing is known to fill is refused, by name: ``torch.empty`` would leave it gar
 - Otherwise, a module's own reset: ``reset_parameters()`` (or ``_reset_parameters()``,
   as ``nn.MultiheadAttention`` names it), children before parents, the order in which
   their constructors ran. It is trusted to fill the module's parameters (its name says
-  so), but its buffers only for torch's own classes (and this library's), whose resets
-  are known to: ``BatchNorm`` resets its running statistics. A buffer that a class of
-  yours registers (on its own, or added to a torch class it extends, such as a mask on
-  a subclass of ``nn.Linear``) is known to nothing.
+  so), and the buffers of torch's own classes (and this library's): ``BatchNorm``
+  resets its running statistics. The buffers of a class of yours (a subclass of a
+  torch class included: a mask added to ``nn.Linear``) are checked once its reset ran:
+  one it neither replaced nor wrote is refused then (see :func:`_reset`), so a reset
+  may fill them, yours or torch's (a subclass of ``BatchNorm1d`` keeps working).
 - A parameter that an earlier layer of the model (or an earlier module of the same
   layer) holds too needs nothing of its own: every holder ends with its first holder's
   values (:func:`_retie` inside a partition, :mod:`torchgpipe.tied` across them). Only
@@ -35,6 +37,7 @@ draws only its own layers); load a state dict where they must be equal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from itertools import chain
 
@@ -300,31 +303,14 @@ def _check_fillable(
 
 
 def _why_unfilled(module: nn.Module, name: str) -> str | None:
-    """Why no reset of ``module`` is known to fill its tensor ``name``; None: one is."""
+    """Why no reset of ``module`` is known to fill its tensor ``name``; None: one may.
+
+    Whether a reset fills a user's class's buffers is known only once it ran: see
+    :func:`_reset`.
+    """
     if _reset_of(module) is None:
         return "it has no reset_parameters()"
-    if name in module._buffers and not _torchs_own(module) and not _users_reset(module):
-        unsaved = name in module._non_persistent_buffers_set
-        return (
-            "a buffer of a class not torch's, whose reset_parameters() is torch's and knows "
-            "nothing of it" + ("; persistent=False keeps it out of state dicts" if unsaved else "")
-        )
     return None
-
-
-def _users_reset(module: nn.Module) -> bool:
-    """Whether the reset that runs on ``module`` is the user's code, not torch's.
-
-    A reset a user wrote for a class is trusted to fill that class's buffers, and
-    checked after it ran (:func:`_reset`); torch's reset inherited by a user's subclass
-    knows nothing of the buffers the subclass adds.
-    """
-    name = "reset_parameters" if callable(getattr(module, "reset_parameters", None)) else ""
-    name = name or "_reset_parameters"
-    for klass in type(module).__mro__:
-        if name in vars(klass):
-            return klass.__module__.split(".")[0] not in ("torch", "torchgpipe")
-    return False
 
 
 def _torchs_own(module: nn.Module) -> bool:
@@ -353,28 +339,43 @@ def _reset(layer: nn.Module, loaded: set[str], prefix: str) -> None:
     ``loaded``: the keys (in ``layer``'s state dict) a state dict fills afterwards;
     ``prefix``: what the layer's keys start with in the model's, for errors.
 
+    The reset of a class of a user's (a subclass of torch's included) may leave a buffer
+    it knows nothing of (a mask a subclass of ``nn.Linear`` adds): such a buffer is
+    first filled with NaN (when floating), and found unfilled when the reset neither
+    replaced it, nor wrote it in place (its version counter), nor through ``.data``
+    (it is still all NaN).
+
     Raises:
-        ValueError: a user's reset left a buffer of its module as it was allocated:
-            neither replaced nor written (its version counter did not move).
+        ValueError: a reset left a buffer of a user's class as it was allocated.
     """
     for path, module in _children_first(layer, ""):
         reset = _reset_of(module)
         if reset is None or not _own_tensors(module):
             continue
-        before = {n: (b, b._version) for n, b in module._buffers.items() if b is not None}
+        watched = {}  # name: (buffer, its version once marked)
+        if not _torchs_own(module):
+            for n, b in module._buffers.items():
+                if b is not None and _join(path, n) not in loaded:
+                    if b.is_floating_point() or b.is_complex():
+                        b.fill_(math.nan)
+                    watched[n] = (b, b._version)
         reset()
-        left = [
-            n
-            for n, (b, v) in before.items()
-            if module._buffers.get(n) is b and b._version == v and _join(path, n) not in loaded
-        ]
-        if left and not _torchs_own(module):
+        left = [n for n, (b, v) in watched.items() if _unfilled(module._buffers.get(n), b, v)]
+        if left:
             names = ", ".join(prefix + _join(path, n) for n in left)
             raise ValueError(
                 f"{type(module).__name__}.reset_parameters() left {names} as allocated "
                 f"(uninitialized memory): fill it there, or pass init= or a state dict "
                 f"holding it, or build that layer outside the meta device"
             )
+
+
+def _unfilled(now: Tensor | None, marked: Tensor, version: int) -> bool:
+    """Whether a buffer marked before a reset is still as marked after it."""
+    if now is not marked or marked._version != version:
+        return False
+    floating = marked.is_floating_point() or marked.is_complex()
+    return not floating or bool(marked.isnan().all())
 
 
 def _reset_of(module: nn.Module) -> Callable[[], object] | None:
