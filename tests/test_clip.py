@@ -94,6 +94,24 @@ def test_a_non_finite_norm_raises_when_asked() -> None:
     with pytest.raises(RuntimeError, match="error_if_nonfinite=False"):
         model.clip_grad_norm_(1.0, error_if_nonfinite=True)
     assert model.clip_grad_norm_(1.0) == math.inf
+    # A NaN norm scales every gradient by NaN, as torch's clip does.
+    model[0].weight.grad = torch.full((2, 2), math.nan)
+    model[0].bias.grad = torch.ones(2)
+    assert model.clip_grad_norm_(1.0).isnan()
+    assert model[0].bias.grad.isnan().all()
+
+
+def test_arguments_as_torchs_clip_takes_them() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4))
+    model = GPipe(copy.deepcopy(plain), [1])
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    total = model.clip_grad_norm_(torch.tensor(0.1), "inf")  # type: ignore[arg-type]
+    torch.testing.assert_close(total, nn.utils.clip_grad_norm_(plain.parameters(), 0.1, "inf"))
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,21 @@ def test_fork_join_pick_the_first_float_leaf() -> None:
     assert joined["ids"] is ids
 
 
+def test_the_edge_rides_the_first_leaf_that_wants_a_gradient() -> None:
+    # (mask, x): the mask wants no gradient, x does: the edge is x's, and the mask is
+    # left wanting none.
+    mask, x = torch.ones(3), torch.ones(3, requires_grad=True)
+    value, phony = fork((mask, x))
+    assert phony is not None
+    assert value[0] is mask
+    _, phony = fork(torch.ones(1, requires_grad=True))
+    joined = join((mask, x), phony)
+    assert joined[0] is mask
+    assert not joined[0].requires_grad
+    assert joined[1] is not x
+    assert joined[1].grad_fn is not None
+
+
 def test_join_leaves_an_input_that_wants_no_gradient_as_it_is() -> None:
     # Joining would make it want one, where the plain model's input does not.
     _, phony = fork(torch.ones(1, requires_grad=True))

@@ -247,6 +247,7 @@ def test_arguments_taken_as_torchgpipe_0_0_7_took_them() -> None:
     assert type(model.checkpoint) is str
     assert model.deferred_batch_norm is True
     assert GPipe(_mlp(), [4], checkpoint=np.str_("never")).checkpoint.__class__ is str
+    assert GPipe(_mlp(), [4], chunks=np.float32(4)).chunks == 4  # type: ignore[arg-type]
     assert GPipe(_mlp(), [4], deferred_batch_norm=0).deferred_batch_norm is False  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="deferred_batch_norm must be a bool, got 2"):
         GPipe(_mlp(), [4], deferred_batch_norm=2)  # type: ignore[arg-type]

@@ -39,9 +39,10 @@ class DeferredBatchNorm(_BatchNorm):
 
     A mini-batch is ``chunks`` micro-batches in a row, in training mode: the running
     statistics are updated after the last of them, as plain ``BatchNorm`` would update
-    them seeing the mini-batch at once. GPipe sets the number itself, calling
-    :meth:`expect` before each mini-batch. Evaluation uses the running statistics, as
-    ``BatchNorm`` does. Example, on its own::
+    them seeing the mini-batch at once. ``GPipe(..., deferred_batch_norm=True)`` sets the
+    number itself, calling :meth:`expect` before each mini-batch (without that flag, a
+    layer of yours inside GPipe keeps its own ``chunks``). Evaluation uses the running
+    statistics, as ``BatchNorm`` does. Example, on its own::
 
         bn = DeferredBatchNorm(64, chunks=4)
         for micro_batch in batch.chunk(4):

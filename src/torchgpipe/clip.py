@@ -35,14 +35,26 @@ def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, floa
         TypeError: either is not a real number.
         ValueError: ``max_norm`` is negative or not finite, ``norm_type`` not positive.
     """
+    numbers = []
     for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(max_norm) or max_norm < 0:
+        # As torch's clip takes them: a number, a one-element tensor, 'inf' as a string.
+        fits = (
+            isinstance(value, int | float)
+            or (isinstance(value, str) and value.lower() in ("inf", "infinity"))
+            or (isinstance(value, Tensor) and value.numel() == 1)
+        )
+        try:
+            if isinstance(value, bool) or not fits:
+                raise TypeError
+            numbers.append(float(value))
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a number, got {value!r}") from None
+    limit, order = numbers
+    if not math.isfinite(limit) or limit < 0:
         raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
-    if not norm_type > 0:
+    if not order > 0:
         raise ValueError(f"norm_type must be positive (2.0, or math.inf), got {norm_type!r}")
-    return float(max_norm), float(norm_type)
+    return limit, order
 
 
 def counted_once(
@@ -67,13 +79,20 @@ def counted_once(
 def norm_part(grads: Iterable[Tensor], norm_type: float) -> Tensor:
     """This holder's part of the total norm: the sum of ``|g| ** p``, or the max ``|g|``.
 
-    A 0-dim float64 tensor on the CPU; 0 for no gradients.
+    A 0-dim float64 tensor on the CPU; 0 for no gradients. One copy to the CPU per
+    device, not per gradient (on a GPU each copy waits for the device).
     """
-    part = torch.zeros((), dtype=torch.float64)
+    by_device: dict[torch.device, list[Tensor]] = {}
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64).cpu()
-        part = torch.maximum(part, norm) if math.isinf(norm_type) else part + norm**norm_type
-    return part
+        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64)
+        by_device.setdefault(grad.device, []).append(norm)
+    parts = [torch.zeros((), dtype=torch.float64)]
+    for norms in by_device.values():
+        stacked = torch.stack(norms)
+        part = stacked.max() if math.isinf(norm_type) else (stacked**norm_type).sum()
+        parts.append(part.cpu())
+    together = torch.stack(parts)
+    return together.max() if math.isinf(norm_type) else together.sum()
 
 
 def clip_grad_norm(
@@ -110,7 +129,7 @@ def clip_grad_norm(
             f"cannot be clipped; pass error_if_nonfinite=False to scale them anyway"
         )
     scale = max_norm / (float(total) + 1e-6)
-    if scale < 1.0:
+    if scale < 1.0 or math.isnan(scale):  # a NaN norm makes every gradient NaN, as torch's
         with torch.no_grad():
             for p in every:
                 if p.grad is not None:

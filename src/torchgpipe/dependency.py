@@ -52,43 +52,43 @@ class _Join(torch.autograd.Function):
 
 
 def _anchor(leaves: list[Any]) -> int | None:
-    """The index of the first floating-point tensor leaf, which carries the edge.
+    """The index of the first floating-point leaf that wants a gradient: it carries the edge.
 
-    Only floating-point tensors carry gradients, so only they can carry the edge.
+    Only a tensor that wants a gradient carries one back, so only it can carry the edge;
+    joining into one that does not would make it want one, where the plain model's
+    does not (a layer that reads ``requires_grad`` would see the difference, and the
+    backward would run through layers whose input needs none).
     """
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+        if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
             return index
     return None
 
 
 def fork(value: Any) -> tuple[Any, Tensor | None]:
-    """Return ``value`` with a phony tensor branched off its first float tensor leaf.
+    """Return ``value`` with a phony tensor branched off its anchor (see :func:`_anchor`).
 
-    The phony is ``None`` when no leaf requires grad: there is no backward to order.
+    The phony is ``None`` when no leaf wants a gradient: there is no backward to order.
     """
     leaves, spec = flatten(value)
     index = _anchor(leaves)
-    if index is None or not leaves[index].requires_grad:
+    if index is None:
         return value, None
     leaves[index], phony = _Fork.apply(leaves[index])  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return unflatten(leaves, spec), phony
 
 
 def join(value: Any, phony: Tensor | None) -> Any:
-    """Return ``value`` with ``phony`` joined into its first float tensor leaf.
+    """Return ``value`` with ``phony`` joined into its anchor (see :func:`_anchor`).
 
-    Not when that leaf wants no gradient: the join would make it want one, where the
-    plain model's input does not (a layer that reads ``requires_grad`` would see the
-    difference, and the backward would run through layers whose input needs none). No
-    gradient then leaves the cell through its input, and its parameters' gradients
-    add up the same in any order: there is nothing to order.
+    Without an anchor no gradient leaves the cell through its input, and its
+    parameters' gradients add up the same in any order: there is nothing to order.
     """
     if phony is None:
         return value
     leaves, spec = flatten(value)
     index = _anchor(leaves)
-    if index is None or not leaves[index].requires_grad:
+    if index is None:
         return value
     leaves[index] = _Join.apply(leaves[index], phony)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return unflatten(leaves, spec)

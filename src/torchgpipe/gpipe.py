@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -412,6 +413,8 @@ def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
         raise BalanceError(
             f"balance is required: pass the number of layers of each partition, such as "
             f"balance=[{num_layers}] for a single partition, {_AUTO_BALANCE_HINT}"
+            if num_layers
+            else "balance is required: pass balance=[] for an empty model"
         )
     try:
         entries = list(balance)
@@ -452,8 +455,9 @@ def check_chunks(chunks: int) -> int:
     Whole floats are taken as torchgpipe 0.0.7 took them; any other value is refused.
     """
     given: object = chunks
-    if isinstance(given, float) and given.is_integer():  # NumPy's floats included
-        chunks = int(given)
+    if isinstance(given, numbers.Real) and not isinstance(given, numbers.Integral):
+        value = float(given)  # a float of NumPy's too
+        chunks = int(value) if value.is_integer() else chunks
     try:
         if isinstance(chunks, bool):
             raise TypeError
