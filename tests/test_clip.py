@@ -179,3 +179,25 @@ def test_processes_clip_by_one_norm_and_train_as_the_plain_model(
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert torch.equal(results[0][0]["0.weight"], results[-1][0]["4.weight"])
+
+
+def test_a_process_that_does_not_take_part_leaves_none_waiting() -> None:
+    # Rank 1 gathers a trace while rank 0 clips: rank 0 learns that rank 1 ended without
+    # its part, at once, instead of waiting for a message that will not come.
+    models = [_language_model() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=2)
+        with stage.trace() as trace:
+            ids, target = _data(0)
+            Schedule1F1B(stage, F.cross_entropy).step(
+                ids if stage.is_first else None, target if stage.is_last else None
+            )
+        if transport.rank == 0:
+            return stage.clip_grad_norm_(1.0)
+        return stage.gather_trace(trace, dst=0)
+
+    zero, one = run_threads(rank, 2, timeout=30.0)
+    assert isinstance(zero, RuntimeError)
+    assert "ranks [1], which ended without sending it" in str(zero)
+    assert one is None

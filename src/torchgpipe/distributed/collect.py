@@ -34,12 +34,21 @@ def collect(stage: PipelineStage, name: str, value: Any, to: Collection[int]) ->
             if peer != stage.rank:
                 exchange.send(peer, (name, stage.rank), value)
         if stage.rank in to:
-            got = {peer: exchange.take((name, peer)) for peer in exchange.peers}
+            # Not take(): a peer that ends without sending (it failed, or called another
+            # method at this time) must not leave this one waiting.
+            got = {peer: exchange.wait_for((name, peer), peer) for peer in exchange.peers}
     except Stopped:  # a peer is lost; close() names it
         pass
     finally:  # whatever happened: the next step needs the listeners
         exchange.close()
     if stage.rank not in to:
         return {}
+    silent = sorted(peer for peer, part in got.items() if part is None)
+    if silent:
+        raise RuntimeError(
+            f"rank {stage.rank} expected the {name} of ranks {silent}, which ended without "
+            f"sending it: every process must make the same call at once (a process that "
+            f"calls another method of its stage meanwhile does not take part)"
+        )
     got[stage.rank] = value
     return got
