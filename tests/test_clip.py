@@ -10,33 +10,12 @@ import pytest
 import torch
 from distributed_helpers import run_threads
 from nccl_rules import NCCLRules
+from test_tied import _data, _language_model
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleGPipe
 from torchgpipe.distributed import PipelineStage, Transport
-
-VOCAB, WIDTH = 11, 6
-
-
-class Mean(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mean(dim=1)
-
-
-def _language_model() -> nn.Sequential:
-    """Embedding, a body, and an output head tied to the embedding."""
-    torch.manual_seed(0)
-    embedding = nn.Embedding(VOCAB, WIDTH)
-    head = nn.Linear(WIDTH, VOCAB, bias=False)
-    head.weight = embedding.weight
-    return nn.Sequential(embedding, Mean(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), head)
-
-
-def _data(seed: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (8, 5), generator=generator)
-    return ids, torch.randint(0, VOCAB, (8,), generator=generator)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])

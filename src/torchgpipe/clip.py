@@ -89,10 +89,14 @@ def norm_part(grads: Iterable[Tensor], norm_type: float) -> Tensor:
     parts = [torch.zeros((), dtype=torch.float64)]
     for norms in by_device.values():
         stacked = torch.stack(norms)
-        part = stacked.max() if math.isinf(norm_type) else (stacked**norm_type).sum()
-        parts.append(part.cpu())
-    together = torch.stack(parts)
-    return together.max() if math.isinf(norm_type) else together.sum()
+        powers = stacked if math.isinf(norm_type) else stacked**norm_type
+        parts.append(_combine(powers, norm_type).cpu())
+    return _combine(torch.stack(parts), norm_type)
+
+
+def _combine(parts: Tensor, norm_type: float) -> Tensor:
+    """Parts of a norm's ``p``-th power added up; for the max norm, the largest."""
+    return parts.max() if math.isinf(norm_type) else parts.sum()
 
 
 def clip_grad_norm(
@@ -119,10 +123,9 @@ def clip_grad_norm(
     parts = [norm_part(grads, norm_type)]
     if gather is not None:
         parts = gather(parts[0])
-    if math.isinf(norm_type):
-        total = torch.stack(parts).max()
-    else:
-        total = torch.stack(parts).sum() ** (1.0 / norm_type)
+    total = _combine(torch.stack(parts), norm_type)
+    if not math.isinf(norm_type):
+        total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}, so they "

@@ -454,16 +454,13 @@ def check_chunks(chunks: int) -> int:
 
     Whole floats are taken as torchgpipe 0.0.7 took them; any other value is refused.
     """
+    from torchgpipe.balance.blockpartition import whole_number  # balance imports this module
+
     given: object = chunks
     if isinstance(given, numbers.Real) and not isinstance(given, numbers.Integral):
         value = float(given)  # a float of NumPy's too
-        chunks = int(value) if value.is_integer() else chunks
-    try:
-        if isinstance(chunks, bool):
-            raise TypeError
-        chunks = operator.index(chunks)  # an int, or a NumPy integer
-    except TypeError:
-        raise TypeError(f"chunks must be an int, got {given!r}") from None
+        given = int(value) if value.is_integer() else given
+    chunks = whole_number(given, "chunks")
     if chunks <= 0:
         raise ValueError(
             f"chunks must be a positive number of micro-batches, got {chunks}; pass "

@@ -28,7 +28,21 @@ from collections.abc import Sequence
 from fractions import Fraction
 from itertools import accumulate, pairwise
 
-__all__ = ["check_partitions", "solve"]
+__all__ = ["check_partitions", "solve", "whole_number"]
+
+
+def whole_number(value: object, name: str) -> int:
+    """``value`` as a Python int: an int or a NumPy integer, not a bool or a float.
+
+    Raises:
+        TypeError: ``value`` is not an integer; the message calls it ``name``.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]  # anything with __index__
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
 def check_partitions(num_layers: int, partitions: int) -> int:
@@ -40,12 +54,7 @@ def check_partitions(num_layers: int, partitions: int) -> int:
         TypeError: ``partitions`` is not an integer (a bool or a float, say).
         ValueError: ``partitions`` is not positive, or exceeds ``num_layers``.
     """
-    try:
-        if isinstance(partitions, bool):
-            raise TypeError
-        partitions = operator.index(partitions)  # an int, or a NumPy integer
-    except TypeError:
-        raise TypeError(f"partitions must be an int, got {partitions!r}") from None
+    partitions = whole_number(partitions, "partitions")
     if partitions <= 0:
         raise ValueError(
             f"partitions must be a positive int, got {partitions}; pass 1 to keep all "
