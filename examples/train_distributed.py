@@ -70,7 +70,7 @@ def train(backend: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, steps: int) -> None:
+def _spawned(rank: int, world: int, port: int, backend: str, steps: int) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -78,7 +78,7 @@ def _spawned(rank: int, world: int, port: int, steps: int) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    train("gloo", steps)
+    train(backend, steps)
 
 
 def main() -> None:
@@ -88,6 +88,17 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="without torchrun only")
     args = parser.parse_args()
     if "RANK" in os.environ:  # started by torchrun
+        world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    else:
+        world = args.processes
+    if args.backend == "nccl" and torch.cuda.device_count() < world:
+        # One GPU cannot host two NCCL ranks: each process needs a GPU of its own.
+        parser.error(
+            f"--backend nccl needs a GPU per process on this machine: {world} processes, "
+            f"{torch.cuda.device_count()} GPUs; start fewer processes per machine, "
+            "or use --backend gloo"
+        )
+    if "RANK" in os.environ:
         train(args.backend, args.steps)
         return
     import socket
@@ -97,7 +108,7 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_spawned, args=(args.processes, port, args.steps), nprocs=args.processes)
+    mp.spawn(_spawned, args=(args.processes, port, args.backend, args.steps), nprocs=args.processes)
 
 
 if __name__ == "__main__":

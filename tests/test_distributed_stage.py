@@ -278,6 +278,12 @@ def test_interleaved_schedule_needs_chunks_a_multiple_of_the_ranks() -> None:
         ScheduleInterleaved1F1B(stage, _mse)
 
 
+def test_interleaving_with_one_virtual_stage_says_to_leave_it_out() -> None:
+    stage = _stages(2, [2, 2, 2, 2], chunks=2)[0]
+    with pytest.raises(ValueError, match="processes 2 stages, not 1; leave virtual_stages out"):
+        ScheduleInterleaved1F1B(stage, _mse, virtual_stages=1)
+
+
 def test_schedule_table_must_fit_the_stages() -> None:
     stage = _stages(2, [2, 2, 2, 2], chunks=1)[0]
     # Rank 0 runs stages 0 and 1, rank 1 stages 2 and 3: a valid table, but stage s

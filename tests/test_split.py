@@ -379,8 +379,10 @@ def test_too_many_stages_and_bad_arguments() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(SplitError, match="into 3 stages"):
         split(model, torch.randn(2, 2), stages=3)
-    with pytest.raises(TypeError, match="either at="):
+    with pytest.raises(TypeError, match=r"exactly one of at=.*got neither"):
         split(model, torch.randn(2, 2))
+    with pytest.raises(TypeError, match=r"exactly one of at=.*got both"):
+        split(model, torch.randn(2, 2), at=["0"], stages=2)
     with pytest.raises(TypeError, match="has no default"):
         split(Keywords(), torch.randn(2, 6), at=["third"])
 

@@ -12,8 +12,8 @@ balances are compared:
 For each: the slowest partition's known cost; the pipelined forward against its bound
 ``sum of all costs + (m - 1) * slowest`` (the first micro-batch passes every partition,
 and each later one leaves the slowest partition one slowest-cost after the previous);
-and a full training step (the layers sleep in backward too; on CPU the autograd engine
-runs backward on one thread, so only the forward gains from a better split).
+and a full training step (the layers sleep in backward too, each partition's backward
+on its own worker, so the backward gains from a better split as the forward does).
 
 Run from the repository root::
 

@@ -1,7 +1,7 @@
 """The seed's memory experiments on one GPU: its rows, and the largest model that fits.
 
-The torchgpipe paper's memory tables (``../shared/PUBLISHED.md``) give, per experiment, a
-model size and the memory of one training step. Those that one device can run are
+The torchgpipe paper's memory tables (Kim et al., 2020, arXiv 2004.09910) give, per
+experiment, a model size and the memory of one training step. Those that one device can run are
 ``naive-1`` (the plain model) and ``pipeline-1`` (GPipe with one partition, which keeps
 only the micro-batches' inputs and recomputes one micro-batch at a time):
 

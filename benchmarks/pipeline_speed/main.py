@@ -7,9 +7,10 @@ Two measurements, both on CPU devices with one layer per partition:
    With ``n`` partitions and ``m`` micro-batches the schedule has ``m + n - 1`` clock
    ticks, so no forward can take less than ``(m + n - 1) * f``; the efficiency is that
    bound over the measured time. A training step (forward, backward, SGD step) is timed
-   too. Its bound adds ``n * (m - 1) * f``: with ``checkpoint='except_last'`` backward
-   recomputes every cell but the last micro-batch's, and on CPU the autograd engine
-   runs them one after another on the caller's thread.
+   too. Its bound adds ``(m + n - 2) * f``: with ``checkpoint='except_last'`` backward
+   recomputes every cell but the last micro-batch's, each partition on its own worker,
+   the last micro-batch first, so the recomputations form a reverse pipeline of
+   ``m - 1`` cells.
 2. Overhead. The same layers without sleeping cost almost nothing, so the time of a
    forward divided by the ``n * m`` cells is what the pipeline adds per cell (threads,
    queues, scatter and gather, checkpointing), next to the plain ``nn.Sequential``.

@@ -12,8 +12,8 @@ the batch per row.
 
 ``--devices cuda`` puts partition ``j`` on GPU ``j % count``; ``--devices cpu`` (the
 default without CUDA) puts every partition on the CPU, each run by a worker thread with
-one intra-op thread. On CPU the autograd engine runs the backward of all partitions on
-one thread, so pipelines gain at most in the forward pass.
+one intra-op thread, whose backward runs on the same worker; with two cores, few
+partitions can compute at once.
 
 Run from the repository root::
 

@@ -12,13 +12,13 @@ GPipe step is traced (:meth:`~torchgpipe.GPipe.trace`): the demo prints its bubb
 fraction and draws its timeline (``--timeline``; matplotlib needed).
 
 Without CUDA every partition sits on the CPU, run by a worker thread of its own with one
-intra-op thread (more threads than cores would fight), so only the forward passes of
-different partitions can overlap: autograd runs the whole CPU backward on the caller's
-thread. Smaller matrix products per micro-batch cost time as well, so on a CPU the
-pipeline roughly breaks even with the plain model at best. That is why the default run
-does not checkpoint: recomputing each forward in backward buys memory, which this model
-does not need, with time that the CPU cannot win back (``--checkpoint except_last`` is
-GPipe's own default).
+intra-op thread (more threads than cores would fight). The partitions' forward passes
+overlap, and so do their backward passes (each partition's backward runs on its own
+worker), but two cores bound what overlapping can win. Smaller matrix products per
+micro-batch cost time as well, so on a CPU the pipeline roughly breaks even with the
+plain model at best. That is why the default run does not checkpoint: recomputing each
+forward in backward buys memory, which this model does not need, with time that the CPU
+cannot win back (``--checkpoint except_last`` is GPipe's own default).
 """
 
 from __future__ import annotations

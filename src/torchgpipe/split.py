@@ -101,7 +101,10 @@ def split(
     if not isinstance(module, nn.Module):
         raise TypeError(f"split takes an nn.Module, got {type(module).__name__}")
     if (at is None) == (stages is None):
-        raise TypeError("split takes either at=[submodule names] or stages=<count>, not both")
+        given = "neither" if at is None else "both"
+        raise TypeError(
+            f"split takes exactly one of at=[submodule names] or stages=<count>; got {given}"
+        )
     if any(isinstance(m, Skippable) for m in module.modules()):
         raise SplitError(
             f"{type(module).__name__} holds torchgpipe.skip layers; split makes the skips "

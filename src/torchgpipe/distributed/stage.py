@@ -287,7 +287,7 @@ class PipelineStage(nn.Module, StageHolder):
     def schedule_ranks(self, virtual_stages: int, schedule: str) -> int:
         """The processes, which must each hold ``virtual_stages`` stages."""
         if virtual_stages != self.virtual_stages:
-            if virtual_stages == 1:
+            if virtual_stages == 1 and schedule != "ScheduleInterleaved1F1B":
                 raise ValueError(
                     f"{schedule} runs one stage per process, but the balance gives each "
                     f"of the {self.world_size} processes {self.virtual_stages}; use "
