@@ -236,6 +236,21 @@ def test_gather_rejects_non_tensor_leaves_that_differ() -> None:
         gather([(torch.ones(1), "a"), (torch.ones(1), "b")])
 
 
+def test_gather_keeps_equal_non_tensor_leaves_nan_and_arrays_included() -> None:
+    np = pytest.importorskip("numpy")
+    x = torch.ones(1, 2)
+    outputs = [(x, float("nan"), np.ones(3), np.array([np.nan, 1.0])) for _ in range(3)]
+    gathered = gather(outputs)
+    assert gathered[1] != gathered[1]  # NaN, kept
+    assert (gathered[2] == np.ones(3)).all()
+    with pytest.raises(ValueError, match=r"output\[2\] is array"):
+        gather([(x, 0.0, np.ones(3)), (x, 0.0, np.zeros(3))])
+    with pytest.raises(ValueError, match=r"output\[1\] is nan in micro-batch 0 but 1.0"):
+        gather([(x, float("nan")), (x, 1.0)])
+    with pytest.raises(ValueError, match=r"output\[1\] is array"):
+        gather([(x, np.ones(3)), (x, np.ones(4))])
+
+
 def test_gather_rejects_object_output_instead_of_keeping_the_first() -> None:
     with pytest.raises(TypeError, match=r"output is a Box"):
         gather([Box(torch.ones(1)), Box(torch.ones(1))])

@@ -181,6 +181,42 @@ def test_structured_values_obey_nccl_rules() -> None:
     rules.check()
 
 
+class _Fan(nn.Module):
+    """Hands on four tensors: two independent, and one tensor twice."""
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        g = h + 1
+        return h.tanh(), h * 2, g, g
+
+
+class _InPlace(nn.Module):
+    """Changes two of its inputs in place; the first of them saved by nothing."""
+
+    def forward(self, p: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+        a, b, c, d = p
+        torch.relu_(b)  # a, which sin() saves, is another tensor: untouched
+        c.mul_(2)  # d is c: doubled too
+        return a.sin() + b + c * d
+
+
+def fan_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), _Fan(), _InPlace(), nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_received_tensors_are_as_independent_as_the_sent_ones(
+    schedule: str, checkpoint: str
+) -> None:
+    # The tensors of one message arrive in one buffer: each must still be a tensor of
+    # its own (an in-place change of one is no change of another), and one tensor sent
+    # twice must arrive as one.
+    results, rules = _play(2, schedule, fan_net, BATCHES, chunks=4, checkpoint=checkpoint)
+    _check_against_plain(results, fan_net, BATCHES)
+    rules.check()
+
+
 def test_a_failed_step_leaves_the_transfers_matched_and_the_next_step_works() -> None:
     rules = NCCLRules(2)
     models = [skip_net() for _ in range(2)]

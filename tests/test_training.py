@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import PopAdd, StashLinear
-from test_transparency import MODELS, _assert_same_grads, _replay_masks
+from test_transparency import MODELS, _assert_same_grads, _replay_masks, duplicated_net
 from torch import Tensor, nn
 
 from torchgpipe import GPipe
@@ -426,3 +426,61 @@ def test_cuda_stages_match_the_plain_model(schedule: str) -> None:
         assert p.grad is not None
         assert q.grad is not None
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_one_tensor_handed_on_twice_stays_one_in_every_schedule(
+    schedule: str, checkpoint: str
+) -> None:
+    plain = nn.Sequential(*duplicated_net(), nn.Tanh())
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    target = torch.randn(4, 3, dtype=torch.float64)
+    result = SCHEDULES[schedule](model, _mse).step(x, target)
+    expected = _mse(plain(x), target)
+    expected.backward()
+    torch.testing.assert_close(result.loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class _WithTable(nn.Module):
+    """Hands on a buffer of its own beside its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("table", torch.randn(4))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.linear(x), self.table
+
+
+class _UseTable(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        h, table = pair
+        return h + table
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_buffer_handed_on_by_a_checkpointed_stage_stays_a_buffer(checkpoint: str) -> None:
+    model = GPipe(nn.Sequential(_WithTable(), _UseTable()), [1, 1], chunks=2, checkpoint=checkpoint)
+    x, target = torch.randn(4, 4), torch.randn(4, 4)
+    Schedule1F1B(model, _mse).step(x, target)
+    model(x).sum().backward()
+    table = model.partitions[0][0].table
+    assert not table.requires_grad
+    assert table.grad is None
+
+
+def test_a_loss_that_does_not_require_grad_is_refused() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), [1, 1], chunks=2)
+    schedule = Schedule1F1B(model, lambda out, target: _mse(out.detach(), target))
+    with pytest.raises(RuntimeError, match="loss_fn returned a loss that does not require grad"):
+        schedule.step(torch.randn(4, 3), torch.randn(4, 3))
+    # Nothing to train and nothing wanting a gradient: nothing to refuse either.
+    model.requires_grad_(False)
+    result = schedule.step(torch.randn(4, 3), torch.randn(4, 3))
+    assert not result.loss.requires_grad

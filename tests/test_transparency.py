@@ -214,6 +214,48 @@ def test_inplace_layer_at_a_partition_boundary(
     _assert_same_grads(model, plain, exact=False)
 
 
+class Duplicated(nn.Module):
+    """Hands on one tensor twice, as ``(h, h)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.linear(x)  # saved by no backward: the plain model may change it
+        return h, h
+
+
+class DoubleFirst(nn.Module):
+    """Doubles the first of two tensors in place: in the plain model, both are one."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        a, b = pair
+        a.mul_(2)
+        return a + b * b
+
+
+def duplicated_net() -> nn.Sequential:
+    return nn.Sequential(Duplicated(4), DoubleFirst(), nn.Linear(4, 3)).double()
+
+
+@pytest.mark.parametrize("balance", [[1, 2], [1, 1, 1]])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_one_tensor_handed_on_twice_stays_one(
+    balance: list[int], checkpoint: str, backward_by: str
+) -> None:
+    # The next stage receives the same tensor twice, as the next layer does in the
+    # plain model: an in-place change of one is a change of the other.
+    plain = duplicated_net()
+    model = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    out, expected = model(x), plain(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
 def test_defaultdict_input_and_output() -> None:
     class Double(nn.Module):
         def forward(self, d: defaultdict[str, Tensor]) -> defaultdict[str, Tensor]:

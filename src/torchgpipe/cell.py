@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import Spec, flatten, map_tensors, unflatten
+from torchgpipe.microbatch import Spec, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
@@ -34,6 +34,7 @@ __all__ = [
     "detached",
     "needs_per_leaf",
     "stage_leaf",
+    "take_input_grads",
     "tensors_of",
     "wanted",
     "wanting",
@@ -86,24 +87,44 @@ def stage_leaf(x: Tensor, first: bool) -> Tensor:
 
 
 def wanting(value: Any, wants: bool) -> Any:
-    """``value`` with its floating tensors marked as wanting a gradient, if ``wants``."""
+    """``value`` with its floating tensors marked as wanting a gradient, if ``wants``.
+
+    Marked are aliases (``detach()``), not the tensors themselves: a layer may return a
+    buffer of its own, or its input, which must not turn into a leaf wanting a gradient.
+    """
     if not wants or value is None:
         return value
     if isinstance(value, Tensor):  # the common case, on the path of every cell
-        return value.requires_grad_(True) if differentiable(value) else value
+        return _wanting(value)
     leaves, spec = flatten(value)
-    return unflatten(
-        [
-            x.requires_grad_(True) if isinstance(x, Tensor) and differentiable(x) else x
-            for x in leaves
-        ],
-        spec,
-    )
+    return unflatten(per_tensor(_wanting, leaves), spec)
+
+
+def _wanting(x: Tensor) -> Tensor:
+    if x.requires_grad or not differentiable(x):
+        return x
+    return x.detach().requires_grad_(True)
+
+
+def take_input_grads(inputs: list[Tensor]) -> list[Tensor | None]:
+    """Each input's gradient, taken from it; None where it wants none.
+
+    A tensor that is there twice (the previous stage returned ``(h, h)``) has one
+    gradient, for both of its uses: it goes back once, in the first place.
+    """
+    grads: list[Tensor | None] = []
+    for k, x in enumerate(inputs):
+        if x.requires_grad and not any(x is y for y in inputs[:k]):
+            grads.append(x.grad)
+            x.grad = None
+        else:
+            grads.append(None)
+    return grads
 
 
 def detach_all(leaves: list[Any]) -> list[Any]:
-    """``leaves`` with every tensor detached."""
-    return [x.detach() if isinstance(x, Tensor) else x for x in leaves]
+    """``leaves`` with every tensor detached (a tensor there twice stays one)."""
+    return per_tensor(Tensor.detach, leaves)
 
 
 def detached(value: Any) -> Any:
@@ -111,13 +132,11 @@ def detached(value: Any) -> Any:
     if value is None:
         return None
     leaves, spec = flatten(value)
-    return unflatten(
-        [
-            x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x
-            for x in leaves
-        ],
-        spec,
-    )
+    return unflatten(per_tensor(_cut, leaves), spec)
+
+
+def _cut(x: Tensor) -> Tensor:
+    return x.detach().requires_grad_(x.requires_grad)
 
 
 def cut_target(cell: StageCell, target: Any) -> Any:

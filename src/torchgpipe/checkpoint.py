@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from torchgpipe.mailbox import add_note
-from torchgpipe.microbatch import Spec, flatten, unflatten
+from torchgpipe.microbatch import Spec, distinct_tensors, flatten, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness
 from torchgpipe.trace import profiled
 from torchgpipe.worker import ThreadState
@@ -106,7 +106,7 @@ class _Cell:
         self.spec = spec
         # The leaves of the input and output with every tensor replaced by a marker: the
         # cell lives until backward, and must not keep tensors that autograd would free.
-        self.leaves = _without_tensors(leaves)
+        self.leaves = leaves
         self.state = state
         self.randomness = randomness
         self.out_spec: Spec | None = None
@@ -117,7 +117,7 @@ class _Cell:
         self.record: Callable[[str, float, float], None] | None = None
         self.name = "B"  # in torch.profiler traces
 
-    def call(self, tensors: tuple[Tensor, ...]) -> Any:
+    def call(self, tensors: Sequence[Tensor]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
 
 
@@ -136,10 +136,10 @@ class _Checkpointed(torch.autograd.Function):
         finally:
             _flags.checkpointing = previous
         out_leaves, cell.out_spec = flatten(output)
-        cell.out_leaves = _without_tensors(out_leaves)
+        cell.out_leaves, distinct = _without_tensors(out_leaves)
         # detach(): an input returned as it is would otherwise become a view made by a
         # custom function, which later in-place layers may not modify.
-        outputs = tuple(x.detach() for x in out_leaves if isinstance(x, Tensor))
+        outputs = tuple(x.detach() for x in distinct)
         ctx.mark_non_differentiable(*(x for x in outputs if not differentiable(x)))
         if cell.fork:
             outputs += (torch.empty(0, device=phony.device),)
@@ -176,7 +176,7 @@ def _recompute_backward(
             inputs, aliased = fresh_leaves(ctx.saved_tensors, needs)  # are recorded
             output = cell.call(tuple(aliased))
         recomputed = time.perf_counter()
-        outputs = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
+        outputs = distinct_tensors(flatten(output)[0])[0]
         pairs = [
             (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
         ]
@@ -196,8 +196,9 @@ def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any
     says; other values pass as they are. See :func:`aliases` for the second list, which
     must be made under grad mode (inside :func:`recomputing`).
     """
+    fresh: dict[int, Tensor] = {}  # a tensor there twice stays one
     leaves = [
-        x.detach().requires_grad_(need) if isinstance(x, Tensor) else x
+        fresh.setdefault(id(x), x.detach().requires_grad_(need)) if isinstance(x, Tensor) else x
         for x, need in zip(values, needs, strict=True)
     ]
     return leaves, aliases(leaves)
@@ -210,7 +211,7 @@ def aliases(leaves: Sequence[Any]) -> list[Any]:
     wants a gradient may not be, so the layer gets an alias and the leaf collects the
     gradient.
     """
-    return [alias(x) if isinstance(x, Tensor) and x.requires_grad else x for x in leaves]
+    return per_tensor(lambda x: alias(x) if x.requires_grad else x, leaves)
 
 
 @contextmanager
@@ -242,20 +243,24 @@ def alias(x: Tensor) -> Tensor:
     return _Alias.apply(x)  # type: ignore[no-any-return,no-untyped-call]  # apply is unannotated
 
 
-class _TensorSlot:
-    """Marks where a tensor leaf was."""
+class _Slot:
+    """Marks where a tensor leaf was: the ``index``-th distinct tensor of the leaves."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
-_SLOT = _TensorSlot()
+def _without_tensors(leaves: list[Any]) -> tuple[list[Any], list[Tensor]]:
+    """The leaves with a marker for each tensor, and the distinct tensors they mark."""
+    tensors, which = distinct_tensors(leaves)
+    it = iter(which)
+    return [_Slot(next(it)) if isinstance(x, Tensor) else x for x in leaves], tensors
 
 
-def _without_tensors(leaves: list[Any]) -> list[Any]:
-    return [_SLOT if isinstance(x, Tensor) else x for x in leaves]
-
-
-def _with_tensors(leaves: list[Any], tensors: Iterable[Tensor]) -> list[Any]:
-    it = iter(tensors)
-    return [next(it) if x is _SLOT else x for x in leaves]
+def _with_tensors(leaves: list[Any], tensors: Sequence[Tensor]) -> list[Any]:
+    return [tensors[x.index] if isinstance(x, _Slot) else x for x in leaves]
 
 
 def differentiable(x: Tensor) -> bool:
@@ -293,13 +298,14 @@ def checkpoint(
     ``trainable`` says whether a parameter of ``function`` wants a gradient.
     """
     leaves, spec = flatten(value)
-    cell = _Cell(function, spec, leaves, state, randomness)
+    shell, distinct = _without_tensors(leaves)
+    cell = _Cell(function, spec, shell, state, randomness)
     cell.fork = fork
     if guard is not None:
         cell.guard = guard
     cell.record = record
     cell.name = name
-    tensors = tuple(x for x in leaves if isinstance(x, Tensor))
+    tensors = tuple(distinct)
     # The parameters are not inputs of the autograd function, so an input that needs no
     # grad would make its outputs need none either: a phony that requires grad says they
     # do.

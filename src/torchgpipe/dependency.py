@@ -74,8 +74,9 @@ def fork(value: Any) -> tuple[Any, Tensor | None]:
     index = _anchor(leaves)
     if index is None:
         return value, None
-    leaves[index], phony = _Fork.apply(leaves[index])  # type: ignore[no-untyped-call]  # Function.apply is unannotated
-    return unflatten(leaves, spec), phony
+    anchor = leaves[index]
+    forked, phony = _Fork.apply(anchor)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    return unflatten(_replaced(leaves, anchor, forked), spec), phony
 
 
 def join(value: Any, phony: Tensor | None) -> Any:
@@ -90,5 +91,11 @@ def join(value: Any, phony: Tensor | None) -> Any:
     index = _anchor(leaves)
     if index is None:
         return value
-    leaves[index] = _Join.apply(leaves[index], phony)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
-    return unflatten(leaves, spec)
+    anchor = leaves[index]
+    joined = _Join.apply(anchor, phony)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    return unflatten(_replaced(leaves, anchor, joined), spec)
+
+
+def _replaced(leaves: list[Any], old: Tensor, new: Tensor) -> list[Any]:
+    """``leaves`` with ``new`` wherever ``old`` was: a tensor there twice stays one."""
+    return [new if x is old else x for x in leaves]

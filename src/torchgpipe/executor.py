@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torchgpipe.cell import (
     detached,
     needs_per_leaf,
     stage_leaf,
+    take_input_grads,
     tensors_of,
     wanted,
     wanting,
@@ -42,7 +44,7 @@ from torchgpipe.cell import (
 from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
 from torchgpipe.mailbox import Mailbox
-from torchgpipe.microbatch import device_of, flatten, map_tensors, unflatten
+from torchgpipe.microbatch import device_of, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
@@ -334,7 +336,7 @@ class StepRun:
         if checkpointed:
             with torch.no_grad():
                 # Keep a copy: a first layer may modify its input in place.
-                cell.leaves = [x.clone() if isinstance(x, Tensor) else x for x in leaves]
+                cell.leaves = per_tensor(Tensor.clone, leaves)
                 with set_flag("checkpointing"), cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
             # Without a graph nothing says which outputs will want a gradient: all the
@@ -345,7 +347,7 @@ class StepRun:
                 wanting(output, wants),
                 {k: wanting(v, wants) for k, v in outbound.items()},
             )
-        cell.leaves = [stage_leaf(x, s == 0) if isinstance(x, Tensor) else x for x in leaves]
+        cell.leaves = per_tensor(partial(stage_leaf, first=s == 0), leaves)
         cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
         with cell.randomness.forward():
             result = self._call(s, unflatten(aliases(cell.leaves), spec))
@@ -393,9 +395,7 @@ class StepRun:
                     cell.plan = backward_inputs(pairs, wanted)
                 elif pairs:  # nothing to hand back: W does all of it
                     cell.plan = [(pairs, [])]
-        input_grads = [x.grad if x.requires_grad else None for x in cell.inputs]
-        for x in cell.inputs:
-            x.grad = None
+        input_grads = take_input_grads(cell.inputs)
         self._hand_back(s, i, cell, input_grads)
 
     def _owns_loss(self, s: int) -> bool:
@@ -442,7 +442,7 @@ class StepRun:
 
     def _record_loss(self, i: int, cell: StageCell, loss: Any) -> None:
         """Keep micro-batch ``i``'s loss; its cell's backward starts from it."""
-        loss = one_number(loss)
+        loss = one_number(loss, from_grad=any(cell.needs) or self.trainable(self.n - 1))
         self.step.losses[i] = loss.detach()
         cell.outputs = [loss] if loss.requires_grad else []
 

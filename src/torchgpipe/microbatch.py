@@ -27,7 +27,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["Spec", "device_of", "flatten", "gather", "map_tensors", "scatter", "unflatten"]
+__all__ = [
+    "Spec",
+    "device_of",
+    "distinct_tensors",
+    "flatten",
+    "gather",
+    "map_tensors",
+    "per_tensor",
+    "scatter",
+    "unflatten",
+]
 
 
 @dataclass(frozen=True)
@@ -253,6 +263,40 @@ def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
     return unflatten([fn(x) if isinstance(x, Tensor) else x for x in leaves], spec)
 
 
+def distinct_tensors(leaves: Sequence[Any]) -> tuple[list[Tensor], list[int]]:
+    """The distinct tensors among ``leaves``, and which of them each tensor leaf is.
+
+    A layer may hand on one tensor in two places (``return h, h``); the next layer then
+    gets one tensor twice, and changing one in place changes the other. What the
+    pipeline does to a value's tensors (detach, copy, send, recompute) it does once per
+    distinct tensor, so the value stays one tensor where it was one.
+    """
+    tensors: list[Tensor] = []
+    which: list[int] = []
+    index: dict[int, int] = {}
+    for x in leaves:
+        if isinstance(x, Tensor):
+            k = index.setdefault(id(x), len(tensors))
+            if k == len(tensors):
+                tensors.append(x)
+            which.append(k)
+    return tensors, which
+
+
+def per_tensor(fn: Callable[[Tensor], Any], leaves: Sequence[Any]) -> list[Any]:
+    """``leaves`` with ``fn`` applied once per distinct tensor (see :func:`distinct_tensors`).
+
+    A tensor found twice gets one result, in both places.
+    """
+    if len(leaves) == 1:  # the common case, on the path of every cell
+        x = leaves[0]
+        return [fn(x) if isinstance(x, Tensor) else x]
+    tensors, which = distinct_tensors(leaves)
+    results = [fn(x) for x in tensors]
+    it = iter(which)
+    return [results[next(it)] if isinstance(x, Tensor) else x for x in leaves]
+
+
 Batched = Literal["input", "target"]
 """What :func:`scatter` splits: a model's input, or a schedule step's target."""
 
@@ -371,11 +415,21 @@ def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
 
 
 def _same(x: Any, y: Any) -> bool:
+    """Whether two micro-batches' non-tensor leaves are one value.
+
+    NaN is NaN here (a layer returning ``float("nan")`` returns the same each time), and
+    arrays (NumPy's) are the same when every element is.
+    """
     if x is y:
         return True
     try:
-        return bool(x == y)
-    except Exception:  # an ambiguous ==, such as NumPy's elementwise one: not the same
+        equal = x == y
+        if isinstance(equal, bool):
+            return equal or bool(x != x and y != y)  # two NaNs
+        if getattr(x, "shape", None) != getattr(y, "shape", None):
+            return False
+        return bool((equal | ((x != x) & (y != y))).all())  # elementwise, NaN as NaN
+    except Exception:  # an == that cannot say: not the same
         return False
 
 

@@ -117,12 +117,23 @@ def batch_size(value: Any) -> int:
     raise TypeError("a micro-batch without tensors")  # scatter() rejects such batches
 
 
-def one_number(loss: Any) -> Tensor:
-    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor."""
+def one_number(loss: Any, *, from_grad: bool = False) -> Tensor:
+    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor.
+
+    ``from_grad``: the output the loss was computed from requires grad, so the loss
+    must too (one that does not would train nothing, where the plain model's
+    ``loss.backward()`` raises).
+    """
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a tensor with one element, got "
             f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
             f"; use a reduction of 'mean' or 'sum' in the loss"
+        )
+    if from_grad and not loss.requires_grad:
+        raise RuntimeError(
+            "loss_fn returned a loss that does not require grad, from an output that "
+            "does: the step would train nothing. Compute the loss from the output itself "
+            "(no .detach(), .item() or torch.no_grad() in loss_fn)"
         )
     return loss.reshape(())

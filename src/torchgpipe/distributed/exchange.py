@@ -49,9 +49,16 @@ from torch import Tensor
 
 from torchgpipe.distributed.plan import Message, RankPlan
 from torchgpipe.distributed.transfers import Transfers
-from torchgpipe.distributed.transport import Transport, TransportError, pack, unpack
+from torchgpipe.distributed.transport import (
+    Transport,
+    TransportError,
+    filled,
+    pack,
+    shell,
+    unpack,
+)
 from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
-from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.microbatch import flatten
 from torchgpipe.schedules import Action
 from torchgpipe.worker import WorkerPool
 
@@ -215,7 +222,7 @@ class Exchange(Mailbox):
             raise Stopped
         _, _, layout, body = frame
         try:
-            spec, leaves, slots, wants = pickle.loads(body)
+            spec, leaves, slots, wants, which = pickle.loads(body)
         except Exception as error:
             raise RuntimeError(
                 f"rank {self.rank} could not read the value that came under {key}: "
@@ -223,7 +230,7 @@ class Exchange(Mailbox):
                 f"stages (import the classes of its non-tensor values)"
             ) from error
         tensors = unpack(buffer, layout, self.transport.device)
-        return _filled(spec, leaves, slots, wants, tensors)
+        return filled(spec, leaves, slots, wants, which, tensors)
 
     def wait_for(self, key: Key, peer: int) -> Any:
         """The side-channel value under ``key`` from ``peer``, even after a halt.
@@ -248,8 +255,8 @@ class Exchange(Mailbox):
             Stopped: ``peer`` cannot be reached; the step halts.
         """
         leaves, spec = flatten(value)
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
-        self._side(peer, ("value", self._wire(key), spec, *_shell(leaves)), tensors)
+        tensors, rest = shell(leaves)
+        self._side(peer, ("value", self._wire(key), spec, *rest), tensors)
 
     def _post(self, peer: int, key: Key, value: Any) -> None:
         """Send the metadata of ``value`` now; keep its bytes for the plan's round.
@@ -259,10 +266,10 @@ class Exchange(Mailbox):
         process cannot unpickle fails its action without breaking the transfers.
         """
         leaves, spec = flatten(value)
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        tensors, rest = shell(leaves)
         wire_key = self._wire(key)
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
-        body = pickle.dumps((spec, *_shell(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
+        body = pickle.dumps((spec, *rest), protocol=pickle.HIGHEST_PROTOCOL)
         frame = ("metadata", wire_key, layout, body)
         static = self.transfers.static
         if static is not None:
@@ -342,8 +349,9 @@ class Exchange(Mailbox):
                 self._arrived.notify_all()
             return True
         try:
-            _, wire_key, spec, leaves, slots, wants = header
-            super().put(self._unwire(wire_key), _filled(spec, leaves, slots, wants, tensors))
+            _, wire_key, spec, leaves, slots, wants, which = header
+            value = filled(spec, leaves, slots, wants, which, tensors)
+            super().put(self._unwire(wire_key), value)
         except BaseException as error:  # keep listening: the peer goes on sending
             self._lose(peer, f"sent a message that could not be read: {error!r}")
         with self._arrived:
@@ -445,26 +453,11 @@ class Exchange(Mailbox):
 _PLANNED = frozenset({"F", "G", "S", "SG"})  # the kinds of key a step's plan transfers
 
 
-def _shell(leaves: list[Any]) -> tuple[list[Any], list[int], list[bool]]:
-    """The leaves without their tensors, where the tensors were, which want a gradient."""
-    slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
-    wants = [leaves[k].requires_grad for k in slots]
-    return [None if isinstance(x, Tensor) else x for x in leaves], slots, wants
-
-
-def _filled(spec: Any, leaves: list[Any], slots: list[int], wants: list[bool], tensors: Any) -> Any:
-    """The value of a message: its tensors back in their slots, wanting grad as sent."""
-    leaves = list(leaves)
-    for slot, tensor, grad in zip(slots, tensors, wants, strict=True):
-        leaves[slot] = tensor.requires_grad_(True) if grad else tensor
-    return unflatten(leaves, spec)
-
-
 def _layout_change(before: Any, now: Any) -> str:
     """What differs between two frames of one message, in words."""
     if before[2] != now[2]:
         return f"tensors {_shapes(before[2])} then, {_shapes(now[2])} now"
-    (spec, leaves, _, wants), (new_spec, new_leaves, _, new_wants) = (
+    (spec, leaves, _, wants, which), (new_spec, new_leaves, _, new_wants, new_which) = (
         pickle.loads(before[3]),
         pickle.loads(now[3]),
     )
@@ -472,6 +465,8 @@ def _layout_change(before: Any, now: Any) -> str:
         return f"which tensors want a gradient: {wants} then, {new_wants} now"
     if spec != new_spec:
         return "its structure changed"
+    if which != new_which:
+        return "which of its tensors are one and the same tensor changed"
     return f"its non-tensor values changed: {leaves} then, {new_leaves} now"
 
 

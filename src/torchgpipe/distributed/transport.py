@@ -32,6 +32,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from torchgpipe.microbatch import distinct_tensors, unflatten
+
 __all__ = [
     "Pending",
     "ProcessGroupTransport",
@@ -382,7 +384,13 @@ def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -
 
 
 def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[Tensor]:
-    """The tensors of a buffer made by :func:`pack`, on ``device`` (views of one copy)."""
+    """The tensors of a buffer made by :func:`pack`, on ``device``, in its memory.
+
+    Each is a tensor of its own over its part of the buffer, not a view of the buffer:
+    views would share one version counter, so a layer changing one tensor in place
+    (``relu_``) would fail autograd's check on another that a layer saved, where the
+    sender's tensors were independent.
+    """
     if buffer is not None and buffer.device != device:
         buffer = buffer.to(device)
     tensors, offset = [], 0
@@ -391,9 +399,52 @@ def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[
         if size == 0 or buffer is None:
             tensors.append(torch.empty(shape, dtype=dtype, device=device))
         else:
-            tensors.append(buffer[offset : offset + size].view(dtype).view(shape))
+            # Parts start at multiples of _ALIGN, itself a multiple of every item size.
+            start = (buffer.storage_offset() + offset) // _itemsize(dtype)
+            tensor = torch.empty(0, dtype=dtype, device=buffer.device)
+            tensors.append(tensor.set_(buffer.untyped_storage(), start, shape, _strides(shape)))
         offset += _aligned(size)
     return tensors
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def shell(
+    leaves: list[Any],
+) -> tuple[list[Tensor], tuple[list[Any], list[int], list[bool], list[int]]]:
+    """The distinct tensors of ``leaves``, and what rebuilds the leaves from them.
+
+    A tensor found twice (a stage returning ``(h, h)``) travels once and arrives as one
+    tensor in both places (``microbatch.distinct_tensors``). The rest: the leaves
+    without their tensors, where the tensors were, which want a gradient, and which of
+    the distinct tensors each one is.
+    """
+    tensors, which = distinct_tensors(leaves)
+    slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
+    wants = [leaves[k].requires_grad for k in slots]
+    return tensors, ([None if isinstance(x, Tensor) else x for x in leaves], slots, wants, which)
+
+
+def filled(
+    spec: Any,
+    leaves: list[Any],
+    slots: list[int],
+    wants: list[bool],
+    which: list[int],
+    tensors: list[Tensor],
+) -> Any:
+    """The value of a message: its tensors back in their slots, wanting grad as sent."""
+    leaves = list(leaves)
+    for slot, k, grad in zip(slots, which, wants, strict=True):
+        leaves[slot] = tensors[k].requires_grad_(True) if grad else tensors[k]
+    return unflatten(leaves, spec)
 
 
 def _aligned(size: int) -> int:
