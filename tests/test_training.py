@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 import torch
 from helpers import PopAdd, StashLinear
-from test_transparency import MODELS, _assert_same_grads, _replay_masks, duplicated_net
+from test_transparency import (
+    MODELS,
+    _assert_same_grads,
+    _buffered_net,
+    _replay_masks,
+    duplicated_net,
+)
 from torch import Tensor, nn
 
 from torchgpipe import GPipe
@@ -484,3 +490,21 @@ def test_a_loss_that_does_not_require_grad_is_refused() -> None:
     model.requires_grad_(False)
     result = schedule.step(torch.randn(4, 3), torch.randn(4, 3))
     assert not result.loss.requires_grad
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_buffers_a_forward_changes_are_recomputed_from_where_it_started_in_every_schedule(
+    schedule: str,
+) -> None:
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    results = {}
+    for mode in ("never", "always"):
+        # Four partitions (interleaving's two ranks); the buffers in the first two.
+        model = GPipe(_buffered_net(), [1, 1, 2, 1], chunks=2, checkpoint=mode)
+        driver = SCHEDULES[schedule](model, _mse)
+        for _ in range(2):
+            result = driver.step(x, target)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results[mode] = (result.loss, model.state_dict(), grads)
+    for ours, expected in zip(results["always"], results["never"], strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)

@@ -376,3 +376,58 @@ def test_inplace_first_layer_on_an_input_that_needs_no_grad(
     expected.sum().backward()
     torch.testing.assert_close(out, expected)
     _assert_same_grads(model, plain, exact=False)
+
+
+class _Counted(nn.Module):
+    """Scales by a count of its calls, kept in a buffer: in place, or assigned anew."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.in_place:
+            self.calls.add_(1)
+        else:
+            self.calls = self.calls + 1
+        return x * (1 + 0.1 * self.calls)
+
+
+def _buffered_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
+        _Counted(in_place=True),
+        nn.Tanh(),
+        _Counted(in_place=False),
+        nn.Linear(4, 3),
+    ).double()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_buffers_a_forward_changes_are_recomputed_from_where_it_started(
+    chunks: int, checkpoint: str, backward_by: str
+) -> None:
+    # Spectral norm's power iteration and a call counter change buffers in the forward;
+    # recomputation must compute what the forward did, and leave them as it did.
+    x = torch.randn(6, 4, dtype=torch.float64)
+    results = {}
+    for mode in ("never", checkpoint):
+        model = GPipe(_buffered_net(), [2, 3], chunks=chunks, checkpoint=mode)
+        for _ in range(2):  # the second forward starts from the buffers the first left
+            out = model(x)
+            out.square().sum().backward()
+        results[mode] = (out, model.state_dict(), {n: p.grad for n, p in model.named_parameters()})
+    out, state, grads = results[checkpoint]
+    torch.testing.assert_close(out, results["never"][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, results["never"][1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads, results["never"][2], rtol=1e-10, atol=1e-12)
+    if chunks == 1:  # one micro-batch: the plain model's run
+        plain = _buffered_net()
+        for _ in range(2):
+            expected = plain(x)
+            expected.square().sum().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state, plain.state_dict(), rtol=1e-12, atol=1e-12)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
+from torchgpipe.guards import Restore
 from torchgpipe.microbatch import Spec, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
@@ -58,11 +59,12 @@ class StageCell:
     # The loss's stage: (target tensor in the caller's graph, the cell's leaf for it).
     targets: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     plan: Plan = field(default_factory=list)  # W's work, left by B
+    restore: Restore | None = None  # the buffers its recomputation starts from (guards.py)
 
     def release(self) -> None:
         """Let go of every tensor the cell keeps (its step failed)."""
         self.leaves, self.inputs, self.outputs, self.upstream, self.plan = [], [], [], [], []
-        self.targets = []
+        self.targets, self.restore = [], None
 
 
 def needs_per_leaf(cell: StageCell) -> list[bool]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import Any
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -29,6 +29,9 @@ from torchgpipe.microbatch import Spec, distinct_tensors, flatten, per_tensor, u
 from torchgpipe.rng import CellRandomness
 from torchgpipe.trace import profiled
 from torchgpipe.worker import ThreadState
+
+if TYPE_CHECKING:  # guards.py imports batchnorm.py, which imports this module
+    from torchgpipe.guards import RecomputeGuard, Restore
 
 __all__ = [
     "aliases",
@@ -112,7 +115,8 @@ class _Cell:
         self.out_spec: Spec | None = None
         self.out_leaves: list[Any] = []
         self.fork = False
-        self.guard: Callable[[], AbstractContextManager[None]] = nullcontext
+        self.guard: RecomputeGuard | None = None
+        self.restore: Restore | None = None  # the buffers the recomputation starts from
         # With a trace on: record(kind, start, end) for the recomputation and backward.
         self.record: Callable[[str, float, float], None] | None = None
         self.name = "B"  # in torch.profiler traces
@@ -130,11 +134,14 @@ class _Checkpointed(torch.autograd.Function):
         # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
         ctx.save_for_backward(*(x.clone() for x in tensors))
         previous, _flags.checkpointing = is_checkpointing(), True
+        kept = cell.guard.before_forward() if cell.guard is not None else None
         try:
             with cell.randomness.forward():
                 output = cell.call(tensors)
         finally:
             _flags.checkpointing = previous
+        if cell.guard is not None:
+            cell.restore = cell.guard.after_forward(kept)
         out_leaves, cell.out_spec = flatten(output)
         cell.out_leaves, distinct = _without_tensors(out_leaves)
         # detach(): an input returned as it is would otherwise become a view made by a
@@ -170,7 +177,8 @@ def _recompute_backward(
     """Recompute ``cell`` and backpropagate ``grads`` through it; its inputs' gradients."""
     # The guard holds until the recomputed graph is through: what it restores may be
     # saved in that graph.
-    with profiled(cell.name), cell.guard():
+    guard = cell.guard.recomputing(cell.restore) if cell.guard is not None else nullcontext()
+    with profiled(cell.name), guard:
         started = time.perf_counter()
         with recomputing(cell.randomness, cell.state):  # grad mode on: the aliases
             inputs, aliased = fresh_leaves(ctx.saved_tensors, needs)  # are recorded
@@ -276,7 +284,7 @@ def checkpoint(
     device: torch.device,
     after: Tensor | None = None,
     fork: bool = False,
-    guard: Callable[[], AbstractContextManager[None]] | None = None,
+    guard: RecomputeGuard | None = None,
     record: Callable[[str, float, float], None] | None = None,
     name: str = "B",
     trainable: bool = True,
@@ -301,8 +309,7 @@ def checkpoint(
     shell, distinct = _without_tensors(leaves)
     cell = _Cell(function, spec, shell, state, randomness)
     cell.fork = fork
-    if guard is not None:
-        cell.guard = guard
+    cell.guard = guard
     cell.record = record
     cell.name = name
     tensors = tuple(distinct)

@@ -334,11 +334,14 @@ class StepRun:
             else [],
         )
         if checkpointed:
+            guard = self.guards[s]
             with torch.no_grad():
                 # Keep a copy: a first layer may modify its input in place.
                 cell.leaves = per_tensor(Tensor.clone, leaves)
+                kept = guard.before_forward() if guard is not None else None
                 with set_flag("checkpointing"), cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
+            cell.restore = guard.after_forward(kept) if guard is not None else None
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)
@@ -372,8 +375,8 @@ class StepRun:
         """Action ``sBi``: the backward (input gradients only, when W is split off)."""
         cell = self.step.cells[(s, i)]
         grads = self._output_grads(s, i)
-        guard = self.guards[s] if cell.checkpointed and self.guards[s] is not None else None
-        with guard() if guard is not None else nullcontext():
+        guard = self.guards[s] if cell.checkpointed else None
+        with guard.recomputing(cell.restore) if guard is not None else nullcontext():
             if cell.checkpointed:
                 with self._span(s, i, "recompute"):
                     self._recompute(s, i, cell)

@@ -16,6 +16,7 @@ from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, check_devices
 from torchgpipe.devices import as_device as as_device  # for distributed/stage.py
+from torchgpipe.guards import recompute_guard
 from torchgpipe.materialize import (
     Init,
     check_materializable,
@@ -26,7 +27,7 @@ from torchgpipe.microbatch import gather, scatter
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.split_stage import Stage, keep_plain_keys
-from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
+from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
@@ -198,8 +199,8 @@ class GPipe(nn.Module, StageHolder):
             self.skip_layout.outbound(j) if has_skippables(p) else None
             for j, p in enumerate(partitions)
         ]
-        # Recomputation must not update plain batch norm's running statistics again.
-        self._guards = [batch_norm_guard(p) for p in partitions]
+        # Recomputation must change no buffer otherwise than the forward did (guards.py).
+        self._guards = [recompute_guard(p) for p in partitions]
         self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
         self._tracer: Trace | None = None  # set by trace()
         self.workers = Workers(n)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
+from torchgpipe.guards import RecomputeGuard
 from torchgpipe.skip.layout import SkipRoute
 from torchgpipe.skip.skippable import SkipKey, Skippable
 from torchgpipe.stream import AnyStream
@@ -22,10 +20,7 @@ if TYPE_CHECKING:
     from torchgpipe.schedules import Schedule
     from torchgpipe.steps import StepResult, TableSteps
 
-__all__ = ["Guard", "StageHolder", "Stages", "batch_norm_guard", "has_skippables"]
-
-
-Guard: TypeAlias = Callable[[], AbstractContextManager[None]]
+__all__ = ["StageHolder", "Stages", "has_skippables"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class Stages:
     inbound: list[tuple[SkipRoute, ...]]  # per stage: the skips it pops from earlier ones
     outbound: list[tuple[SkipKey, ...] | None]  # per stage; None: no skippable layers
     routes: tuple[SkipRoute, ...]
-    guards: dict[int, Guard | None]
+    guards: dict[int, RecomputeGuard | None]  # per local stage (guards.py)
     streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
     checkpoint_stop: int  # micro-batches below this are checkpointed
     tracer: Trace | None = None
@@ -102,18 +97,6 @@ class StageHolder:
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """The forward of every micro-batch only, without a graph; the output or None."""
         raise NotImplementedError
-
-
-def batch_norm_guard(partition: nn.Module) -> Guard | None:
-    """What keeps a recomputation from updating batch norm's running statistics again."""
-    tracking = [
-        m
-        for m in partition.modules()
-        if isinstance(m, _BatchNorm)
-        and not isinstance(m, DeferredBatchNorm)  # it never updates in recomputation
-        and m.track_running_stats
-    ]
-    return partial(freeze_running_stats, tracking) if tracking else None
 
 
 def has_skippables(partition: nn.Module) -> bool:

@@ -38,16 +38,12 @@ from torchgpipe.gpipe import (
     check_flag,
     checkpoint_stop,
 )
-from torchgpipe.materialize import (
-    Init,
-    check_materializable,
-    check_meta_arguments,
-    materialize,
-)
+from torchgpipe.guards import recompute_guard
+from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.split_stage import Stage, keep_plain_keys
-from torchgpipe.stages import StageHolder, Stages, batch_norm_guard, has_skippables
+from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
@@ -255,8 +251,8 @@ class PipelineStage(nn.Module, StageHolder):
             self._ties.watch_loads(self)
         held = {id(layer) for part in self.partitions.values() for layer in part.modules()}
         self._deferred = [layer for layer in deferred if id(layer) in held]
-        # Recomputation must not update plain batch norm's running statistics again.
-        self._guards = {s: batch_norm_guard(self.partitions[s]) for s in self.stages}
+        # Recomputation must change no buffer otherwise than the forward did (guards.py).
+        self._guards = {s: recompute_guard(self.partitions[s]) for s in self.stages}
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
         return mine
 
