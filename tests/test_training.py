@@ -508,3 +508,11 @@ def test_buffers_a_forward_changes_are_recomputed_from_where_it_started_in_every
         results[mode] = (result.loss, model.state_dict(), grads)
     for ours, expected in zip(results["always"], results["never"], strict=True):
         torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_short_last_batch_under_interleaving_says_what_to_do() -> None:
+    model = GPipe(nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))), [1, 1, 1, 1], chunks=4)
+    schedule = ScheduleInterleaved1F1B(model, _mse)
+    with pytest.raises(ValueError, match="groups of n = 2; got m = 3") as info:
+        schedule.step(torch.randn(3, 4), torch.randn(3, 4))
+    assert any("drop_last=True" in note for note in info.value.__notes__)

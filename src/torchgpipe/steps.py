@@ -88,7 +88,12 @@ class TableSteps:
                 table = self._table if isinstance(self._table, Schedule) else self._table(m)
             except ValueError as error:
                 # A batch smaller than chunks makes fewer micro-batches than chunks.
-                add_note(error, f"torchgpipe: this step's batch made m = {m} micro-batches")
+                add_note(
+                    error,
+                    f"torchgpipe: this step's batch made m = {m} micro-batches (a batch of "
+                    f"fewer samples than chunks makes one per sample); give every step at "
+                    f"least chunks samples, e.g. DataLoader(..., drop_last=True)",
+                )
                 raise
             self._check_table(table, m)
             self._checked[m] = table
