@@ -431,3 +431,34 @@ def test_buffers_a_forward_changes_are_recomputed_from_where_it_started(
             expected.square().sum().backward()
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(state, plain.state_dict(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_functional_call_recomputes_with_the_parameters_it_was_given(
+    checkpoint: str, backward_by: str
+) -> None:
+    plain = mlp().double()
+    model = GPipe(copy.deepcopy(plain), [2, 3], chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 6, dtype=torch.float64)
+    given = {k: v.detach() * 2 for k, v in plain.named_parameters()}
+    ours = {k: v.clone().requires_grad_() for k, v in given.items()}
+    theirs = {k: v.clone().requires_grad_() for k, v in given.items()}
+    torch.func.functional_call(model, ours, (x,)).square().sum().backward()
+    torch.func.functional_call(plain, theirs, (x,)).square().sum().backward()
+    for name, p in ours.items():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-10, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())  # not the module's own
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_parameter_changed_between_forward_and_backward_is_refused(
+    checkpoint: str, backward_by: str
+) -> None:
+    # The plain model's autograd refuses it (the weight was saved); a checkpointed cell
+    # would otherwise recompute with the new weight.
+    model = GPipe(mlp(), [2, 3], chunks=3, checkpoint=checkpoint)
+    out = model(torch.randn(6, 6))
+    with torch.no_grad():
+        model[0].weight.mul_(10)
+    with pytest.raises(RuntimeError, match="'weight' of a Linear was changed in place after"):
+        out.sum().backward()

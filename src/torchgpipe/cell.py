@@ -208,6 +208,7 @@ def connected_forward(
             after=phony,
             fork=wants_phony,
             guard=run.guards[s],
+            run=run.token,
             record=None if run.trace is None else partial(run.trace.record, s, i),
             name=f"{s}B{i}",
             trainable=run.trainable(s),

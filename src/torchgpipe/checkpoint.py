@@ -116,6 +116,7 @@ class _Cell:
         self.out_leaves: list[Any] = []
         self.fork = False
         self.guard: RecomputeGuard | None = None
+        self.run = -1  # the run's token, for the guard
         self.restore: Restore | None = None  # the buffers the recomputation starts from
         # With a trace on: record(kind, start, end) for the recomputation and backward.
         self.record: Callable[[str, float, float], None] | None = None
@@ -141,7 +142,7 @@ class _Checkpointed(torch.autograd.Function):
         finally:
             _flags.checkpointing = previous
         if cell.guard is not None:
-            cell.restore = cell.guard.after_forward(kept)
+            cell.restore = cell.guard.after_forward(kept, cell.guard.used_in(cell.run))
         out_leaves, cell.out_spec = flatten(output)
         cell.out_leaves, distinct = _without_tensors(out_leaves)
         # detach(): an input returned as it is would otherwise become a view made by a
@@ -285,6 +286,7 @@ def checkpoint(
     after: Tensor | None = None,
     fork: bool = False,
     guard: RecomputeGuard | None = None,
+    run: int = -1,
     record: Callable[[str, float, float], None] | None = None,
     name: str = "B",
     trainable: bool = True,
@@ -299,8 +301,9 @@ def checkpoint(
     partition (whose backward then waits for this cell's), and with ``fork`` the cell
     returns a phony for the next micro-batch, or else None.
 
-    ``guard``, when given, is entered around the recomputation (the pipeline uses it
-    to keep batch norm's running statistics from being updated a second time), and
+    ``guard``, when given, keeps the recomputation on the state the forward saw
+    (``guards.py``: parameters, buffers; ``run`` is the token of the run the cell is
+    part of), and
     ``record``, when given, is told the spans of the recomputation and the backward;
     ``name`` names the recomputation and backward in ``torch.profiler`` traces.
     ``trainable`` says whether a parameter of ``function`` wants a gradient.
@@ -310,6 +313,7 @@ def checkpoint(
     cell = _Cell(function, spec, shell, state, randomness)
     cell.fork = fork
     cell.guard = guard
+    cell.run = run
     cell.record = record
     cell.name = name
     tensors = tuple(distinct)

@@ -43,6 +43,7 @@ from torchgpipe.cell import (
 )
 from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
+from torchgpipe.guards import run_token
 from torchgpipe.mailbox import Mailbox
 from torchgpipe.microbatch import device_of, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
@@ -98,10 +99,6 @@ class Step(Mailbox):
         held = self.held[s] = self.held[s] + delta
         if held > self.peak[s]:
             self.peak[s] = held
-
-
-def _unchanged(value: Any) -> Any:
-    return value
 
 
 class StepRun:
@@ -171,6 +168,7 @@ class StepRun:
         self._home = next(iter(self.compute.values()))
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
+        self.token = run_token()  # tells this run's cells from other runs' (guards.py)
 
     # The rank's loop.
 
@@ -287,7 +285,7 @@ class StepRun:
         output, outbound = result
         if s + 1 < self.n:
             # A checkpointed cell's outputs were made without a graph: nothing to cut.
-            cut = _unchanged if cell.checkpointed else detached
+            cut: Any = (lambda value: value) if cell.checkpointed else detached
             post.put(("F", s + 1, i), cut(output))
             for key, skip in outbound.items():
                 post.put(("S", key, i), cut(skip))
@@ -341,7 +339,7 @@ class StepRun:
                 kept = guard.before_forward() if guard is not None else None
                 with set_flag("checkpointing"), cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
-            cell.restore = guard.after_forward(kept) if guard is not None else None
+            cell.restore = guard.after_forward(kept, guard.used_in(self.token)) if guard else None
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)

@@ -1,9 +1,15 @@
-"""What keeps a recomputation from changing a partition's state otherwise than its forward.
+"""What keeps a recomputation from computing otherwise than its forward did.
 
 A checkpointed cell runs its layers twice: in the forward, and again in backward. The
 plain model runs them once, so whatever the layers change besides their output (their
 buffers) must come out as after one run, and the recomputation must compute from the
 state the forward computed from:
+
+- The parameters: those the forward used. Under ``torch.func.functional_call`` the
+  forward used the tensors it was given, which are gone from the modules by the time
+  of backward: the recomputation uses them again (so their gradients are theirs). A
+  parameter changed in place since the forward (an ``optimizer.step()`` before the
+  backward) is refused, as autograd refuses it in the plain model.
 
 - Batch norm's running statistics are updated by the forward and put back after the
   recomputation (:func:`~torchgpipe.batchnorm.freeze_running_stats`). Training-mode
@@ -22,9 +28,10 @@ one cell's recomputation starts from the changed value.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from torch import Tensor, nn
@@ -32,18 +39,51 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
 
-__all__ = ["Kept", "RecomputeGuard", "Restore", "recompute_guard"]
+__all__ = ["Kept", "RecomputeGuard", "Restore", "recompute_guard", "run_token"]
+
+_RUNS = itertools.count()
+
+
+def run_token() -> int:
+    """A number for a run of the stages that no other run of this process has."""
+    return next(_RUNS)
+
 
 # Per buffer: the tensor before the forward, its version then, and a copy where needed.
 Kept = list[tuple[Tensor, int, Tensor | None]]
-# Per buffer the forward changed: its module, its name, its value before the forward.
-Restore = list[tuple[nn.Module, str, Tensor]]
+# Tensors to put in a module's slots (its _buffers or _parameters) for a recomputation.
+Swaps = list[tuple[dict[str, Any], str, Tensor]]
+
+
+class Used:
+    """The parameters a run's forward used, shared by its cells of one partition.
+
+    Checked once, at the run's first recomputation on the partition (the user's code
+    cannot run between two recomputations of one backward).
+    """
+
+    __slots__ = ("swaps", "tensors")
+
+    def __init__(self, tensors: list[tuple[Tensor, int]]) -> None:
+        self.tensors = tensors  # per parameter slot: the tensor, its version
+        self.swaps: Swaps | None = None  # what the check found: put back for each cell
+
+
+class Restore:
+    """What a cell's recomputation starts from: the forward's parameters and buffers."""
+
+    __slots__ = ("buffers", "parameters")
+
+    def __init__(self, parameters: Used) -> None:
+        self.parameters = parameters
+        # Per buffer the forward changed: its module, its name, its value before.
+        self.buffers: list[tuple[nn.Module, str, Tensor]] = []
 
 
 def recompute_guard(partition: nn.Module) -> RecomputeGuard | None:
-    """The guard of ``partition``; None when it has no buffer a forward could change."""
+    """The guard of ``partition``; None when it has neither parameters nor buffers."""
     guard = RecomputeGuard(partition)
-    return guard if guard.batch_norms or guard.slots else None
+    return guard if guard.batch_norms or guard.slots or guard.parameters else None
 
 
 class RecomputeGuard:
@@ -57,6 +97,12 @@ class RecomputeGuard:
     def __init__(self, partition: nn.Module) -> None:
         self.batch_norms: list[_BatchNorm] = []
         self.slots: list[tuple[nn.Module, str]] = []
+        self.parameters = [
+            (module, name)
+            for module in partition.modules()
+            for name, p in module._parameters.items()
+            if p is not None
+        ]
         for module in partition.modules():
             if isinstance(module, DeferredBatchNorm):
                 continue  # its recomputation never updates what it tracks
@@ -66,6 +112,17 @@ class RecomputeGuard:
             self.slots += [(module, name) for name, b in module._buffers.items() if b is not None]
         self._changing: list[bool] | None = None  # per slot; None: not learned yet
         self._warned = False
+        self._used: tuple[int, Used] | None = None  # the last run's (its token, Used)
+
+    def used_in(self, token: int) -> Used:
+        """The parameters of the run ``token`` (a number no other run has), recorded once."""
+        if self._used is None or self._used[0] != token:
+            tensors = [(p, p._version) for p in self._parameters_now() if p is not None]
+            self._used = (token, Used(tensors))
+        return self._used[1]
+
+    def _parameters_now(self) -> list[Tensor | None]:
+        return [module._parameters[name] for module, name in self.parameters]
 
     def before_forward(self) -> Kept | None:
         """What a checkpointed forward keeps of the buffers before it runs."""
@@ -81,11 +138,11 @@ class RecomputeGuard:
             kept.append((b, b._version, copy))
         return kept if len(kept) == len(self.slots) else None
 
-    def after_forward(self, kept: Kept | None) -> Restore | None:
+    def after_forward(self, kept: Kept | None, used: Used) -> Restore:
         """What the recomputation of the cell that just ran must start from."""
+        restore = Restore(used)
         if kept is None:
-            return None
-        restore: Restore = []
+            return restore
         changed = []
         for (module, name), (b, version, copy) in zip(self.slots, kept, strict=True):
             now = module._buffers[name]
@@ -96,7 +153,7 @@ class RecomputeGuard:
             # Replaced by a new tensor, the old one untouched: it is the value before.
             before = b if b._version == version else copy
             if before is not None:
-                restore.append((module, name, before))
+                restore.buffers.append((module, name, before))
             elif not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -110,21 +167,57 @@ class RecomputeGuard:
             self._changing = changed
         else:
             self._changing = [a or b for a, b in zip(self._changing, changed, strict=True)]
-        return restore or None
+        return restore
+
+    def recomputing(self, restore: Restore | None) -> AbstractContextManager[None]:
+        """Around a cell's recomputation and its backward: the state its forward saw.
+
+        Raises:
+            RuntimeError: a parameter the forward used was changed in place since.
+        """
+        swaps: Swaps = []
+        if restore is not None:
+            used = restore.parameters
+            if used.swaps is None:
+                used.swaps = self._parameters_used(used.tensors)
+            if restore.buffers:
+                swaps = [(m._buffers, name, before) for m, name, before in restore.buffers]
+            swaps = swaps + used.swaps if used.swaps else swaps
+        if not swaps and not self.batch_norms:  # the common case, once per recomputed cell
+            return nullcontext()
+        return self._swapped(swaps)
 
     @contextmanager
-    def recomputing(self, restore: Restore | None) -> Iterator[None]:
-        """Around a cell's recomputation and its backward: the buffers as they were."""
+    def _swapped(self, swaps: Swaps) -> Iterator[None]:
         frozen: Any = freeze_running_stats(self.batch_norms) if self.batch_norms else nullcontext()
         with frozen:
-            if not restore:
-                yield
-                return
-            now = [(module, name, module._buffers[name]) for module, name, _ in restore]
-            for module, name, before in restore:
-                module._buffers[name] = before
+            now = [(slots, name, slots[name]) for slots, name, _ in swaps]
+            for slots, name, before in swaps:
+                slots[name] = before
             try:
                 yield
             finally:
-                for module, name, value in now:
-                    module._buffers[name] = value
+                for slots, name, value in now:
+                    slots[name] = value
+
+    def _parameters_used(self, used: list[tuple[Tensor, int]]) -> Swaps:
+        """The parameters the forward used where the modules now hold others.
+
+        Raises:
+            RuntimeError: a parameter the forward used was changed in place since.
+        """
+        if len(used) != len(self.parameters):
+            return []  # parameters set to None, or added, since: nothing to compare
+        swaps = []
+        for (module, name), (p, version) in zip(self.parameters, used, strict=True):
+            if p._version != version:
+                raise RuntimeError(
+                    f"torchgpipe: the parameter {name!r} of a {type(module).__name__} was "
+                    f"changed in place after the forward that used it (version {version}, "
+                    f"now {p._version}), and its checkpointed cell would recompute with the "
+                    f"new value; call optimizer.step() after backward, not between "
+                    f"forward and backward"
+                )
+            if module._parameters[name] is not p:  # functional_call's, now gone
+                swaps.append((module._parameters, name, p))
+        return swaps
