@@ -443,6 +443,46 @@ def test_a_rank_that_refuses_its_arguments_is_reported_as_a_remote_error() -> No
     assert results[0]["seconds"] < 30
 
 
+def _other_call_rank(rank: int, world: int) -> dict[str, Any]:
+    stage = PipelineStage(mlp(), [4, 4], chunks=4)
+    schedule = Schedule1F1B(stage, _mse)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    _step(schedule, x, y)
+    out: dict[str, Any] = {}
+    for case, clipping in [("1 clips", 1), ("0 clips", 0)]:
+        if rank == clipping:
+            out[case] = _outcome(lambda: stage.clip_grad_norm_(1.0))
+        else:
+            out[case] = _outcome(lambda: _step(schedule, x, y))
+    stage.zero_grad()
+    out["next"] = _step(schedule, x, y).loss, _grads(stage)
+    return out
+
+
+def test_a_rank_that_clips_while_the_other_steps_fails_both_before_any_timeout() -> None:
+    # Before, each waited for the other's message until the process group's timeout,
+    # then said the other had died.
+    timeout = 60.0
+    results = spawn(_other_call_rank, 2, timeout=timeout)
+    for case, clipping in [("1 clips", 1), ("0 clips", 0)]:
+        for rank, out in enumerate(results):
+            failed = out[case]
+            assert failed["type"] == "RuntimeError", (case, rank, failed)
+            other = "stage.clip_grad_norm_()" if rank != clipping else "schedule.step()"
+            mine = "schedule.step()" if rank != clipping else "stage.clip_grad_norm_()"
+            said = f"rank {1 - rank} called {other} while this process called {mine}"
+            assert said in failed["text"], (case, rank, failed)
+            assert failed["seconds"] < timeout / 6, (case, rank, failed)
+    loss, grads, _ = _reference(mlp(), _batch(1, 8, 4), _batch(2, 8, 4))
+    merged: dict[str, Tensor] = {}
+    for out in results:
+        torch.testing.assert_close(out["next"][0], loss)
+        merged.update(out["next"][1])
+    assert sorted(merged) == sorted(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(merged[name], grad, rtol=1e-5, atol=1e-6)
+
+
 # Data parallelism: each stage replicated over a group of its own.
 
 

@@ -12,12 +12,13 @@ import copy
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import mlp, run_threads, skip_net, spawn
+from nccl_rules import NCCLRules
 from torch import Tensor, nn
 
 from torchgpipe import BalanceError
@@ -434,6 +435,37 @@ def test_ranks_that_follow_different_schedules_refuse_the_step() -> None:
     assert "different schedule" in str(out[0])
 
 
+def test_ranks_whose_schedules_reduce_differently_refuse_the_step() -> None:
+    # Before, rank 0 reported the sum of the micro-batches' losses and rank 1 their
+    # mean: the start now carries rank 0's reduction, and the others compare it.
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        reduction: Literal["mean", "sum"] = "sum" if stage.rank == 0 else "mean"
+        refused = _outcome(lambda: _step(Schedule1F1B(stage, _mse, reduction=reduction), x, y))
+        # A forward only has no loss to reduce; a step of the same reductions runs.
+        schedule = Schedule1F1B(stage, _mse, reduction=reduction)
+        output = schedule.forward_only(x if stage.is_first else None)
+        return refused, output, _step(Schedule1F1B(stage, _mse), x, y).loss
+
+    out = _on_ranks(2, [4, 4], body, chunks=4)
+    assert all(isinstance(o, tuple) for o in out), out
+    expected = (
+        "rank 0's schedule was built with reduction='sum' but rank 1's with "
+        "reduction='mean', and the ranks would report different losses; build every "
+        "process's schedule with the same reduction"
+    )
+    assert isinstance(out[1][0], ValueError), repr(out[1][0])
+    assert str(out[1][0]) == expected
+    assert isinstance(out[0][0], RemoteError), repr(out[0][0])
+    assert out[0][0].rank == 1
+    assert expected in str(out[0][0])
+    loss, _, output = _reference(mlp(), x, y)
+    torch.testing.assert_close(out[1][1], output)
+    for o in out:
+        torch.testing.assert_close(o[2], loss)
+
+
 def test_a_missing_input_or_target_fails_where_it_is_missing() -> None:
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)
 
@@ -840,3 +872,88 @@ def test_an_output_the_last_rank_cannot_gather_fails_every_rank() -> None:
     for failed in (step0, forward0):
         assert isinstance(failed, RemoteError)
         assert "rank 1 (stages [1]) raised ValueError" in str(failed)
+
+
+# Calls made in every process at once: one that makes another call fails them all, at
+# once, naming it (before, the step and the collect waited for each other's messages
+# until the transport's timeout, then each claimed the other had died).
+
+_CALL_NAMES = {
+    "step": "schedule.step()",
+    "forward_only": "schedule.forward_only()",
+    "clip": "stage.clip_grad_norm_()",
+    "trace": "stage.gather_trace()",
+}
+
+
+@pytest.mark.parametrize(
+    ("calls", "static_shapes"),
+    [
+        (("step", "clip"), False),
+        (("step", "clip"), True),
+        (("clip", "step"), False),
+        (("step", "trace"), True),
+        (("trace", "step"), False),
+        (("forward_only", "clip"), False),
+        (("trace", "clip"), False),
+        (("step", "step", "clip"), False),
+        (("step", "trace", "step"), True),
+        (("clip", "step", "step"), False),
+    ],
+)
+def test_a_rank_that_makes_another_call_fails_every_rank_at_once_and_the_next_step_runs(
+    calls: tuple[str, ...], static_shapes: bool
+) -> None:
+    world = len(calls)
+    balance = [[4, 4], [3, 3, 2]][world - 2]
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    timeout = 20.0  # the transports give up on a silent peer after half of it
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        with stage.trace() as trace:
+            _step(schedule, x, y)  # static shapes: the next step reuses its layouts
+        call: Callable[[], Any] = {
+            "step": lambda: _step(schedule, x, y),
+            "forward_only": lambda: schedule.forward_only(x if stage.is_first else None),
+            "clip": lambda: stage.clip_grad_norm_(1.0),
+            "trace": lambda: stage.gather_trace(trace, dst=0),
+        }[calls[stage.rank]]
+        start = time.monotonic()
+        failed = _outcome(call)
+        seconds = time.monotonic() - start
+        stage.zero_grad()
+        results = [_step(schedule, x, y) for _ in range(2)]  # anew, then static again
+        return failed, seconds, results, _grads(stage)
+
+    models = [mlp() for _ in range(world)]
+    rules = NCCLRules(world)
+
+    def run(transport: Transport) -> Any:
+        model = models[transport.rank]
+        return body(
+            PipelineStage(
+                model, balance, transport=transport, chunks=4, static_shapes=static_shapes
+            )
+        )
+
+    out = run_threads(run, world, timeout=timeout, observe=rules.group)
+    assert all(isinstance(o, tuple) for o in out), out
+    rules.check()  # the failed call's transfers matched, as NCCL needs them to
+    for rank, (failed, seconds, _, _) in enumerate(out):
+        assert type(failed) is RuntimeError, repr(failed)
+        others = [
+            f"rank {peer} called {_CALL_NAMES[call]}"
+            for peer, call in enumerate(calls)
+            if call != calls[rank]
+        ]
+        said = f"{', '.join(others)} while this process called {_CALL_NAMES[calls[rank]]}"
+        assert said in str(failed), (rank, str(failed))
+        assert "every process must make the same call at once" in str(failed)
+        assert seconds < timeout / 8, (rank, seconds)  # told, not timed out
+    # The stages and the transports serve the next step as if nothing had happened.
+    loss, grads, _ = _reference(mlp(), x, y)
+    _assert_grads(_merged([o[3] for o in out]), {n: 2 * g for n, g in grads.items()})
+    for o in out:
+        for result in o[2]:
+            torch.testing.assert_close(result.loss, loss)

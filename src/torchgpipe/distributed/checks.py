@@ -22,6 +22,10 @@ at once, rather than when the failing process exits or the process group times o
        Stopped                   wait for the others' ends
     end(failed) ───────────────▶ raise ValueError (its own)
     raise RemoteError("rank 1 (stages [1]) raised ValueError: ...")
+
+The calls made later, each in every process at once (a step, ``clip_grad_norm_``), are
+checked by their exchange's ends: each names its rank's call, and a rank that sees
+another call than its own raises :func:`mismatch`, as every other rank does.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from torch import nn
 from torchgpipe.distributed.exchange import Exchange, describe
 from torchgpipe.mailbox import Stopped
 
-__all__ = ["check_rank", "differences", "fingerprint", "start_together"]
+__all__ = ["check_rank", "differences", "fingerprint", "mismatch", "other_calls", "start_together"]
 
 
 def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,6 +67,7 @@ def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> N
             raises it with the same message.
     """
     rank = exchange.rank
+    exchange.tag, exchange.call = "hello", "PipelineStage()"
     if isinstance(outcome, Exception):
         status = describe(outcome, None, rank, exchange.stages[rank], None)
         status["where"] = " while building its PipelineStage"
@@ -155,3 +160,30 @@ def check_rank(dst: object, world_size: int, what: str) -> int:
             f"a rank from 0 to {world_size - 1}"
         )
     return dst
+
+
+def other_calls(exchange: Exchange) -> str:
+    """Which other calls the peers made, as their ends said; '' if none did.
+
+    ``'rank 1 called stage.clip_grad_norm_() while this process called schedule.step()'``
+    """
+    others = exchange.other_calls()
+    if not others:
+        return ""
+    said = ", ".join(f"rank {peer} called {call}" for peer, call in others.items())
+    return f"{said} while this process called {exchange.call}"
+
+
+def mismatch(exchange: Exchange) -> RuntimeError | None:
+    """The error of a call that other processes did not make at the same time; or None.
+
+    Each rank raises it, naming the others' calls. Every rank took part in the transfers
+    it owed before the exchange ended: the next call made in every process runs as usual.
+    """
+    said = other_calls(exchange)
+    if not said:
+        return None
+    return RuntimeError(
+        f"{said}: every process must make the same call at once (the next call that "
+        f"every process makes runs as usual)"
+    )

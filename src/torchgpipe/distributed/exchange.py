@@ -34,6 +34,11 @@ rank sends ``end`` at once, which stops the takes waiting on the others; they se
 theirs in turn. So a failure anywhere makes every rank fail, naming the rank, the stage
 and the action where it started. A rank that dies is seen by the transport
 (``TransportError``) and reported the same way.
+
+An exchange serves one call made by every process at once (a step, ``collect.py``). A
+peer's first value opens its call, tagged by its key's first element (``"start"``); a
+wait for a value of a peer whose call has another tag ends at once, and each ``end``
+names its sender's call: a process making another call fails the others, named, at once.
 """
 
 from __future__ import annotations
@@ -170,6 +175,9 @@ class Exchange(Mailbox):
         self._metadata: dict[Key, Any] = {}
         self._silent: set[int] = set()
         self.signature = b""  # a digest of the layout of the step's input (static shapes)
+        # This process's call (its maker sets it): the tag its keys begin with, its name.
+        self.tag, self.call = "start", "schedule.step()"
+        self._opened: dict[int, str] = {}  # each peer's tag, by its first value (_arrived)
         self.transfers = Transfers(
             transport,
             metadata=self._peek_metadata,
@@ -235,14 +243,15 @@ class Exchange(Mailbox):
     def wait_for(self, key: Key, peer: int) -> Any:
         """The side-channel value under ``key`` from ``peer``, even after a halt.
 
-        None once ``peer`` ended (or was lost) without sending it.
+        None once ``peer`` ended (or was lost) without sending it, or opened another call
+        (its first value's key began with another tag than ``key``).
         """
         with self._arrived:
             while True:
                 with self._lock:
                     if key in self._box:
                         return self._box.pop(key)
-                if peer in self._silent:
+                if peer in self._silent or self._opened.get(peer, key[0]) != key[0]:
                     return None
                 self._arrived.wait()
 
@@ -355,6 +364,7 @@ class Exchange(Mailbox):
         except BaseException as error:  # keep listening: the peer goes on sending
             self._lose(peer, f"sent a message that could not be read: {error!r}")
         with self._arrived:
+            self._opened.setdefault(peer, header[1][0])  # its call's tag: its first key's
             self._arrived.notify_all()  # for wait_for()
         return True
 
@@ -388,7 +398,7 @@ class Exchange(Mailbox):
         another did) and ``error``: the description of its own failure, if it raised.
         Call it on the thread of this rank's actions: it issues the plan's last rounds.
         """
-        status = {**status, "lost": dict(self.lost)}
+        status = {**status, "lost": dict(self.lost), "tag": self.tag, "call": self.call}
         for peer in self.peers:
             if peer in self.lost:
                 continue
@@ -445,9 +455,17 @@ class Exchange(Mailbox):
                 rank=peer,
                 stages=self.stages[peer],
             )
-        if self.halted:  # pragma: no cover - a halt always has a cause above
+        if self.halted and not self.other_calls():  # pragma: no cover - a halt has a cause
             return RemoteError("the step stopped on another rank", rank=-1, stages=())
         return None
+
+    def other_calls(self) -> dict[int, str]:
+        """The peers whose ends name another call than this process's: their calls."""
+        return {
+            peer: status["call"]
+            for peer, (status, _) in sorted(self.ends.items())
+            if status.get("tag", self.tag) != self.tag
+        }
 
 
 _PLANNED = frozenset({"F", "G", "S", "SG"})  # the kinds of key a step's plan transfers

@@ -7,21 +7,30 @@ and the last rank the target (others may pass None). The step goes like this on 
 rank::
 
     rank 0: scatter the input
-            ── start(m, sizes, table, kind, key, static, seed) ──▶ every other rank
+            ── start(m, sizes, table, kind, key, static, seed, reduction) ──▶ the others
     every rank: its actions; messages to the ranks of other stages (exchange.py)
     every rank: end(status, losses from the last rank) ──▶ every other rank
     every rank: raise the step's failure, if any, or return its result
 
 The start names the table by its text, or None when it is the last step's; ``kind``
-says a step or a forward only. With ``PipelineStage(static_shapes=True)``, ``key`` is a
-digest of the layout of the step's input, and ``static`` says that a step on an input
-so laid out ended well: this one reuses its messages' layouts. Every rank remembers
-those of the last :data:`LAYOUTS` layouts (alternating batch sizes stay fast).
+says a step or a forward only; ``reduction`` is the schedule's (the other ranks refuse
+a step whose table or reduction is not theirs: the losses and gradients would differ).
+With ``PipelineStage(static_shapes=True)``, ``key`` is a digest of the layout of the
+step's input, and ``static`` says that a step on an input so laid out ended well: this
+one reuses its messages' layouts. Every rank remembers those of the last
+:data:`LAYOUTS` layouts (alternating batch sizes stay fast).
 
 ``seed`` is the step's seed, which rank 0 draws from its default generator
 (:func:`torchgpipe.rng.draw_seed`) as one process's step does: every rank's cells draw
 from it (dropout), so what they draw depends on that seed alone, not on what each
 process drew from its own generator before the step.
+
+A process that makes another call meanwhile (``stage.clip_grad_norm_()``: ``collect.py``)
+opens it with a value of another tag (``exchange.py``): a rank waiting for the start
+stops at once; a process that finds rank 0's start instead of the value it waits for
+joins the step as a rank that failed at its start (:func:`join_step`), issuing the
+transfers whose metadata reached it. Every rank then fails, naming the other calls
+(``checks.mismatch``), and the process group is left clean for the next call.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.exchange import Exchange, describe
+from torchgpipe.distributed.checks import mismatch
+from torchgpipe.distributed.exchange import Exchange, Key, describe
 from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.executor import Step, StepRun
@@ -56,6 +66,8 @@ from torchgpipe.steps import (
 )
 
 __all__ = ["run_step"]
+
+START: Key = ("start",)  # the key of rank 0's start: its tag, "start", opens a step
 
 
 def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -> StepResult:
@@ -105,6 +117,7 @@ def _run(
     output that does not gather (a 0-dim tensor in it) fails the step on every rank.
     """
     exchange = stage.exchange()
+    exchange.call = "schedule.forward_only()" if forward_only else "schedule.step()"
     output: Any = None
     shapes = stage.shapes
     step: Step | None = None
@@ -162,7 +175,7 @@ def _run(
         },
         [torch.stack(losses).cpu()] if losses else [],
     )
-    remote = exchange.remote_failure()
+    remote = mismatch(exchange) or exchange.remote_failure()
     # Static shapes: what a step that ended well sent and received, for the next ones.
     ended_well = failure is None and remote is None and step is not None
     # Every rank sees a step end alike, so every rank's memory holds the same layouts.
@@ -217,25 +230,27 @@ def _start(
             key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
         seed = draw_seed()  # the one draw of the step, as in one process
-        start = (m, sizes, text, forward_only, key, bool(key) and key in shapes, seed)
+        static = bool(key) and key in shapes
+        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
         brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
         for peer in exchange.peers:
-            exchange.send(peer, ("start",), brief)
+            exchange.send(peer, START, brief)
         stage.table_text = text
     else:
-        try:
-            start = _full(stage, exchange.take(("start",)))
-        except Stopped:
-            # Halted before rank 0's start came: if rank 0 did start, it may have sent
-            # this rank metadata, whose transfers this rank must take part in.
-            start = exchange.wait_for(("start",), 0)
-            if start is not None:
-                _follow(stage, exchange, _full(stage, start), shapes)
-            raise
-        m, sizes, text, first_forward_only, _, _, seed = start
+        # Even after a halt: if rank 0 did start, it may have sent this rank metadata,
+        # whose transfers this rank must take part in. None: rank 0 was lost, or made
+        # another call (collect.py) and will send no start.
+        start = exchange.wait_for(START, 0)
+        if start is None:
+            exchange.halt()
+            raise Stopped
+        start = _full(stage, start)
+        m, sizes, text, first_forward_only, _, _, seed, reduction = start
         _follow(stage, exchange, start, shapes)
+        if exchange.halted:
+            raise Stopped
         if first_forward_only != forward_only:
             calls = ("forward_only", "step")
             said, mine = calls if first_forward_only else calls[::-1]
@@ -248,6 +263,13 @@ def _start(
             raise ValueError(
                 f"rank {stage.rank} follows a different schedule from rank 0 (for "
                 f"{m} micro-batches); build the same schedule in every process"
+            )
+        if not forward_only and reduction != steps.reduction:
+            raise ValueError(
+                f"rank 0's schedule was built with reduction={reduction!r} but rank "
+                f"{stage.rank}'s with reduction={steps.reduction!r}, and the ranks would "
+                f"report different losses; build every process's schedule with the same "
+                f"reduction"
             )
     targets: list[Any] = []
     if stage.is_last and not forward_only:
@@ -264,6 +286,26 @@ def _start(
                 f"the input into {sizes}; give them the same batch size"
             )
     return m, sizes, table, batches, targets, seed
+
+
+def join_step(stage: PipelineStage, exchange: Exchange) -> bool:
+    """Whether rank 0 started a step while this process made another call; if so, join it.
+
+    Rank 0 may have sent this rank metadata, and issue those transfers: this rank takes
+    part in them (its exchange follows the step's plan) as a rank that failed at the
+    step's start would, halted, and forgets the layouts of static shapes as every rank
+    of a failed step does. It waits for rank 0's first value: its start, or another
+    call's.
+    """
+    if stage.rank == 0:
+        return False
+    start = exchange.wait_for(START, 0)
+    if start is None:  # rank 0 made this call (or another) too, or ended
+        return False
+    exchange.halt()
+    _follow(stage, exchange, _full(stage, start), stage.shapes)
+    stage.shapes.clear()
+    return True
 
 
 def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -286,7 +328,7 @@ def _follow(
     ``shapes``: what the last steps that ended well sent and received, by the layout of
     their input (``start``'s key: a digest of the layout, empty without static shapes).
     """
-    _, _, text, forward_only, key, static, _ = start
+    _, _, text, forward_only, key, static, *_ = start
     exchange.signature = key  # this step's messages are remembered under it, if it ends well
     table = _parsed(text, len(stage.balance))
     frames = None
