@@ -165,6 +165,14 @@ class _Checkpointed(torch.autograd.Function):
                 f"cell {cell.name}, whose recomputed graph is not differentiable again; "
                 f"use checkpoint='never' for gradients of gradients (a gradient penalty)"
             )
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                f"torchgpipe: backward(inputs=...) or torch.autograd.grad reached the "
+                f"checkpointed cell {cell.name} of a partition whose backward runs in "
+                f"PyTorch's engine (a GPU's), and its recomputation would fill every "
+                f"parameter's .grad whatever was asked; use checkpoint='never' for "
+                f"these, or a plain backward() and .grad"
+            )
         try:
             return _recompute_backward(ctx, cell, grads, needs)
         except BaseException as error:

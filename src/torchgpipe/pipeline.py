@@ -21,6 +21,13 @@ table on the workers, each partition's backward on its own thread, in parallel a
 forward was; the gradients of the input go back to the engine, and the parameters' are
 accumulated into ``.grad`` on the workers, as a schedule's step does.
 
+The parameters that want a gradient are inputs of that node too, although their
+gradients do not pass through it in a plain ``loss.backward()``: otherwise the engine
+would skip the node when ``backward(inputs=[a parameter])`` or ``torch.autograd.grad``
+asks for a parameter alone. There the node's backward sets every ``.grad`` aside while
+the workers run, and hands the gradients they leave to the engine, which then
+accumulates, captures or drops each as it would for the plain model (:class:`_Aside`).
+
 Where a partition is on a GPU, the cells are built into the caller's graph instead
 (``connected``), and PyTorch's engine runs the backward: it already runs each GPU's
 backward on a thread of its own. The node above must not be used there: the engine
@@ -31,11 +38,12 @@ then wait for the workers, whose own ``backward`` on that GPU needs that very th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.microbatch import flatten, gather, scatter, unflatten
@@ -112,11 +120,10 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
             f"on a GPU's engine thread: put that partition on the GPU (devices=[...]) "
             f"and let it return its output there"
         )
-    backward = _Backward(run, workers, describe, counts, upstream, tensors)
-    # The phony makes the outputs need a gradient when only the parameters do.
-    phony = torch.empty(0, requires_grad=True)
+    params = _trainable(stages.partitions)
+    backward = _Backward(run, workers, describe, counts, upstream, tensors, params)
     flat = [x for xs in upstream for x in xs]
-    joined = iter(_StageGraphs.apply(backward, phony, *flat))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    joined = iter(_StageGraphs.apply(backward, *params, *flat))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return [
         unflatten([next(joined) if isinstance(x, Tensor) else x for x in leaves], spec)
         for leaves, spec in specs
@@ -195,6 +202,17 @@ def _table(n: int, m: int) -> Schedule:
     return gpipe(n, m)
 
 
+def _trainable(partitions: dict[int, nn.Module]) -> list[Tensor]:
+    """The parameters of ``partitions`` that want a gradient, each once."""
+    found: dict[int, Tensor] = {}
+    for partition in partitions.values():
+        for module in partition.modules():  # twice as fast as parameters(), once per forward
+            for p in module._parameters.values():
+                if p is not None and p.requires_grad:
+                    found.setdefault(id(p), p)
+    return list(found.values())
+
+
 class _Backward:
     """What the node of the outputs needs to run the stages' backward once."""
 
@@ -206,6 +224,7 @@ class _Backward:
         counts: list[int],
         upstream: list[list[Tensor]],
         outputs: list[Tensor],
+        params: list[Tensor],
     ) -> None:
         self.run: StepRun | None = run
         self.workers = workers
@@ -213,9 +232,11 @@ class _Backward:
         self.counts = counts  # per micro-batch: how many output tensors
         self.devices = [[x.device for x in xs] for xs in upstream]
         self.outputs: list[Tensor] | None = outputs
+        self.params = params  # the first inputs of the node, then the upstream tensors
+        self.partitions = run.partitions
 
     def __call__(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-        """Hand the outputs' gradients to the last stage; run every ``B``; give the input's."""
+        """Run every ``B``; give the engine the parameters' gradients, then the input's."""
         run, self.run = self.run, None
         if run is None:
             raise RuntimeError(
@@ -230,23 +251,188 @@ class _Backward:
                 "each partition runs its backward on its own thread. Compute the "
                 "gradient penalty outside the GPipe, or train the model unwrapped"
             )
+        if torch.autograd._is_checkpoint_valid():
+            # A plain backward(): neither inputs= nor autograd.grad. The workers
+            # accumulate into .grad, and the engine gets None for the parameters, but
+            # for hooked ones: it would call their hooks with None (see _Aside).
+            hooked = [p for p in self.params if _hooked(p)]
+            if not hooked:
+                return [None] * len(self.params) + self._stages(run, grads, None)
+            aside = _Aside(hooked)
+            got = self._stages(run, grads, aside)
+            mine = dict(zip(map(id, hooked), aside.take(), strict=True))
+            aside.put_back()
+            return [mine.get(id(p)) for p in self.params] + got
+        # inputs= or autograd.grad: the engine does with each gradient as it would with
+        # the plain model's (its hooks, then it accumulates, captures or drops it).
+        aside = _Aside(self.params)
+        got = self._stages(run, grads, aside)
+        new = aside.take()
+        kept: list[tuple[Tensor, Tensor | None, Tensor | None, int]] = []
+        for p, old, grad in zip(self.params, aside.grads, new, strict=True):
+            fate = _fate(p)
+            if fate == "accumulate":
+                p.grad = old  # the engine adds to it, as it would for the plain model
+                continue
+            # Until the end of the backward, what the ties of tied.py would sum into a
+            # .grad shows: a captured gradient stays in its .grad, others are None.
+            left = grad if fate == "capture" else None
+            p.grad = left
+            kept.append((p, old, left, 0 if left is None else left._version))
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(partial(self._settle, kept, aside))
+        return new + got
+
+    def _stages(
+        self, run: StepRun, grads: Sequence[Tensor | None], aside: _Aside | None
+    ) -> list[Tensor | None]:
+        """Hand the outputs' gradients to the last stage; run every ``B``; give the input's."""
         n, step = len(run.table.ranks), run.step
         it = iter(grads)
         for i, count in enumerate(self.counts):
             step.put(("G", n - 1, i), [next(it) for _ in range(count)])
-        self.workers.run(run, "backward", self.describe)
+        try:
+            self.workers.run(run, "backward", self.describe)
+        except BaseException:
+            if aside is not None:
+                aside.abandon()
+            raise
         out: list[Tensor | None] = []
         for i, devices in enumerate(self.devices):
             got = step.take(("G", -1, i)) if devices else []
             out += [g if g is None else g.to(d) for g, d in zip(got, devices, strict=True)]
         return out
 
+    def _settle(
+        self, kept: list[tuple[Tensor, Tensor | None, Tensor | None, int]], aside: _Aside
+    ) -> None:
+        """At the end of the backward: give back the ``.grad`` the engine was not to touch."""
+        aside.unmute()
+        touched = []
+        for p, old, left, version in kept:
+            now = p.grad
+            if now is not left or (now is not None and now._version != version):
+                touched.append(p)
+            p.grad = old
+        if touched:
+            raise RuntimeError(
+                f"torchgpipe: a tied weight's copies had their gradients summed into "
+                f"{self._names(touched)}, whose gradients this backward was not to "
+                f"change; each partition that uses a tied weight holds a copy of it, and "
+                f"the copies' gradients are summed at the end of the backward. Name every "
+                f"copy (all of model.parameters(), say) or none in backward(inputs=...), "
+                f"and read .grad rather than calling torch.autograd.grad of a tied weight; "
+                f"the .grad of the parameters named may now hold part of the sum"
+            )
+
+    def _names(self, params: list[Tensor]) -> str:
+        """``params`` as ``'partition 1: 0.weight, ...'``."""
+        ids = {id(p) for p in params}
+        return ", ".join(
+            f"partition {j}: {name}"
+            for j, partition in self.partitions.items()
+            for name, p in partition.named_parameters()
+            if id(p) in ids
+        )
+
+
+_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hooked(p: Tensor) -> bool:
+    """Whether ``p`` has a hook that the engine would call through the node."""
+    return bool(p._backward_hooks or p._post_accumulate_grad_hooks)
+
+
+class _Aside:
+    """The ``.grad`` and hooks of parameters, set aside while the stages run their backward.
+
+    The stages' threads then leave in ``.grad`` the gradient of this backward alone, and
+    call no hook of these parameters: the node hands that gradient to the engine, which
+    calls the hooks once and accumulates (or captures) it as for the plain model. Torch
+    has no public way to silence a tensor's hooks for a while; each kind is kept in a
+    dict on the tensor, which the engine reads at each call: those dicts are emptied,
+    then refilled. A parameter the stages left no gradient cannot be handed one: the
+    engine would call its hooks with None, so they stay silent until its accumulator
+    has run, or the backward has ended (not when the backward fails before that).
+    """
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.grads = [p.grad for p in params]
+        self.hooks = [_Silenced(p) for p in params]
+        for p in params:
+            p.grad = None
+        self.silent: list[_Silenced] = []
+
+    def take(self) -> list[Tensor | None]:
+        """What the stages left in each ``.grad``; the hooks back where a gradient was left."""
+        new = [p.grad for p in self.params]
+        for p, grad, hooks in zip(self.params, new, self.hooks, strict=True):
+            if grad is None and hooks:
+                hooks.until_accumulated(p)
+                self.silent.append(hooks)
+            else:
+                hooks.restore()
+        return new
+
+    def put_back(self) -> None:
+        """Every ``.grad`` as it was."""
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
+
+    def abandon(self) -> None:
+        """Every ``.grad`` and hook as it was (the stages' backward failed)."""
+        self.put_back()
+        for hooks in self.hooks:
+            hooks.restore()
+
+    def unmute(self) -> None:
+        """The hooks still silent back."""
+        for hooks in self.silent:
+            hooks.restore()
+
+
+class _Silenced:
+    """A parameter's hooks, taken out of their dicts until :meth:`restore`."""
+
+    def __init__(self, p: Tensor) -> None:
+        dicts = [d for d in (getattr(p, name, None) for name in _HOOKS) if d]
+        self.saved: list[tuple[dict[Any, Any], list[Any]]] = [(d, list(d.items())) for d in dicts]
+        for d in dicts:
+            d.clear()
+        self.handle: Any = None
+
+    def __bool__(self) -> bool:
+        return bool(self.saved)
+
+    def until_accumulated(self, p: Tensor) -> None:
+        """Restore the hooks once the engine has run ``p``'s gradient accumulator."""
+        self.handle = get_gradient_edge(p).node.register_hook(lambda *_: self.restore())
+
+    def restore(self) -> None:
+        saved, self.saved = self.saved, []
+        for d, items in saved:
+            d.update(items)
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def _fate(p: Tensor) -> Literal["accumulate", "capture", "drop"]:
+    """What the engine's backward under way does with a gradient for parameter ``p``."""
+    node = get_gradient_edge(p).node
+    try:
+        return "accumulate" if torch._C._will_engine_execute_node(node) else "drop"
+    except RuntimeError:  # torch refuses to tell of a leaf that autograd.grad captures
+        return "capture"
+
 
 class _StageGraphs(torch.autograd.Function):
     """The node between the caller's graph and the stages' own graphs (CPU partitions)."""
 
     @staticmethod
-    def forward(ctx: Any, backward: _Backward, phony: Tensor, *upstream: Tensor) -> Any:
+    def forward(ctx: Any, backward: _Backward, *inputs: Tensor) -> Any:
         ctx.backward = backward
         ctx.set_materialize_grads(False)
         outputs = backward.outputs
@@ -262,4 +448,4 @@ class _StageGraphs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (None, None, *ctx.backward(grads))
+        return (None, *ctx.backward(grads))
