@@ -486,6 +486,15 @@ def test_a_loss_that_does_not_require_grad_is_refused() -> None:
     schedule = Schedule1F1B(model, lambda out, target: _mse(out.detach(), target))
     with pytest.raises(RuntimeError, match="loss_fn returned a loss that does not require grad"):
         schedule.step(torch.randn(4, 3), torch.randn(4, 3))
+
+    # One micro-batch's loss alone may be a constant (a mask with nothing left).
+    def masked(out: Tensor, target: Tensor) -> Tensor:
+        mask = target[:, 0] > 0
+        return _mse(out[mask], target[mask]) if mask.any() else torch.zeros(())
+
+    target = torch.tensor([[-1.0] * 3, [-1.0] * 3, [1.0] * 3, [1.0] * 3])
+    Schedule1F1B(model, masked).step(torch.randn(4, 3), target)
+    assert all(p.grad is not None for p in model.parameters())
     # Nothing to train and nothing wanting a gradient: nothing to refuse either.
     model.requires_grad_(False)
     result = schedule.step(torch.randn(4, 3), torch.randn(4, 3))

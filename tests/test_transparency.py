@@ -1,6 +1,8 @@
 """GPipe computes what the unwrapped model computes: outputs, gradients, weights."""
 
 import copy
+import gc
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from torchgpipe import GPipe, is_recomputing
+from torchgpipe import GPipe, is_checkpointing, is_recomputing
 from torchgpipe.skip import Namespace, pop, skippable, stash
 
 
@@ -451,14 +453,85 @@ def test_functional_call_recomputes_with_the_parameters_it_was_given(
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_a_parameter_changed_between_forward_and_backward_is_refused(
+def test_functional_call_with_computed_parameters_is_refused_by_a_checkpointed_cell(
     checkpoint: str, backward_by: str
 ) -> None:
-    # The plain model's autograd refuses it (the weight was saved); a checkpointed cell
-    # would otherwise recompute with the new weight.
     model = GPipe(mlp(), [2, 3], chunks=3, checkpoint=checkpoint)
-    out = model(torch.randn(6, 6))
+    scale = torch.tensor(2.0, requires_grad=True)
+    given = {k: v.detach() * scale for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="computed from other tensors"):
+        torch.func.functional_call(model, given, (torch.randn(6, 6),)).sum().backward()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_layer_that_changes_its_own_parameter_in_its_forward(
+    checkpoint: str, backward_by: str
+) -> None:
+    # Embedding(max_norm=...) renormalizes the rows it looks up, in place, each forward.
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)).double()
+
+    x = torch.randint(0, 10, (6, 3))
+    results = []
+    for mode in ("never", checkpoint):
+        model = GPipe(build(), [1, 1], chunks=3, checkpoint=mode)
+        model(x).square().sum().backward()
+        results.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
+
+
+def test_layers_changed_after_wrapping_are_guarded_as_they_are_now(backward_by: str) -> None:
+    # Pruning a wrapped layer, then making it permanent, changes its parameters and
+    # buffers; the next run's recomputation follows the modules as they are then.
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2, checkpoint="always")
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for layers in (model, plain):
+        layers(x).sum().backward()
+        prune.l1_unstructured(layers[0], "weight", amount=0.5)
+        layers.zero_grad()
+        layers(x).sum().backward()
+        prune.remove(layers[0], "weight")
+        layers(x).square().sum().backward()
+    _assert_same_grads(model, plain, exact=False)
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(is_checkpointing())
+            return x
+
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), Probe()), [2], checkpoint="always").double()
+    model(x).sum().backward()
     with torch.no_grad():
-        model[0].weight.mul_(10)
-    with pytest.raises(RuntimeError, match="'weight' of a Linear was changed in place after"):
-        out.sum().backward()
+        model(x)
+    assert seen == [True, False, False]  # forward, recomputation, no_grad forward
+
+
+def test_retain_graph_recomputes_from_the_same_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine's way keeps the graph (retain_graph=True): each recomputation starts
+    # from a copy of the forward's buffers.
+    from torchgpipe import pipeline
+
+    monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    model = GPipe(_buffered_net(), [2, 3], chunks=2, checkpoint="always")
+    out = model(torch.randn(4, 4, dtype=torch.float64))
+    out.sum().backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    out.sum().backward()
+    second = [p.grad for p in model.parameters() if p.grad is not None]
+    torch.testing.assert_close([2 * g for g in first], second, rtol=1e-12, atol=1e-12)
+
+
+def test_a_run_keeps_no_parameter_alive_after_its_backward(backward_by: str) -> None:
+    model = GPipe(mlp(), [2, 3], chunks=2, checkpoint="always")
+    given = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    torch.func.functional_call(model, given, (torch.randn(4, 6),)).sum().backward()
+    refs = [weakref.ref(p) for p in given.values()]
+    del given
+    gc.collect()
+    assert all(ref() is None for ref in refs)

@@ -115,8 +115,10 @@ def take_input_grads(inputs: list[Tensor]) -> list[Tensor | None]:
     gradient, for both of its uses: it goes back once, in the first place.
     """
     grads: list[Tensor | None] = []
-    for k, x in enumerate(inputs):
-        if x.requires_grad and not any(x is y for y in inputs[:k]):
+    seen: set[int] = set()
+    for x in inputs:
+        if x.requires_grad and id(x) not in seen:
+            seen.add(id(x))
             grads.append(x.grad)
             x.grad = None
         else:
@@ -208,7 +210,6 @@ def connected_forward(
             after=phony,
             fork=wants_phony,
             guard=run.guards[s],
-            run=run.token,
             record=None if run.trace is None else partial(run.trace.record, s, i),
             name=f"{s}B{i}",
             trainable=run.trainable(s),

@@ -31,7 +31,7 @@ from torchgpipe.trace import profiled
 from torchgpipe.worker import ThreadState
 
 if TYPE_CHECKING:  # guards.py imports batchnorm.py, which imports this module
-    from torchgpipe.guards import RecomputeGuard, Restore
+    from torchgpipe.guards import Restore, RunGuard
 
 __all__ = [
     "aliases",
@@ -115,8 +115,7 @@ class _Cell:
         self.out_spec: Spec | None = None
         self.out_leaves: list[Any] = []
         self.fork = False
-        self.guard: RecomputeGuard | None = None
-        self.run = -1  # the run's token, for the guard
+        self.guard: RunGuard | None = None
         self.restore: Restore | None = None  # the buffers the recomputation starts from
         # With a trace on: record(kind, start, end) for the recomputation and backward.
         self.record: Callable[[str, float, float], None] | None = None
@@ -134,15 +133,15 @@ class _Checkpointed(torch.autograd.Function):
         # Keep a copy: a layer at the start of the partition may modify its input in
         # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
         ctx.save_for_backward(*(x.clone() for x in tensors))
-        previous, _flags.checkpointing = is_checkpointing(), True
         kept = cell.guard.before_forward() if cell.guard is not None else None
+        previous, _flags.checkpointing = is_checkpointing(), True
         try:
             with cell.randomness.forward():
                 output = cell.call(tensors)
         finally:
             _flags.checkpointing = previous
         if cell.guard is not None:
-            cell.restore = cell.guard.after_forward(kept, cell.guard.used_in(cell.run))
+            cell.restore = cell.guard.after_forward(kept)
         out_leaves, cell.out_spec = flatten(output)
         cell.out_leaves, distinct = _without_tensors(out_leaves)
         # detach(): an input returned as it is would otherwise become a view made by a
@@ -293,8 +292,7 @@ def checkpoint(
     device: torch.device,
     after: Tensor | None = None,
     fork: bool = False,
-    guard: RecomputeGuard | None = None,
-    run: int = -1,
+    guard: RunGuard | None = None,
     record: Callable[[str, float, float], None] | None = None,
     name: str = "B",
     trainable: bool = True,
@@ -310,8 +308,7 @@ def checkpoint(
     returns a phony for the next micro-batch, or else None.
 
     ``guard``, when given, keeps the recomputation on the state the forward saw
-    (``guards.py``: parameters, buffers; ``run`` is the token of the run the cell is
-    part of), and
+    (``guards.py``: parameters, buffers), and
     ``record``, when given, is told the spans of the recomputation and the backward;
     ``name`` names the recomputation and backward in ``torch.profiler`` traces.
     ``trainable`` says whether a parameter of ``function`` wants a gradient.
@@ -321,7 +318,6 @@ def checkpoint(
     cell = _Cell(function, spec, shell, state, randomness)
     cell.fork = fork
     cell.guard = guard
-    cell.run = run
     cell.record = record
     cell.name = name
     tensors = tuple(distinct)

@@ -43,7 +43,7 @@ from torchgpipe.cell import (
 )
 from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
-from torchgpipe.guards import run_token
+from torchgpipe.guards import RunGuards
 from torchgpipe.mailbox import Mailbox
 from torchgpipe.microbatch import device_of, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
@@ -51,7 +51,7 @@ from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.split_backward import backward_inputs
 from torchgpipe.stages import Stages
-from torchgpipe.steps import LossFn, one_number
+from torchgpipe.steps import LossFn, one_number, untrained
 from torchgpipe.stream import (
     AnyStream,
     current_stream,
@@ -76,6 +76,7 @@ class Step(Mailbox):
         self.peak = [0] * stages
         self.losses: list[Tensor | None] = [None] * m
         self.outputs: list[Any] = [None] * m
+        self.untrained = 0  # losses that do not require grad, from outputs that do
         # Stage 0's inputs in the caller's graph, with their gradients (a schedule's step).
         self.upstream: list[tuple[Tensor, Tensor]] = []
 
@@ -142,7 +143,7 @@ class StepRun:
         self.devices = stages.devices
         self.inbound = stages.inbound
         self.outbound = stages.outbound
-        self.guards = stages.guards
+        self.guards = RunGuards(stages.guards)  # made at the run's first use of a stage
         self.popped_by = {r.key: r.pop_partition for r in stages.routes}
         self._trainable: dict[int, bool] = {}  # per stage, read when first needed
         self.n = len(stages.inbound)
@@ -168,7 +169,6 @@ class StepRun:
         self._home = next(iter(self.compute.values()))
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
-        self.token = run_token()  # tells this run's cells from other runs' (guards.py)
 
     # The rank's loop.
 
@@ -339,7 +339,7 @@ class StepRun:
                 kept = guard.before_forward() if guard is not None else None
                 with set_flag("checkpointing"), cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
-            cell.restore = guard.after_forward(kept, guard.used_in(self.token)) if guard else None
+            cell.restore = guard.after_forward(kept) if guard is not None else None
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds
             # out; a gradient that turns out unneeded is dropped there.)
@@ -443,8 +443,11 @@ class StepRun:
 
     def _record_loss(self, i: int, cell: StageCell, loss: Any) -> None:
         """Keep micro-batch ``i``'s loss; its cell's backward starts from it."""
-        loss = one_number(loss, from_grad=any(cell.needs) or self.trainable(self.n - 1))
+        loss = one_number(loss)
         self.step.losses[i] = loss.detach()
+        if not loss.requires_grad and (any(cell.needs) or self.trainable(self.n - 1)):
+            self.step.untrained += 1
+            untrained(self.step.untrained, len(self.step.losses))
         cell.outputs = [loss] if loss.requires_grad else []
 
     def _target(self, s: int, i: int, cell: StageCell) -> Any:

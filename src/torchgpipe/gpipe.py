@@ -16,7 +16,7 @@ from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, check_devices
 from torchgpipe.devices import as_device as as_device  # for distributed/stage.py
-from torchgpipe.guards import recompute_guard
+from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import (
     Init,
     check_materializable,
@@ -200,7 +200,7 @@ class GPipe(nn.Module, StageHolder):
             for j, p in enumerate(partitions)
         ]
         # Recomputation must change no buffer otherwise than the forward did (guards.py).
-        self._guards = [recompute_guard(p) for p in partitions]
+        self._guards = [RecomputeGuard(p) for p in partitions]
         self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
         self._tracer: Trace | None = None  # set by trace()
         self.workers = Workers(n)

@@ -7,30 +7,30 @@ state the forward computed from:
 
 - The parameters: those the forward used. Under ``torch.func.functional_call`` the
   forward used the tensors it was given, which are gone from the modules by the time
-  of backward: the recomputation uses them again (so their gradients are theirs). A
-  parameter changed in place since the forward (an ``optimizer.step()`` before the
-  backward) is refused, as autograd refuses it in the plain model.
-
+  of backward: the recomputation puts them back (so their gradients are theirs).
 - Batch norm's running statistics are updated by the forward and put back after the
   recomputation (:func:`~torchgpipe.batchnorm.freeze_running_stats`). Training-mode
   batch norm does not read them, so the recomputation computes what the forward did.
 - Any other buffer that a layer changes in its forward (spectral norm's power
-  iteration, a step counter) is set, for the recomputation, to the value the cell's
-  forward started from, and then back to the value the later forwards left: the
-  recomputed weight is the forward's, and the buffer ends as in the plain model.
+  iteration, a step counter) is set, for the recomputation, to a copy of the value the
+  cell's forward started from, and then back to the value the later forwards left:
+  the recomputed weight is the forward's, and the buffer ends as in the plain model.
 
 Which buffers a forward changes (in place, or by assigning a new tensor) is learned at
 the partition's first checkpointed forward, which keeps a copy of each before it runs;
 later forwards keep a copy only of those seen changing. A buffer first seen changing
 later (a layer that changes it only now and then) is learned then, with a warning: that
 one cell's recomputation starts from the changed value.
+
+A :class:`RecomputeGuard` lives as long as its partition and keeps only what it learned;
+what one run needs (:class:`RunGuard`, made at the run's first use of the partition,
+from the modules as they are then) lives with the run and its cells.
 """
 
 from __future__ import annotations
 
-import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -39,15 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
 
-__all__ = ["Kept", "RecomputeGuard", "Restore", "recompute_guard", "run_token"]
-
-_RUNS = itertools.count()
-
-
-def run_token() -> int:
-    """A number for a run of the stages that no other run of this process has."""
-    return next(_RUNS)
-
+__all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards"]
 
 # Per buffer: the tensor before the forward, its version then, and a copy where needed.
 Kept = list[tuple[Tensor, int, Tensor | None]]
@@ -55,107 +47,76 @@ Kept = list[tuple[Tensor, int, Tensor | None]]
 Swaps = list[tuple[dict[str, Any], str, Tensor]]
 
 
-class Used:
-    """The parameters a run's forward used, shared by its cells of one partition.
-
-    Checked once, at the run's first recomputation on the partition (the user's code
-    cannot run between two recomputations of one backward).
-    """
-
-    __slots__ = ("swaps", "tensors")
-
-    def __init__(self, tensors: list[tuple[Tensor, int]]) -> None:
-        self.tensors = tensors  # per parameter slot: the tensor, its version
-        self.swaps: Swaps | None = None  # what the check found: put back for each cell
-
-
-class Restore:
-    """What a cell's recomputation starts from: the forward's parameters and buffers."""
-
-    __slots__ = ("buffers", "parameters")
-
-    def __init__(self, parameters: Used) -> None:
-        self.parameters = parameters
-        # Per buffer the forward changed: its module, its name, its value before.
-        self.buffers: list[tuple[nn.Module, str, Tensor]] = []
-
-
-def recompute_guard(partition: nn.Module) -> RecomputeGuard | None:
-    """The guard of ``partition``; None when it has neither parameters nor buffers."""
-    guard = RecomputeGuard(partition)
-    return guard if guard.batch_norms or guard.slots or guard.parameters else None
-
-
 class RecomputeGuard:
-    """Keeps a partition's recomputations from changing its buffers otherwise than once.
+    """What a partition's recomputations have learned: the buffers its forwards change."""
+
+    def __init__(self, partition: nn.Module) -> None:
+        self.partition = partition
+        self.changing: set[tuple[int, str]] | None = None  # (module id, name); None: unknown
+        self.warned = False
+
+    def for_run(self) -> RunGuard:
+        """What one run needs, from the partition's modules as they are now."""
+        return RunGuard(self)
+
+
+class RunGuard:
+    """One run's guard of a partition.
 
     ``before_forward()`` and ``after_forward(kept)`` go around each checkpointed forward
     and give what its recomputation needs; ``recomputing(restore)`` goes around the
     recomputation and the backward through its graph (what it sets may be saved there).
     """
 
-    def __init__(self, partition: nn.Module) -> None:
+    def __init__(self, guard: RecomputeGuard) -> None:
+        self.guard = guard
         self.batch_norms: list[_BatchNorm] = []
-        self.slots: list[tuple[nn.Module, str]] = []
-        self.parameters = [
-            (module, name)
-            for module in partition.modules()
-            for name, p in module._parameters.items()
-            if p is not None
-        ]
-        for module in partition.modules():
+        self.buffers: list[tuple[nn.Module, str]] = []
+        self.parameters: list[tuple[nn.Module, str]] = []
+        for module in guard.partition.modules():
+            self.parameters += [(module, n) for n, p in module._parameters.items() if p is not None]
             if isinstance(module, DeferredBatchNorm):
                 continue  # its recomputation never updates what it tracks
             if isinstance(module, _BatchNorm) and module.track_running_stats:
                 self.batch_norms.append(module)
                 continue
-            self.slots += [(module, name) for name, b in module._buffers.items() if b is not None]
-        self._changing: list[bool] | None = None  # per slot; None: not learned yet
-        self._warned = False
-        self._used: tuple[int, Used] | None = None  # the last run's (its token, Used)
-
-    def used_in(self, token: int) -> Used:
-        """The parameters of the run ``token`` (a number no other run has), recorded once."""
-        if self._used is None or self._used[0] != token:
-            tensors = [(p, p._version) for p in self._parameters_now() if p is not None]
-            self._used = (token, Used(tensors))
-        return self._used[1]
-
-    def _parameters_now(self) -> list[Tensor | None]:
-        return [module._parameters[name] for module, name in self.parameters]
+            self.buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
+        self.used: list[Tensor | None] | None = None  # the parameters the forwards used
+        self.swaps: Swaps | None = None  # those the modules no longer hold, once checked
 
     def before_forward(self) -> Kept | None:
         """What a checkpointed forward keeps of the buffers before it runs."""
-        if not self.slots:
+        if self.used is None:
+            self.used = [module._parameters.get(name) for module, name in self.parameters]
+        if not self.buffers:
             return None
-        changing = self._changing
+        changing = self.guard.changing
         kept: Kept = []
-        for k, (module, name) in enumerate(self.slots):
-            b = module._buffers[name]
-            if b is None:  # set to None since: nothing to keep
-                continue
-            copy = b.clone() if changing is None or changing[k] else None
+        for module, name in self.buffers:
+            b = module._buffers.get(name)
+            if b is None:  # removed or set to None since the run began: nothing to keep
+                return None
+            copy = b.clone() if changing is None or (id(module), name) in changing else None
             kept.append((b, b._version, copy))
-        return kept if len(kept) == len(self.slots) else None
+        return kept
 
-    def after_forward(self, kept: Kept | None, used: Used) -> Restore:
+    def after_forward(self, kept: Kept | None) -> Restore:
         """What the recomputation of the cell that just ran must start from."""
-        restore = Restore(used)
+        restore = Restore(self)
         if kept is None:
             return restore
-        changed = []
-        for (module, name), (b, version, copy) in zip(self.slots, kept, strict=True):
-            now = module._buffers[name]
+        guard, changed = self.guard, set()
+        for (module, name), (b, version, copy) in zip(self.buffers, kept, strict=True):
+            now = module._buffers.get(name)
             if now is b and b._version == version:
-                changed.append(False)
                 continue
-            changed.append(True)
+            changed.add((id(module), name))
             # Replaced by a new tensor, the old one untouched: it is the value before.
             before = b if b._version == version else copy
             if before is not None:
                 restore.buffers.append((module, name, before))
-            elif not self._warned:
-                self._warned = True
+            elif not guard.warned:
+                guard.warned = True
                 warnings.warn(
                     f"torchgpipe: the buffer {name!r} of a {type(module).__name__} changed "
                     f"in a checkpointed forward for the first time after the partition's "
@@ -163,26 +124,24 @@ class RecomputeGuard:
                     f"(later cells are kept right). checkpoint='never' avoids it.",
                     stacklevel=2,
                 )
-        if self._changing is None:
-            self._changing = changed
-        else:
-            self._changing = [a or b for a, b in zip(self._changing, changed, strict=True)]
+        guard.changing = changed if guard.changing is None else guard.changing | changed
         return restore
 
     def recomputing(self, restore: Restore | None) -> AbstractContextManager[None]:
         """Around a cell's recomputation and its backward: the state its forward saw.
 
         Raises:
-            RuntimeError: a parameter the forward used was changed in place since.
+            RuntimeError: the forward used parameters that a recomputation cannot use
+                again (``functional_call`` given tensors computed from others).
         """
+        if self.swaps is None:
+            self.swaps = self._parameters_used()
         swaps: Swaps = []
-        if restore is not None:
-            used = restore.parameters
-            if used.swaps is None:
-                used.swaps = self._parameters_used(used.tensors)
-            if restore.buffers:
-                swaps = [(m._buffers, name, before) for m, name, before in restore.buffers]
-            swaps = swaps + used.swaps if used.swaps else swaps
+        if restore is not None and restore.buffers:
+            # A copy each time: a second backward (retain_graph) starts from it again.
+            swaps = [(m._buffers, name, b.clone()) for m, name, b in restore.buffers]
+        if self.swaps:
+            swaps += self.swaps
         if not swaps and not self.batch_norms:  # the common case, once per recomputed cell
             return nullcontext()
         return self._swapped(swaps)
@@ -191,7 +150,7 @@ class RecomputeGuard:
     def _swapped(self, swaps: Swaps) -> Iterator[None]:
         frozen: Any = freeze_running_stats(self.batch_norms) if self.batch_norms else nullcontext()
         with frozen:
-            now = [(slots, name, slots[name]) for slots, name, _ in swaps]
+            now = [(slots, name, slots.get(name)) for slots, name, _ in swaps]
             for slots, name, before in swaps:
                 slots[name] = before
             try:
@@ -200,24 +159,49 @@ class RecomputeGuard:
                 for slots, name, value in now:
                     slots[name] = value
 
-    def _parameters_used(self, used: list[tuple[Tensor, int]]) -> Swaps:
-        """The parameters the forward used where the modules now hold others.
-
-        Raises:
-            RuntimeError: a parameter the forward used was changed in place since.
-        """
-        if len(used) != len(self.parameters):
-            return []  # parameters set to None, or added, since: nothing to compare
-        swaps = []
-        for (module, name), (p, version) in zip(self.parameters, used, strict=True):
-            if p._version != version:
+    def _parameters_used(self) -> Swaps:
+        """The parameters the forwards used where the modules now hold others."""
+        if self.used is None:
+            return []
+        swaps: Swaps = []
+        for (module, name), p in zip(self.parameters, self.used, strict=True):
+            if p is None or module._parameters.get(name) is p:
+                continue
+            if p.grad_fn is not None:
                 raise RuntimeError(
-                    f"torchgpipe: the parameter {name!r} of a {type(module).__name__} was "
-                    f"changed in place after the forward that used it (version {version}, "
-                    f"now {p._version}), and its checkpointed cell would recompute with the "
-                    f"new value; call optimizer.step() after backward, not between "
-                    f"forward and backward"
+                    f"torchgpipe: the forward used a parameter {name!r} of a "
+                    f"{type(module).__name__} computed from other tensors (given to "
+                    f"torch.func.functional_call, say), which a checkpointed cell's "
+                    f"recomputation cannot use again; use checkpoint='never', or give "
+                    f"leaf tensors"
                 )
-            if module._parameters[name] is not p:  # functional_call's, now gone
-                swaps.append((module._parameters, name, p))
+            swaps.append((module._parameters, name, p))  # functional_call's, now gone
         return swaps
+
+
+class Restore:
+    """What one cell's recomputation starts from: its run's guard, the buffers before it."""
+
+    __slots__ = ("buffers", "run")
+
+    def __init__(self, run: RunGuard) -> None:
+        self.run = run
+        # Per buffer the forward changed: its module, its name, its value before.
+        self.buffers: list[tuple[nn.Module, str, Tensor]] = []
+
+
+class RunGuards:
+    """The guards of one run, per stage: each made at the run's first use of its stage."""
+
+    def __init__(self, guards: Mapping[int, RecomputeGuard | None]) -> None:
+        self._guards = guards
+        self._made: dict[int, RunGuard] = {}
+
+    def __getitem__(self, s: int) -> RunGuard | None:
+        made = self._made.get(s)
+        if made is None:
+            guard = self._guards.get(s)
+            if guard is None:
+                return None
+            made = self._made[s] = guard.for_run()
+        return made

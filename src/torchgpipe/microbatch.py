@@ -256,11 +256,14 @@ def leaf_paths(spec: Spec, root: str) -> list[str]:
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
-    """Apply ``fn`` to every tensor leaf of ``value``, keeping everything else."""
+    """Apply ``fn`` to every tensor of ``value``, once each, keeping everything else.
+
+    A tensor found twice gets one result, in both places (:func:`per_tensor`).
+    """
     if isinstance(value, Tensor):
         return fn(value)
     leaves, spec = flatten(value)
-    return unflatten([fn(x) if isinstance(x, Tensor) else x for x in leaves], spec)
+    return unflatten(per_tensor(fn, leaves), spec)
 
 
 def distinct_tensors(leaves: Sequence[Any]) -> tuple[list[Tensor], list[int]]:

@@ -36,7 +36,7 @@ class Stages:
     inbound: list[tuple[SkipRoute, ...]]  # per stage: the skips it pops from earlier ones
     outbound: list[tuple[SkipKey, ...] | None]  # per stage; None: no skippable layers
     routes: tuple[SkipRoute, ...]
-    guards: dict[int, RecomputeGuard | None]  # per local stage (guards.py)
+    guards: dict[int, RecomputeGuard]  # per local stage (guards.py)
     streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
     checkpoint_stop: int  # micro-batches below this are checkpointed
     tracer: Trace | None = None

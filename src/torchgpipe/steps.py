@@ -24,6 +24,7 @@ __all__ = [
     "batch_size",
     "loss_weights",
     "one_number",
+    "untrained",
     "weighted",
 ]
 
@@ -122,23 +123,30 @@ def batch_size(value: Any) -> int:
     raise TypeError("a micro-batch without tensors")  # scatter() rejects such batches
 
 
-def one_number(loss: Any, *, from_grad: bool = False) -> Tensor:
-    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor.
-
-    ``from_grad``: the output the loss was computed from requires grad, so the loss
-    must too (one that does not would train nothing, where the plain model's
-    ``loss.backward()`` raises).
-    """
+def one_number(loss: Any) -> Tensor:
+    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor."""
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a tensor with one element, got "
             f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
             f"; use a reduction of 'mean' or 'sum' in the loss"
         )
-    if from_grad and not loss.requires_grad:
-        raise RuntimeError(
-            "loss_fn returned a loss that does not require grad, from an output that "
-            "does: the step would train nothing. Compute the loss from the output itself "
-            "(no .detach(), .item() or torch.no_grad() in loss_fn)"
-        )
     return loss.reshape(())
+
+
+def untrained(count: int, m: int) -> None:
+    """Refuse a step whose ``m`` losses all came out not requiring grad (``count``).
+
+    Each came from an output that requires grad: the step would train nothing, where
+    the plain model's ``loss.backward()`` raises. One micro-batch's loss alone may be a
+    constant (a masked loss with nothing left to count).
+
+    Raises:
+        RuntimeError: ``count == m``.
+    """
+    if count == m:
+        raise RuntimeError(
+            "loss_fn returned a loss that does not require grad for every micro-batch, "
+            "from outputs that do: the step would train nothing. Compute the loss from "
+            "the output itself (no .detach(), .item() or torch.no_grad() in loss_fn)"
+        )

@@ -38,7 +38,7 @@ from torchgpipe.gpipe import (
     check_flag,
     checkpoint_stop,
 )
-from torchgpipe.guards import recompute_guard
+from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
@@ -252,7 +252,7 @@ class PipelineStage(nn.Module, StageHolder):
         held = {id(layer) for part in self.partitions.values() for layer in part.modules()}
         self._deferred = [layer for layer in deferred if id(layer) in held]
         # Recomputation must change no buffer otherwise than the forward did (guards.py).
-        self._guards = {s: recompute_guard(self.partitions[s]) for s in self.stages}
+        self._guards = {s: RecomputeGuard(self.partitions[s]) for s in self.stages}
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
         return mine
 
