@@ -309,6 +309,9 @@ def test_state_dict_keys_are_the_sequentials() -> None:
         lambda m: m.to(torch.zeros(1)),
         lambda m: m.cpu(),
         lambda m: m.cuda(),
+        lambda m: m.xpu(),
+        lambda m: m.ipu(),
+        lambda m: m.to_empty(device="cpu"),
     ],
 )
 def test_moving_is_refused(move: object) -> None:

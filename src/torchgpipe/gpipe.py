@@ -379,21 +379,17 @@ class GPipe(nn.Module, StageHolder):
             raise TypeError(_MOVE_REFUSED)
         return super().to(*args, **kwargs)
 
-    def cuda(self, device: Device | None = None) -> NoReturn:
+    def cuda(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Refused: GPipe places each partition on its own device.
+
+        So are ``cpu()``, ``xpu()``, ``ipu()``, ``mtia()`` and ``to_empty(device=...)``.
 
         Raises:
             TypeError: always.
         """
         raise TypeError(_MOVE_REFUSED)
 
-    def cpu(self) -> NoReturn:
-        """Refused: GPipe places each partition on its own device.
-
-        Raises:
-            TypeError: always.
-        """
-        raise TypeError(_MOVE_REFUSED)
+    cpu = xpu = ipu = mtia = to_empty = cuda
 
 
 _MOVE_REFUSED = (
