@@ -899,6 +899,12 @@ _CALL_NAMES = {
         (("step", "step", "clip"), False),
         (("step", "trace", "step"), True),
         (("clip", "step", "step"), False),
+        # Rank 0 collecting while another steps, with layouts remembered.
+        (("clip", "step"), True),
+        (("trace", "step"), True),
+        (("clip", "forward_only"), True),
+        (("clip", "step", "step"), True),
+        (("clip", "clip", "step"), True),
     ],
 )
 def test_a_rank_that_makes_another_call_fails_every_rank_at_once_and_the_next_step_runs(
@@ -957,3 +963,39 @@ def test_a_rank_that_makes_another_call_fails_every_rank_at_once_and_the_next_st
     for o in out:
         for result in o[2]:
             torch.testing.assert_close(result.loss, loss)
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        ("clip:1.0", "clip:0.01"),
+        ("clip:1.0:2", "clip:1.0:inf"),
+        ("trace:1", "trace:0"),
+        ("trace:0", "trace:0", "trace:1"),
+    ],
+)
+def test_a_collect_made_with_other_arguments_fails_every_rank(calls: tuple[str, ...]) -> None:
+    # Each process would clip by another scale, or the trace would go nowhere.
+    world = len(calls)
+    balance = [[4, 4], [3, 3, 2]][world - 2]
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    models = [mlp() for _ in range(world)]
+
+    def run(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
+        schedule = Schedule1F1B(stage, _mse)
+        with stage.trace() as trace:
+            _step(schedule, x, y)
+        kind, *args = calls[stage.rank].split(":")
+        if kind == "clip":
+            failed = _outcome(lambda: stage.clip_grad_norm_(float(args[0]), *map(float, args[1:])))
+        else:
+            failed = _outcome(lambda: stage.gather_trace(trace, dst=int(args[0])))
+        return failed, _step(schedule, x, y)
+
+    out = run_threads(run, world, timeout=20.0)
+    for failed, result in out:
+        assert type(failed) is RuntimeError, repr(failed)
+        assert "was called with other arguments on other processes" in str(failed)
+        assert "call it with the same arguments in every process" in str(failed)
+        assert result.loss is not None  # the next step runs

@@ -38,7 +38,7 @@ then wait for the workers, whose own ``backward`` on that GPU needs that very th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -50,6 +50,7 @@ from torchgpipe.microbatch import flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages
 from torchgpipe.steps import StepResult, TableSteps, batch_size, loss_weights, weighted
+from torchgpipe.tied import tie_groups
 from torchgpipe.worker import Workers
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
     """
     n, m = len(stages.inbound), len(batches)
     devices = stages.devices
+    if _SILENT:
+        _unsilence()
 
     def describe(action: Action) -> str:
         return f"partition {action.stage} on {devices[action.stage]}"
@@ -123,7 +126,10 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
     params = _trainable(stages.partitions)
     backward = _Backward(run, workers, describe, counts, upstream, tensors, params)
     flat = [x for xs in upstream for x in xs]
-    joined = iter(_StageGraphs.apply(backward, *params, *flat))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    # The phony makes the outputs want a gradient when only the parameters do and none
+    # is a leaf here (functional_call's tensors computed from others).
+    phony = torch.empty(0, requires_grad=True)
+    joined = iter(_StageGraphs.apply(backward, phony, *params, *flat))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     return [
         unflatten([next(joined) if isinstance(x, Tensor) else x for x in leaves], spec)
         for leaves, spec in specs
@@ -208,7 +214,9 @@ def _trainable(partitions: dict[int, nn.Module]) -> list[Tensor]:
     for partition in partitions.values():
         for module in partition.modules():  # twice as fast as parameters(), once per forward
             for p in module._parameters.values():
-                if p is not None and p.requires_grad:
+                # Leaves only: a tensor computed from others (functional_call's) takes
+                # its gradient back the way the stages' inputs do, not through .grad.
+                if p is not None and p.requires_grad and p.is_leaf:
                     found.setdefault(id(p), p)
     return list(found.values())
 
@@ -265,23 +273,43 @@ class _Backward:
             return [mine.get(id(p)) for p in self.params] + got
         # inputs= or autograd.grad: the engine does with each gradient as it would with
         # the plain model's (its hooks, then it accumulates, captures or drops it).
+        self._check_ties()
         aside = _Aside(self.params)
         got = self._stages(run, grads, aside)
         new = aside.take()
-        kept: list[tuple[Tensor, Tensor | None, Tensor | None, int]] = []
-        for p, old, grad in zip(self.params, aside.grads, new, strict=True):
-            fate = _fate(p)
-            if fate == "accumulate":
-                p.grad = old  # the engine adds to it, as it would for the plain model
-                continue
-            # Until the end of the backward, what the ties of tied.py would sum into a
-            # .grad shows: a captured gradient stays in its .grad, others are None.
-            left = grad if fate == "capture" else None
-            p.grad = left
-            kept.append((p, old, left, 0 if left is None else left._version))
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(partial(self._settle, kept, aside))
+        # Every .grad back at once (the engine adds to those it accumulates into), so a
+        # second node of this backward (the model called twice) sets aside the same, and
+        # a failure later in the backward leaves them as they were.
+        aside.put_back()
+        torch.autograd.Variable._execution_engine.queue_callback(aside.unmute)
         return new + got
+
+    def _check_ties(self) -> None:
+        """Refuse a backward that names some copies of a tied weight, or captures one.
+
+        Each copy's gradient holds its partition's uses only until the ties' sum at the
+        end of the backward (``tied.py``), which adds into every copy's ``.grad``.
+
+        Raises:
+            RuntimeError: nothing has changed yet.
+        """
+        fates = {id(p): _fate(p) for p in self.params}
+        wrong = [
+            group
+            for group in tie_groups(self.params)
+            if len({fates.get(id(p)) for p in group}) > 1
+            or any(fates.get(id(p)) == "capture" for p in group)
+        ]
+        if wrong:
+            raise RuntimeError(
+                f"torchgpipe: this backward names some copies of a tied weight "
+                f"({self._names([p for group in wrong for p in group])}), or asks "
+                f"torch.autograd.grad for one; each partition that uses a tied weight "
+                f"holds a copy of it, and the copies' gradients are summed into their "
+                f".grad at the end of the backward. Name every copy (all of "
+                f"model.parameters(), say) or none in backward(inputs=...), and read .grad "
+                f"rather than calling torch.autograd.grad of a tied weight"
+            )
 
     def _stages(
         self, run: StepRun, grads: Sequence[Tensor | None], aside: _Aside | None
@@ -302,28 +330,6 @@ class _Backward:
             got = step.take(("G", -1, i)) if devices else []
             out += [g if g is None else g.to(d) for g, d in zip(got, devices, strict=True)]
         return out
-
-    def _settle(
-        self, kept: list[tuple[Tensor, Tensor | None, Tensor | None, int]], aside: _Aside
-    ) -> None:
-        """At the end of the backward: give back the ``.grad`` the engine was not to touch."""
-        aside.unmute()
-        touched = []
-        for p, old, left, version in kept:
-            now = p.grad
-            if now is not left or (now is not None and now._version != version):
-                touched.append(p)
-            p.grad = old
-        if touched:
-            raise RuntimeError(
-                f"torchgpipe: a tied weight's copies had their gradients summed into "
-                f"{self._names(touched)}, whose gradients this backward was not to "
-                f"change; each partition that uses a tied weight holds a copy of it, and "
-                f"the copies' gradients are summed at the end of the backward. Name every "
-                f"copy (all of model.parameters(), say) or none in backward(inputs=...), "
-                f"and read .grad rather than calling torch.autograd.grad of a tied weight; "
-                f"the .grad of the parameters named may now hold part of the sum"
-            )
 
     def _names(self, params: list[Tensor]) -> str:
         """``params`` as ``'partition 1: 0.weight, ...'``."""
@@ -407,8 +413,12 @@ class _Silenced:
         return bool(self.saved)
 
     def until_accumulated(self, p: Tensor) -> None:
-        """Restore the hooks once the engine has run ``p``'s gradient accumulator."""
+        """Restore the hooks once the engine has run ``p``'s gradient accumulator.
+
+        If the backward fails before, the next ``model(x)`` restores them.
+        """
         self.handle = get_gradient_edge(p).node.register_hook(lambda *_: self.restore())
+        _SILENT.add(self)
 
     def restore(self) -> None:
         saved, self.saved = self.saved, []
@@ -417,6 +427,16 @@ class _Silenced:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        _SILENT.discard(self)
+
+
+_SILENT: set[_Silenced] = set()  # hooks silenced until an accumulator runs, everywhere
+
+
+def _unsilence() -> None:
+    """Hooks a failed backward left silenced, back (at the start of a forward)."""
+    for hooks in list(_SILENT):
+        hooks.restore()
 
 
 def _fate(p: Tensor) -> Literal["accumulate", "capture", "drop"]:
@@ -432,7 +452,7 @@ class _StageGraphs(torch.autograd.Function):
     """The node between the caller's graph and the stages' own graphs (CPU partitions)."""
 
     @staticmethod
-    def forward(ctx: Any, backward: _Backward, *inputs: Tensor) -> Any:
+    def forward(ctx: Any, backward: _Backward, phony: Tensor, *inputs: Tensor) -> Any:
         ctx.backward = backward
         ctx.set_materialize_grads(False)
         outputs = backward.outputs
@@ -448,4 +468,4 @@ class _StageGraphs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (None, *ctx.backward(grads))
+        return (None, None, *ctx.backward(grads))

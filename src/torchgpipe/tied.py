@@ -28,7 +28,7 @@ an :data:`Across` (``torchgpipe/distributed/ties.py``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.split_stage import Stage
 
-__all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tied_state_dict"]
+__all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
 
 
 def check_layers(module: nn.Sequential) -> None:
@@ -380,6 +380,20 @@ class Ties:
         self.__init__(state["slots"], state["ranks"], state["names"])  # type: ignore[misc]
         self._flags = state["flags"]
         self._hook()  # on the copied tensors
+
+
+def tie_groups(params: Iterable[Tensor]) -> list[tuple[Tensor, ...]]:
+    """The tied weights whose copies are among ``params``: each as its copies, owner first.
+
+    Found through the hooks :class:`Ties` puts on the copies (every copy but the owner).
+    """
+    groups: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+    for p in params:
+        for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+            if isinstance(hook, _Record):
+                g = hook.key[0]
+                groups[(id(hook.ties), g)] = tuple(hook.ties.groups[g])
+    return list(groups.values())
 
 
 class _Record:

@@ -1,8 +1,9 @@
 """Values brought together from every process outside a step: traces, norm parts.
 
 The stage's exchange carries them on the side channel, as it carries a step's start:
-each rank sends its value to the ranks that want it (and None to the others: every
-peer hears of the call), and those take one from every peer. Closing the exchange tells
+each rank sends its value to the ranks that want it (and None to the others), with
+the call's arguments, and every rank takes one message from every peer: each hears of
+the call, and of the arguments the others made it with. Closing the exchange tells
 every rank whether another failed or was lost, so a rank that fails to take part fails
 every other rank too, naming it.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from torchgpipe.distributed.checks import mismatch, other_calls
+from torchgpipe.distributed.checks import mismatch
 from torchgpipe.mailbox import Stopped
 
 if TYPE_CHECKING:
@@ -39,25 +40,30 @@ CALLS = {"norm": "stage.clip_grad_norm_()", "trace": "stage.gather_trace()"}
 """The call that collects under each name, for errors."""
 
 
-def collect(stage: PipelineStage, name: str, value: Any, to: Collection[int]) -> dict[int, Any]:
+def collect(
+    stage: PipelineStage, name: str, value: Any, to: Collection[int], terms: Any = ()
+) -> dict[int, Any]:
     """Send ``value`` to the ranks ``to``; there, every rank's value by rank; else ``{}``.
 
-    Call it in every process at once, with the same ``name`` and ``to``.
+    Call it in every process at once, with the same ``name``, ``to`` and ``terms`` (the
+    call's arguments that every process must agree on): every rank hears from every
+    other, so each compares them, and all refuse a call made with different ones.
 
     Raises:
         RemoteError: another process failed or was lost.
-        RuntimeError: rank 0 started a step meanwhile (on every rank), or a rank of
-            ``to`` did not get the part of a peer that made another call.
+        RuntimeError: another process made another call meanwhile (a step, on every
+            rank), or this one with other ``to`` or ``terms``, or ended without its part.
     """
     from torchgpipe.distributed.schedule import join_step  # it builds on the stage
 
     got: dict[int, Any] = {}
+    mine = (sorted(to), terms)
     exchange = stage.exchange()
     exchange.tag, exchange.call = name, CALLS.get(name, name)
     try:
         for peer in exchange.peers:
-            exchange.send(peer, (name, stage.rank), value if peer in to else None)
-        if not join_step(stage, exchange) and stage.rank in to:
+            exchange.send(peer, (name, stage.rank), (mine, value if peer in to else None))
+        if not join_step(stage, exchange):
             # Not take(): a peer that ends without sending (it failed, or called another
             # method at this time) must not leave this one waiting.
             got = {peer: exchange.wait_for((name, peer), peer) for peer in exchange.peers}
@@ -66,18 +72,30 @@ def collect(stage: PipelineStage, name: str, value: Any, to: Collection[int]) ->
     finally:  # whatever happened: the next step needs the listeners
         exchange.close()
     failure = mismatch(exchange)
-    if exchange.halted and failure is not None:  # a step met this call: every rank fails
+    if failure is not None:  # every rank sees every end: all fail alike
+        stage.shapes.clear()  # a step's ranks forgot their layouts too (schedule.py)
         raise failure
-    if stage.rank not in to:
-        return {}
     silent = sorted(peer for peer, part in got.items() if part is None)
     if silent:
-        why = other_calls(exchange) or (
-            "a process that calls another method of its stage meanwhile does not take part"
-        )
         raise RuntimeError(
             f"rank {stage.rank} expected the {name} of ranks {silent}, which ended without "
-            f"sending it ({why}): every process must make the same call at once"
+            f"sending it (a process that calls another method of its stage meanwhile does "
+            f"not take part): every process must make the same call at once"
         )
-    got[stage.rank] = value
-    return got
+    other = {peer: part[0] for peer, part in got.items() if part[0] != mine}
+    if other:
+        said = ", ".join(f"rank {peer} with {_terms(*t)}" for peer, t in sorted(other.items()))
+        raise RuntimeError(
+            f"{exchange.call} was called with other arguments on other processes: "
+            f"{said}, rank {stage.rank} with {_terms(*mine)}; call it with the same "
+            f"arguments in every process"
+        )
+    if stage.rank not in to:
+        return {}
+    result = {peer: part[1] for peer, part in got.items()}
+    result[stage.rank] = value
+    return result
+
+
+def _terms(to: list[int], terms: Any) -> str:
+    return f"{terms}, results to ranks {to}" if terms != () else f"results to ranks {to}"

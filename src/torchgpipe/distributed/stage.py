@@ -400,7 +400,8 @@ class PipelineStage(nn.Module, StageHolder):
         ties, every, ranks = self._ties, list(self.parameters()), range(self.world_size)
 
         def gather(part: Tensor) -> list[Tensor]:
-            return [part for _, part in sorted(collect(self, "norm", part, ranks).items())]
+            terms = (float(max_norm), float(norm_type), bool(error_if_nonfinite))
+            return [part for _, part in sorted(collect(self, "norm", part, ranks, terms).items())]
 
         counted = counted_once(every, ties.groups, ties.ranks, self.rank)
         limit, error = max_norm, error_if_nonfinite
