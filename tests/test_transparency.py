@@ -535,3 +535,27 @@ def test_a_run_keeps_no_parameter_alive_after_its_backward(backward_by: str) -> 
     del given
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+class _DoubleFirstOfInput(nn.Module):
+    """Doubles the first of its two inputs in place and multiplies them."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        c, d = pair
+        c.mul_(2)  # d is c when the caller passed one tensor twice
+        return c * d
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_one_tensor_given_twice_is_one_tensor_in_every_micro_batch(
+    checkpoint: str, backward_by: str
+) -> None:
+    plain = nn.Sequential(_DoubleFirstOfInput(), nn.Linear(4, 1)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    y = x.clone()
+    out, expected = model((x, x)), plain((y, y))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_same_grads(model, plain, exact=False)

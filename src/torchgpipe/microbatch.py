@@ -335,9 +335,13 @@ def scatter(value: Any, chunks: int, *, name: Batched = "input") -> list[Any]:
         )
     batch_size = _batch_size(tensors, name)
     n = min(chunks, batch_size)
-    pieces = [x.tensor_split(n) if isinstance(x, Tensor) else None for x in leaves]
+    # A tensor there twice is split once: each micro-batch gets one piece in both places.
+    pieces = per_tensor(lambda x: x.tensor_split(n), leaves)
     return [
-        unflatten([x if p is None else p[i] for x, p in zip(leaves, pieces, strict=True)], spec)
+        unflatten(
+            [p[i] if isinstance(x, Tensor) else x for x, p in zip(leaves, pieces, strict=True)],
+            spec,
+        )
         for i in range(n)
     ]
 
