@@ -209,7 +209,8 @@ class Unused(nn.Module):
 
 @pytest.mark.parametrize("how", ["backward", "inputs"])
 def test_backward_inputs_a_hooked_parameter_the_forward_left_unused(how: str) -> None:
-    # The engine would call its hook with None: it stays silent, and comes back after.
+    # Given None, the engine would call its hook with None; it gets zeros instead (the
+    # plain model calls no hook and leaves .grad None: the one difference, see README).
     model = GPipe(nn.Sequential(nn.Linear(4, 4), Unused()), [1, 1], chunks=2)
     spare = _p(model, 1, "spare")
     seen: list[Tensor] = []
@@ -219,10 +220,49 @@ def test_backward_inputs_a_hooked_parameter_the_forward_left_unused(how: str) ->
         loss.backward()
     else:
         loss.backward(inputs=[spare, _p(model, 0)])
-    assert seen == []
-    assert spare.grad is None
-    (spare * 3).sum().backward()
     assert len(seen) == 1
+    assert torch.equal(seen[0], torch.zeros(2))
+    assert spare.grad is not None
+    assert torch.equal(spare.grad, torch.zeros(2))
+    (spare * 3).sum().backward()  # its hook is back
+    assert len(seen) == 2
+    assert torch.equal(spare.grad, torch.full((2,), 3.0))
+
+
+class _BigOnly(nn.Module):
+    """A layer whose parameter a small batch leaves unused (an expert given no tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) if x.shape[0] > 4 else x * 2
+
+
+@pytest.mark.parametrize("how", ["backward", "inputs"])
+@pytest.mark.parametrize("order", ["big first", "small first"])
+def test_backward_inputs_a_hooked_parameter_used_in_one_call_of_two(how: str, order: str) -> None:
+    # The model called twice in one loss, the parameter used in one call only: the hook
+    # runs once, with the whole gradient, as in the plain model.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), _BigOnly())
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=1)
+    big, small = torch.randn(8, 4), torch.randn(3, 4)
+    first, second = (big, small) if order == "big first" else (small, big)
+    calls: dict[str, list[Tensor]] = {"plain": [], "gpipe": []}
+    for name, layers in (("plain", plain), ("gpipe", model)):
+        weight = layers[2].linear.weight
+        weight.register_hook(lambda grad, name=name: calls[name].append(grad.clone()))
+        loss = layers(first).square().sum() + layers(second).square().sum()
+        if how == "backward":
+            loss.backward()
+        else:
+            loss.backward(inputs=list(layers.parameters()))
+    assert len(calls["gpipe"]) == len(calls["plain"]) == 1
+    torch.testing.assert_close(calls["gpipe"][0], calls["plain"][0])
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 class Mean(nn.Module):

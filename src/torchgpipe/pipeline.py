@@ -86,8 +86,6 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
     """
     n, m = len(stages.inbound), len(batches)
     devices = stages.devices
-    if _SILENT:
-        _unsilence()
 
     def describe(action: Action) -> str:
         return f"partition {action.stage} on {devices[action.stage]}"
@@ -273,6 +271,7 @@ class _Backward:
             return [mine.get(id(p)) for p in self.params] + got
         # inputs= or autograd.grad: the engine does with each gradient as it would with
         # the plain model's (its hooks, then it accumulates, captures or drops it).
+        self._check_computed()
         self._check_ties()
         aside = _Aside(self.params)
         got = self._stages(run, grads, aside)
@@ -281,8 +280,27 @@ class _Backward:
         # second node of this backward (the model called twice) sets aside the same, and
         # a failure later in the backward leaves them as they were.
         aside.put_back()
-        torch.autograd.Variable._execution_engine.queue_callback(aside.unmute)
         return new + got
+
+    def _check_computed(self) -> None:
+        """Refuse a backward that asks for some tensors only, with computed parameters.
+
+        Parameters computed from other tensors (``functional_call``'s ``p * scale``) are
+        not inputs of the node: the stages' backward goes through them into the caller's
+        graph itself, which the engine's ``inputs=`` cannot see.
+
+        Raises:
+            RuntimeError: nothing has changed yet.
+        """
+        for partition in self.partitions.values():
+            for name, p in partition.named_parameters():
+                if p.requires_grad and not p.is_leaf:
+                    raise RuntimeError(
+                        f"torchgpipe: backward(inputs=...) or torch.autograd.grad through a "
+                        f"GPipe of CPU partitions whose parameter {name!r} was computed "
+                        f"from other tensors (given to torch.func.functional_call, say); "
+                        f"use a plain backward() and read .grad"
+                    )
 
     def _check_ties(self) -> None:
         """Refuse a backward that names some copies of a tied weight, or captures one.
@@ -358,9 +376,9 @@ class _Aside:
     calls the hooks once and accumulates (or captures) it as for the plain model. Torch
     has no public way to silence a tensor's hooks for a while; each kind is kept in a
     dict on the tensor, which the engine reads at each call: those dicts are emptied,
-    then refilled. A parameter the stages left no gradient cannot be handed one: the
-    engine would call its hooks with None, so they stay silent until its accumulator
-    has run, or the backward has ended (not when the backward fails before that).
+    then refilled before the node returns. A hooked parameter the stages left no
+    gradient gets zeros: given None, the engine would call its hooks with None (given
+    zeros, it calls them once, with whatever else this backward adds to it).
     """
 
     def __init__(self, params: list[Tensor]) -> None:
@@ -369,17 +387,14 @@ class _Aside:
         self.hooks = [_Silenced(p) for p in params]
         for p in params:
             p.grad = None
-        self.silent: list[_Silenced] = []
 
     def take(self) -> list[Tensor | None]:
-        """What the stages left in each ``.grad``; the hooks back where a gradient was left."""
+        """What the stages left in each ``.grad`` (zeros for hooked ones); the hooks back."""
         new = [p.grad for p in self.params]
-        for p, grad, hooks in zip(self.params, new, self.hooks, strict=True):
-            if grad is None and hooks:
-                hooks.until_accumulated(p)
-                self.silent.append(hooks)
-            else:
-                hooks.restore()
+        for k, (p, hooks) in enumerate(zip(self.params, self.hooks, strict=True)):
+            if new[k] is None and hooks:
+                new[k] = torch.zeros_like(p)
+            hooks.restore()
         return new
 
     def put_back(self) -> None:
@@ -393,11 +408,6 @@ class _Aside:
         for hooks in self.hooks:
             hooks.restore()
 
-    def unmute(self) -> None:
-        """The hooks still silent back."""
-        for hooks in self.silent:
-            hooks.restore()
-
 
 class _Silenced:
     """A parameter's hooks, taken out of their dicts until :meth:`restore`."""
@@ -407,36 +417,14 @@ class _Silenced:
         self.saved: list[tuple[dict[Any, Any], list[Any]]] = [(d, list(d.items())) for d in dicts]
         for d in dicts:
             d.clear()
-        self.handle: Any = None
 
     def __bool__(self) -> bool:
         return bool(self.saved)
-
-    def until_accumulated(self, p: Tensor) -> None:
-        """Restore the hooks once the engine has run ``p``'s gradient accumulator.
-
-        If the backward fails before, the next ``model(x)`` restores them.
-        """
-        self.handle = get_gradient_edge(p).node.register_hook(lambda *_: self.restore())
-        _SILENT.add(self)
 
     def restore(self) -> None:
         saved, self.saved = self.saved, []
         for d, items in saved:
             d.update(items)
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-        _SILENT.discard(self)
-
-
-_SILENT: set[_Silenced] = set()  # hooks silenced until an accumulator runs, everywhere
-
-
-def _unsilence() -> None:
-    """Hooks a failed backward left silenced, back (at the start of a forward)."""
-    for hooks in list(_SILENT):
-        hooks.restore()
 
 
 def _fate(p: Tensor) -> Literal["accumulate", "capture", "drop"]:
