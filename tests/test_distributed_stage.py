@@ -999,3 +999,30 @@ def test_a_collect_made_with_other_arguments_fails_every_rank(calls: tuple[str, 
         assert "was called with other arguments on other processes" in str(failed)
         assert "call it with the same arguments in every process" in str(failed)
         assert result.loss is not None  # the next step runs
+
+
+@pytest.mark.parametrize("call", ["clip", "trace"])
+def test_a_rank_that_refuses_its_arguments_still_tells_the_others(call: str) -> None:
+    # Rank 0 refuses its own arguments (a negative max_norm, a dst out of range); the
+    # other learns of it at once instead of waiting, and the next step runs.
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    models = [mlp() for _ in range(2)]
+
+    def run(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [4, 4], transport=transport, chunks=4)
+        schedule = Schedule1F1B(stage, _mse)
+        with stage.trace() as trace:
+            _step(schedule, x, y)
+        bad = stage.rank == 0
+        if call == "clip":
+            failed = _outcome(lambda: stage.clip_grad_norm_(-1.0 if bad else 1.0))
+        else:
+            failed = _outcome(lambda: stage.gather_trace(trace, dst=5 if bad else 0))
+        return failed, _step(schedule, x, y)
+
+    (zero, after0), (one, after1) = run_threads(run, 2, timeout=20.0)
+    assert type(zero) is ValueError, repr(zero)
+    assert any("the other processes were told" in note for note in zero.__notes__)
+    assert type(one) is RuntimeError, repr(one)
+    assert "was called with other arguments on other processes: rank 0 with" in str(one)
+    torch.testing.assert_close(after0.loss, after1.loss)

@@ -29,12 +29,12 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from torchgpipe.distributed.checks import mismatch
-from torchgpipe.mailbox import Stopped
+from torchgpipe.mailbox import Stopped, add_note
 
 if TYPE_CHECKING:
     from torchgpipe.distributed.stage import PipelineStage
 
-__all__ = ["collect"]
+__all__ = ["collect", "refuse", "terms_of"]
 
 CALLS = {"norm": "stage.clip_grad_norm_()", "trace": "stage.gather_trace()"}
 """The call that collects under each name, for errors."""
@@ -99,3 +99,33 @@ def collect(
 
 def _terms(to: list[int], terms: Any) -> str:
     return f"{terms}, results to ranks {to}" if terms != () else f"results to ranks {to}"
+
+
+def terms_of(*args: Any) -> tuple[Any, ...]:
+    """A call's arguments as processes compare them.
+
+    Numbers by value (``1`` is ``1.0``, a 0-dim tensor its number, ``"inf"`` is
+    ``math.inf``), the rest as written.
+    """
+    terms: list[Any] = []
+    for arg in args:
+        if isinstance(arg, bool):
+            terms.append(arg)
+            continue
+        try:
+            terms.append(float(arg))
+        except (TypeError, ValueError, RuntimeError):
+            terms.append(repr(arg))
+    return tuple(terms)
+
+
+def refuse(stage: PipelineStage, name: str, refused: BaseException) -> None:
+    """Take part in a collect that this process refused its arguments for.
+
+    The others then fail at once, naming arguments other than theirs, instead of
+    waiting for this process; ``refused`` gets a note of what they were told.
+    """
+    try:
+        collect(stage, name, None, [], ("refused", f"{type(refused).__name__}: {refused}"))
+    except RuntimeError as told:
+        add_note(refused, f"torchgpipe: the other processes were told: {told}")

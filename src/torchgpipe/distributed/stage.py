@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.distributed.checks import check_rank, fingerprint, start_together
-from torchgpipe.distributed.collect import collect
+from torchgpipe.distributed.collect import collect, refuse, terms_of
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
 from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
@@ -364,17 +364,20 @@ class PipelineStage(nn.Module, StageHolder):
         through the wall clock: exact on one machine, as good as NTP between machines.
 
         Raises:
-            TypeError: ``trace`` is not a :class:`~torchgpipe.trace.Trace`, or ``dst``
-                not an int (before any message goes).
-            ValueError: ``dst`` is not a rank of the pipeline (before any message goes).
+            TypeError, ValueError: ``trace`` is not a :class:`~torchgpipe.trace.Trace`, or
+                ``dst`` not a rank of the pipeline (the other processes are told).
             RemoteError: another process failed or was lost.
         """
-        dst = check_rank(dst, self.world_size, "dst")
-        if not isinstance(trace, Trace):
-            raise TypeError(
-                f"gather_trace takes the Trace that stage.trace() gave, got "
-                f"{type(trace).__name__}; pass `trace` of `with stage.trace() as trace:`"
-            )
+        try:
+            dst = check_rank(dst, self.world_size, "dst")
+            if not isinstance(trace, Trace):
+                raise TypeError(
+                    f"gather_trace takes the Trace that stage.trace() gave, got "
+                    f"{type(trace).__name__}; pass `trace` of `with stage.trace() as trace:`"
+                )
+        except (TypeError, ValueError) as refused:
+            refuse(self, "trace", refused)
+            raise
         got = collect(self, "trace", (trace.m, trace.on_wall_clock()), [dst])
         if self.rank != dst:
             return None
@@ -400,7 +403,7 @@ class PipelineStage(nn.Module, StageHolder):
         ties, every, ranks = self._ties, list(self.parameters()), range(self.world_size)
 
         def gather(part: Tensor) -> list[Tensor]:
-            terms = (float(max_norm), float(norm_type), bool(error_if_nonfinite))
+            terms = terms_of(max_norm, norm_type, error_if_nonfinite)
             return [part for _, part in sorted(collect(self, "norm", part, ranks, terms).items())]
 
         counted = counted_once(every, ties.groups, ties.ranks, self.rank)
