@@ -1001,7 +1001,7 @@ def test_a_collect_made_with_other_arguments_fails_every_rank(calls: tuple[str, 
         assert result.loss is not None  # the next step runs
 
 
-@pytest.mark.parametrize("call", ["clip", "trace"])
+@pytest.mark.parametrize("call", ["clip", "clip:str", "trace"])
 def test_a_rank_that_refuses_its_arguments_still_tells_the_others(call: str) -> None:
     # Rank 0 refuses its own arguments (a negative max_norm, a dst out of range); the
     # other learns of it at once instead of waiting, and the next step runs.
@@ -1014,14 +1014,16 @@ def test_a_rank_that_refuses_its_arguments_still_tells_the_others(call: str) -> 
         with stage.trace() as trace:
             _step(schedule, x, y)
         bad = stage.rank == 0
-        if call == "clip":
-            failed = _outcome(lambda: stage.clip_grad_norm_(-1.0 if bad else 1.0))
+        if call.startswith("clip"):
+            # A string that reads as 1.0: refused there, and never taken for 1.0 here.
+            wrong: Any = "1.0" if call == "clip:str" else -1.0
+            failed = _outcome(lambda: stage.clip_grad_norm_(wrong if bad else 1.0))
         else:
             failed = _outcome(lambda: stage.gather_trace(trace, dst=5 if bad else 0))
         return failed, _step(schedule, x, y)
 
     (zero, after0), (one, after1) = run_threads(run, 2, timeout=20.0)
-    assert type(zero) is ValueError, repr(zero)
+    assert type(zero) is (TypeError if call == "clip:str" else ValueError), repr(zero)
     assert any("the other processes were told" in note for note in zero.__notes__)
     assert type(one) is RuntimeError, repr(one)
     assert "was called with other arguments on other processes: rank 0 with" in str(one)

@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from torchgpipe.mailbox import add_note
-
 __all__ = ["clip_grad_norm", "counted_once", "norm_part"]
 
 
@@ -120,15 +118,7 @@ def clip_grad_norm(
     Raises:
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
     """
-    try:
-        max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
-    except (TypeError, ValueError) as refused:
-        if gather is not None:  # still take part: the others learn of it, not wait
-            try:
-                gather(torch.zeros(()))  # with these arguments, which the others refuse
-            except RuntimeError as told:
-                add_note(refused, f"torchgpipe: the other processes were told: {told}")
-        raise
+    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
     grads = [p.grad for p in counted if p.grad is not None]
     parts = [norm_part(grads, norm_type)]
     if gather is not None:

@@ -28,13 +28,17 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from torchgpipe.clip import check_clip_arguments, clip_grad_norm, counted_once
 from torchgpipe.distributed.checks import mismatch
 from torchgpipe.mailbox import Stopped, add_note
 
 if TYPE_CHECKING:
-    from torchgpipe.distributed.stage import PipelineStage
+    from torch import Tensor
 
-__all__ = ["collect", "refuse", "terms_of"]
+    from torchgpipe.distributed.stage import PipelineStage
+    from torchgpipe.tied import Ties
+
+__all__ = ["clip_across", "collect", "refuse", "terms_of"]
 
 CALLS = {"norm": "stage.clip_grad_norm_()", "trace": "stage.gather_trace()"}
 """The call that collects under each name, for errors."""
@@ -129,3 +133,29 @@ def refuse(stage: PipelineStage, name: str, refused: BaseException) -> None:
         collect(stage, name, None, [], ("refused", f"{type(refused).__name__}: {refused}"))
     except RuntimeError as told:
         add_note(refused, f"torchgpipe: the other processes were told: {told}")
+
+
+def clip_across(
+    stage: PipelineStage, ties: Ties, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """``stage.clip_grad_norm_``: one total norm over every process, each weight once.
+
+    Arguments this process refuses are refused with every other process told (``refuse``),
+    so none waits, and none clips by a norm without this process's part.
+    """
+    try:
+        check_clip_arguments(max_norm, norm_type)
+    except (TypeError, ValueError) as refused:
+        refuse(stage, "norm", refused)
+        raise
+    terms = terms_of(max_norm, norm_type, error_if_nonfinite)
+    ranks = range(stage.world_size)
+
+    def gather(part: Tensor) -> list[Tensor]:
+        return [part for _, part in sorted(collect(stage, "norm", part, ranks, terms).items())]
+
+    every = list(stage.parameters())
+    counted = counted_once(every, ties.groups, ties.ranks, stage.rank)
+    return clip_grad_norm(
+        counted, every, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, gather=gather
+    )

@@ -22,9 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
-from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.distributed.checks import check_rank, fingerprint, start_together
-from torchgpipe.distributed.collect import collect, refuse, terms_of
+from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
 from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
@@ -398,19 +397,10 @@ class PipelineStage(nn.Module, StageHolder):
         Returns the total norm before clipping, the same everywhere (0-dim, on the CPU).
 
         Raises:
+            TypeError, ValueError: an argument is refused (the other processes are told).
             RemoteError: another process failed or was lost.
         """
-        ties, every, ranks = self._ties, list(self.parameters()), range(self.world_size)
-
-        def gather(part: Tensor) -> list[Tensor]:
-            terms = terms_of(max_norm, norm_type, error_if_nonfinite)
-            return [part for _, part in sorted(collect(self, "norm", part, ranks, terms).items())]
-
-        counted = counted_once(every, ties.groups, ties.ranks, self.rank)
-        limit, error = max_norm, error_if_nonfinite
-        return clip_grad_norm(
-            counted, every, limit, norm_type, error_if_nonfinite=error, gather=gather
-        )
+        return clip_across(self, self._ties, max_norm, norm_type, error_if_nonfinite)
 
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
