@@ -114,6 +114,10 @@ def take_input_grads(inputs: list[Tensor]) -> list[Tensor | None]:
     A tensor that is there twice (the previous stage returned ``(h, h)``) has one
     gradient, for both of its uses: it goes back once, in the first place.
     """
+    if len(inputs) == 1:  # the common case, on the path of every cell
+        x = inputs[0]
+        grad, x.grad = (x.grad, None) if x.requires_grad else (None, x.grad)
+        return [grad]
     grads: list[Tensor | None] = []
     seen: set[int] = set()
     for x in inputs:

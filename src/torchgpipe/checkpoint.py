@@ -212,11 +212,8 @@ def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any
     says; other values pass as they are. See :func:`aliases` for the second list, which
     must be made under grad mode (inside :func:`recomputing`).
     """
-    fresh: dict[int, Tensor] = {}  # a tensor there twice stays one
-    leaves = [
-        fresh.setdefault(id(x), x.detach().requires_grad_(need)) if isinstance(x, Tensor) else x
-        for x, need in zip(values, needs, strict=True)
-    ]
+    need = {id(x): n for x, n in zip(values, needs, strict=True) if isinstance(x, Tensor)}
+    leaves = per_tensor(lambda x: x.detach().requires_grad_(need[id(x)]), values)
     return leaves, aliases(leaves)
 
 

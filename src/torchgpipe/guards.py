@@ -43,6 +43,9 @@ __all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards"]
 
 # Per buffer: the tensor before the forward, its version then, and a copy where needed.
 Kept = list[tuple[Tensor, int, Tensor | None]]
+# What one cell's recomputation starts from: per buffer its forward changed, the module,
+# the name, the value before.
+Restore = list[tuple[nn.Module, str, Tensor]]
 # Tensors to put in a module's slots (its _buffers or _parameters) for a recomputation.
 Swaps = list[tuple[dict[str, Any], str, Tensor]]
 
@@ -100,11 +103,11 @@ class RunGuard:
             kept.append((b, b._version, copy))
         return kept
 
-    def after_forward(self, kept: Kept | None) -> Restore:
-        """What the recomputation of the cell that just ran must start from."""
-        restore = Restore(self)
+    def after_forward(self, kept: Kept | None) -> Restore | None:
+        """What the recomputation of the cell that just ran must start from; None: as is."""
         if kept is None:
-            return restore
+            return None
+        restore: Restore = []
         guard, changed = self.guard, set()
         for (module, name), (b, version, copy) in zip(self.buffers, kept, strict=True):
             now = module._buffers.get(name)
@@ -114,7 +117,7 @@ class RunGuard:
             # Replaced by a new tensor, the old one untouched: it is the value before.
             before = b if b._version == version else copy
             if before is not None:
-                restore.buffers.append((module, name, before))
+                restore.append((module, name, before))
             elif not guard.warned:
                 guard.warned = True
                 warnings.warn(
@@ -125,7 +128,7 @@ class RunGuard:
                     stacklevel=2,
                 )
         guard.changing = changed if guard.changing is None else guard.changing | changed
-        return restore
+        return restore or None
 
     def recomputing(self, restore: Restore | None) -> AbstractContextManager[None]:
         """Around a cell's recomputation and its backward: the state its forward saw.
@@ -137,9 +140,9 @@ class RunGuard:
         if self.swaps is None:
             self.swaps = self._parameters_used()
         swaps: Swaps = []
-        if restore is not None and restore.buffers:
+        if restore:
             # A copy each time: a second backward (retain_graph) starts from it again.
-            swaps = [(m._buffers, name, b.clone()) for m, name, b in restore.buffers]
+            swaps = [(m._buffers, name, b.clone()) for m, name, b in restore]
         if self.swaps:
             swaps += self.swaps
         if not swaps and not self.batch_norms:  # the common case, once per recomputed cell
@@ -177,17 +180,6 @@ class RunGuard:
                 )
             swaps.append((module._parameters, name, p))  # functional_call's, now gone
         return swaps
-
-
-class Restore:
-    """What one cell's recomputation starts from: its run's guard, the buffers before it."""
-
-    __slots__ = ("buffers", "run")
-
-    def __init__(self, run: RunGuard) -> None:
-        self.run = run
-        # Per buffer the forward changed: its module, its name, its value before.
-        self.buffers: list[tuple[nn.Module, str, Tensor]] = []
 
 
 class RunGuards:
