@@ -220,6 +220,21 @@ def test_stage_is_not_called_nor_copied() -> None:
         copy.deepcopy(stage)
 
 
+def test_stage_is_not_moved_but_may_change_dtype() -> None:
+    (stage,) = _stages(1, [8])
+    for move in (
+        lambda: stage.to("cpu"),
+        lambda: stage.to(torch.zeros(1)),
+        lambda: stage.cpu(),
+        lambda: stage.cuda(),
+        lambda: stage.to_empty(device="cpu"),
+    ):
+        with pytest.raises(TypeError, match="PipelineStage cannot be moved.*device="):
+            move()
+    assert stage.to(torch.float64) is stage
+    assert all(p.dtype == torch.float64 for p in stage.parameters())
+
+
 @pytest.mark.parametrize(
     ("balance", "factory"),
     [

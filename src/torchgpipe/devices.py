@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, ClassVar, NoReturn, TypeAlias
 
 import torch
+from torch import Tensor, nn
 
-__all__ = ["Device", "as_device", "check_devices"]
+__all__ = ["Device", "PlacedModule", "as_device", "check_devices"]
 
 Device: TypeAlias = torch.device | int | str
 """A device as users write it: ``torch.device('cuda', 1)``, ``1`` or ``'cuda:1'``."""
@@ -81,3 +82,42 @@ def as_device(device: Device) -> torch.device:
                 f"{torch.cuda.device_count()} CUDA devices"
             )
     return result
+
+
+class PlacedModule(nn.Module):
+    """A module whose parts stay on the devices they were given: moving it is refused.
+
+    ``to(dtype)`` and ``half()``-style dtype changes are allowed; ``to(device)``,
+    ``cuda()``, ``cpu()``, ``xpu()``, ``ipu()``, ``mtia()`` and ``to_empty(device=...)``
+    raise ``TypeError`` with :attr:`move_refused`, which says how to place it elsewhere.
+    """
+
+    move_refused: ClassVar[str] = "this module cannot be moved between devices"
+
+    def to(self, *args: Any, **kwargs: Any) -> PlacedModule:
+        """Change the dtype of parameters and buffers; moving between devices is refused.
+
+        Raises:
+            TypeError: a device (or a tensor, whose device would be used) was given.
+        """
+        if _names_device(args, kwargs):
+            raise TypeError(self.move_refused)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: the module places its parts on their own devices.
+
+        So are ``cpu()``, ``xpu()``, ``ipu()``, ``mtia()`` and ``to_empty(device=...)``.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(self.move_refused)
+
+    cpu = xpu = ipu = mtia = to_empty = cuda
+
+
+def _names_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if kwargs.get("device") is not None or kwargs.get("tensor") is not None:
+        return True
+    return any(isinstance(arg, torch.device | str | int | Tensor) for arg in args)

@@ -6,7 +6,7 @@ import numbers
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, NoReturn, TypeAlias, get_args, overload
+from typing import Any, Literal, TypeAlias, get_args, overload
 
 import torch
 from torch import Tensor, nn
@@ -14,8 +14,7 @@ from torch import Tensor, nn
 from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.clip import clip_grad_norm, counted_once
-from torchgpipe.devices import Device, check_devices
-from torchgpipe.devices import as_device as as_device  # for distributed/stage.py
+from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import (
     Init,
@@ -56,7 +55,7 @@ _ASSIGNED_LATER = frozenset(("skip_layout", "workers", "_deferred", "_ties", "_p
 _ASSIGNED_LATER |= {"_inbound", "_outbound", "_guards", "_streams", "_tracer"}
 
 
-class GPipe(nn.Module, StageHolder):
+class GPipe(PlacedModule, StageHolder):
     """Wraps an ``nn.Sequential`` to train it with GPipe's pipeline parallelism.
 
     The layers are split into consecutive partitions of ``balance[j]`` layers, partition
@@ -124,6 +123,11 @@ class GPipe(nn.Module, StageHolder):
     checkpoint: Checkpoint
     deferred_batch_norm: bool
     skip_layout: SkipLayout
+    move_refused = (
+        "a GPipe model cannot be moved as a whole: each partition stays on the device "
+        "given in `devices`; to place it elsewhere, build a new GPipe with other devices "
+        "(dtype changes such as .to(torch.float64) or .half() are allowed)"
+    )
 
     def __init__(
         self,
@@ -366,43 +370,6 @@ class GPipe(nn.Module, StageHolder):
         state = self.__dict__.copy()
         state["_tracer"] = None
         return state
-
-    # GPipe owns placement: moving the whole model would undo the split.
-
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        """Change the dtype of parameters and buffers; moving between devices is refused.
-
-        Raises:
-            TypeError: a device (or a tensor, whose device would be used) was given.
-        """
-        if _names_device(args, kwargs):
-            raise TypeError(_MOVE_REFUSED)
-        return super().to(*args, **kwargs)
-
-    def cuda(self, *args: Any, **kwargs: Any) -> NoReturn:
-        """Refused: GPipe places each partition on its own device.
-
-        So are ``cpu()``, ``xpu()``, ``ipu()``, ``mtia()`` and ``to_empty(device=...)``.
-
-        Raises:
-            TypeError: always.
-        """
-        raise TypeError(_MOVE_REFUSED)
-
-    cpu = xpu = ipu = mtia = to_empty = cuda
-
-
-_MOVE_REFUSED = (
-    "a GPipe model cannot be moved as a whole: each partition stays on the device given "
-    "in `devices`; to place it elsewhere, build a new GPipe with other devices (dtype "
-    "changes such as .to(torch.float64) or .half() are allowed)"
-)
-
-
-def _names_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    if kwargs.get("device") is not None or kwargs.get("tensor") is not None:
-        return True
-    return any(isinstance(arg, torch.device | str | int | Tensor) for arg in args)
 
 
 def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:

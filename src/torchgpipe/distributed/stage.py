@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.devices import Device, PlacedModule, as_device
 from torchgpipe.distributed.checks import check_rank, fingerprint, start_together
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
@@ -29,8 +30,6 @@ from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
 from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
 from torchgpipe.gpipe import (
     Checkpoint,
-    Device,
-    as_device,
     check_balance,
     check_checkpoint,
     check_chunks,
@@ -52,7 +51,7 @@ from torchgpipe.worker import WorkerPool
 __all__ = ["PipelineStage"]
 
 
-class PipelineStage(nn.Module, StageHolder):
+class PipelineStage(PlacedModule, StageHolder):
     """This process's stages of a pipeline that runs over several processes.
 
     Build one in every process of the pipeline, from the same ``nn.Sequential`` and the
@@ -115,6 +114,12 @@ class PipelineStage(nn.Module, StageHolder):
             the other processes have been told, see ``RemoteError``).
         RemoteError: another process failed to start (named, with its error) or died.
     """
+
+    move_refused = (
+        "a PipelineStage cannot be moved: its layers stay on `device`, where its "
+        "transfers expect them; to run elsewhere, build the stage with device=... "
+        "(dtype changes such as .to(torch.float64) are allowed, alike in every process)"
+    )
 
     def __init__(
         self,
