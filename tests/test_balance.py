@@ -264,6 +264,13 @@ def test_balancing_rejects_bad_arguments() -> None:
         balance_by_size(2, model, x, param_scale=-1.0, device="cpu")
     with pytest.raises(TypeError, match=r"balancing takes an nn\.Sequential"):
         balance_by_size(1, nn.Linear(2, 2), x, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is the meta device"):
+        balance_by_size(2, model, x, device="meta")
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for balance in (balance_by_time, balance_by_size):
+        with pytest.raises(ValueError, match=r"on the meta device.*balance by hand"):
+            balance(2, meta, x)
 
 
 def test_balancing_takes_numpy_integers() -> None:

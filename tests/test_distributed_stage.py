@@ -229,7 +229,7 @@ def test_stage_is_not_moved_but_may_change_dtype() -> None:
         lambda: stage.cuda(),
         lambda: stage.to_empty(device="cpu"),
     ):
-        with pytest.raises(TypeError, match="PipelineStage cannot be moved.*device="):
+        with pytest.raises(TypeError, match=r"PipelineStage cannot be moved.*device="):
             move()
     assert stage.to(torch.float64) is stage
     assert all(p.dtype == torch.float64 for p in stage.parameters())

@@ -453,6 +453,165 @@ def test_what_a_reset_cannot_fill_comes_from_init_a_state_dict_or_a_real_layer()
     torch.testing.assert_close(model[1].frequencies, torch.arange(1.0, 5.0))
 
 
+class _ScaledLinear(nn.Linear):
+    """A subclass that adds a parameter (LoRA-style), which Linear's reset leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+class _Block(nn.Module):
+    """A reset of its own that resets its child and forgets its own parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self) -> None:
+        self.linear.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.gamma
+
+
+def _with_buffer() -> nn.Linear:
+    linear = nn.Linear(4, 4)
+    linear.register_buffer("mask", torch.ones(4, 4).tril())  # on torch's own class
+    return linear
+
+
+def _half_filled() -> _Rotary:
+    rotary = _Rotary()
+    rotary.reset_parameters = lambda: rotary.frequencies[0].fill_(1.0)  # type: ignore[method-assign]
+    return rotary
+
+
+@pytest.mark.parametrize(
+    ("build", "left"),
+    [
+        (_ScaledLinear, "0.scale"),
+        (_Block, "0.gamma"),
+        (_with_buffer, "0.mask"),
+        (_half_filled, "0.frequencies"),
+    ],
+)
+def test_a_tensor_a_reset_leaves_as_allocated_is_refused_whatever_holds_it(
+    build: Callable[[], nn.Module], left: str
+) -> None:
+    # Resets are trusted with nothing: every tensor they should fill is checked.
+    with torch.device("meta"):
+        layers = nn.Sequential(build(), nn.Tanh())
+    with pytest.raises(ValueError, match=rf"left {left} as allocated"):
+        GPipe(layers, [1, 1])
+
+
+def test_a_pruned_layer_needs_init_or_a_state_dict() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        torch.nn.utils.prune.identity(layers[0], "weight")
+    with pytest.raises(ValueError, match=r"0 \(Linear under torch\.nn\.utils\.prune\)"):
+        GPipe(layers, [1, 1])
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    torch.nn.utils.prune.random_unstructured(plain[0], "weight", amount=0.5)
+    model = GPipe(layers, [1, 1], state_dict=plain.state_dict())
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), plain(x))
+
+
+class _Counts(nn.Module):
+    """Integer and empty buffers, filled through ``.data`` or needing nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4))
+        self.register_buffer("ids", torch.empty(4, dtype=torch.long), persistent=False)
+        self.register_buffer("cache", torch.empty(0), persistent=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        self.ids.data.copy_(torch.arange(4))  # moves no version counter
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight + self.ids
+
+
+class _Alias(nn.Module):
+    """A parent that holds its child's weight under a name of its own, with no reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.w = self.proj.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x) + x @ self.w.t()
+
+
+def test_integer_empty_and_aliased_tensors_are_filled_by_what_can_fill_them() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(_Counts(), _Alias())
+    model = GPipe(layers, [1, 1])
+    assert torch.equal(model[0].ids, torch.arange(4))
+    assert model[1].w is model[1].proj.weight  # one tensor, the child's reset filled it
+    assert model[1].w.abs().max() < 1  # Linear's reset: U(-1/2, 1/2), not the mark
+    assert not model[1].w.isnan().any()
+
+
+class _Scaled(nn.Module):
+    """A module whose extra state (not a parameter nor a buffer) is in its state dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.factor = 1.0
+
+    def get_extra_state(self) -> Any:
+        return {"factor": self.factor}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.factor = state["factor"]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.factor
+
+
+def test_a_state_dict_loads_as_load_state_dict_does() -> None:
+    plain = nn.Sequential(_Scaled(), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    plain[0].factor = 3.0
+    plain.train()(torch.randn(8, 4))
+    saved = plain.state_dict()
+    del saved["1.num_batches_tracked"]  # an older checkpoint: load_state_dict accepts it
+    with torch.device("meta"):
+        layers = nn.Sequential(_Scaled(), nn.BatchNorm1d(4))
+    last = nn.Linear(4, 4)  # built with values among meta layers: loaded too
+    model = GPipe(nn.Sequential(*layers, last), [1, 2], state_dict=saved).eval()
+    assert model[0].factor == 3.0
+    assert model[1].num_batches_tracked == 0
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(model(x), plain.eval()(x))
+
+
+def test_a_state_dict_with_keys_the_model_lacks_or_no_values_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"keys the model does not: 8\.weight, typo"):
+        GPipe(
+            _on_meta(),
+            [4, 4],
+            state_dict={**mlp().state_dict(), "8.weight": torch.ones(1), "typo": torch.ones(1)},
+        )
+    with pytest.raises(ValueError, match=r"on the meta device, with no values"):
+        GPipe(_on_meta(), [4, 4], state_dict=_on_meta().state_dict())
+
+
+def test_a_refusal_leaves_the_model_as_it_was_with_deferred_batch_norm() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Positions())
+    with pytest.raises(ValueError, match=r"nothing is known to fill 2\.table"):
+        GPipe(layers, [2, 1], deferred_batch_norm=True)
+    assert type(layers[1]) is nn.BatchNorm1d
+
+
 # A tied parameter: every holder ends with its first holder's values; a state dict may
 # hold any of its names, the last present winning, as in load_state_dict (loaded_value).
 

@@ -385,6 +385,14 @@ def test_too_many_stages_and_bad_arguments() -> None:
         split(model, torch.randn(2, 2), at=["0"], stages=2)
     with pytest.raises(TypeError, match="has no default"):
         split(Keywords(), torch.randn(2, 6), at=["third"])
+    with pytest.raises(ValueError, match="by is 'time' or 'size', got 'bogus'"):
+        split(model, torch.randn(2, 2), at=["1"], by="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stages must be a positive int, got 0"):
+        split(model, torch.randn(2, 2), stages=0)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"on the meta device.*at=\[\.\.\.\]"):
+        split(meta, torch.randn(2, 2), stages=2)
 
 
 # What the forward does besides computing: constants, in-place changes, state.

@@ -167,6 +167,9 @@ class GPipe(PlacedModule, StageHolder):
                 f"them; rename those layers (the keys of the OrderedDict given to "
                 f"nn.Sequential)"
             )
+        layers = list(module.named_children())
+        state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
+        fill = check_materializable(layers, init=init, state_dict=state_dict)
         # Every check has passed: from here on the module is changed (batch norm layers
         # replaced in place, as torchgpipe did) and placed.
         self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
@@ -174,8 +177,6 @@ class GPipe(PlacedModule, StageHolder):
             self.add_module(name, layer)
         partitions = []
         layers = list(module.named_children())
-        state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
-        check_materializable(layers, init=init, state_dict=state_dict)  # before any change
         ends = [sum(self.balance[: j + 1]) for j in range(len(self.balance))]
         parts = [
             [layer for _, layer in layers[end - size : end]]
@@ -185,7 +186,7 @@ class GPipe(PlacedModule, StageHolder):
         self._ties = Ties.untie(parts, self.devices, names=state_names(module))
         for size, device in zip(self.balance, self.devices, strict=True):
             part, layers = layers[:size], layers[size:]
-            materialize(part, device, init=init, state_dict=state_dict)  # meta layers only
+            materialize(part, device, fill)  # meta layers; a state dict's keys
             partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
         self._ties.align()
         if any(isinstance(layer, Stage) for layer in module):

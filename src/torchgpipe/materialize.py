@@ -15,21 +15,27 @@ it garbage):
 
 - ``init`` fills every tensor of a layer; that is the caller's promise.
 - ``state_dict`` fills each tensor saved under a key it holds, and must hold every key
-  of a meta layer (a buffer registered with ``persistent=False`` is never saved, so
-  never filled this way). One name of a tied parameter is enough: the meta path reads
-  the state dict as ``load_state_dict`` would (:func:`torchgpipe.tied.tied_state_dict`).
+  of the layers (a buffer registered with ``persistent=False`` is never saved, so
+  never filled this way; a batch norm's ``num_batches_tracked`` may be missing, as
+  ``load_state_dict`` allows), and no key the model lacks. One name of a tied
+  parameter is enough: the meta path reads the state dict as ``load_state_dict`` would
+  (:func:`torchgpipe.tied.tied_state_dict`), and loads it by each layer's
+  ``load_state_dict`` (its hooks and extra state included). Layers built with values
+  among meta ones are loaded from it too.
 - Otherwise, a module's own reset: ``reset_parameters()`` (or ``_reset_parameters()``,
   as ``nn.MultiheadAttention`` names it), children before parents, the order in which
-  their constructors ran. It is trusted to fill the module's parameters (its name says
-  so), and the buffers of torch's own classes (and this library's): ``BatchNorm``
-  resets its running statistics. The buffers of a class of yours (a subclass of a
-  torch class included: a mask added to ``nn.Linear``) are checked once its reset ran:
-  one it neither replaced nor wrote is refused then (see :func:`_reset`), so a reset
-  may fill them, yours or torch's (a subclass of ``BatchNorm1d`` keeps working).
-- A parameter that an earlier layer of the model (or an earlier module of the same
-  layer) holds too needs nothing of its own: every holder ends with its first holder's
-  values (:func:`_retie` inside a partition, :mod:`torchgpipe.tied` across them). Only
-  the first holder must be filled.
+  their constructors ran. A tensor held by a module that has one may be filled by it;
+  whether it was is known once the resets ran: every such tensor is first marked (NaN,
+  or a sentinel for integers) and one that no reset replaced, wrote in place (its
+  version counter) nor through ``.data`` is refused then (see :func:`_reset`). So a
+  parameter a subclass adds to ``nn.Linear``, a buffer added to a torch layer, or a
+  pruned weight (``weight_orig``) is refused, not left as garbage. An empty tensor
+  needs nothing.
+- A parameter that an earlier layer of the model holds too needs nothing of its own:
+  every holder ends with its first holder's values (:func:`_retie` inside a partition,
+  :mod:`torchgpipe.tied` across them). Only the first holder must be filled. Holders
+  inside one layer (a module and its parent) share one tensor from the start, which any
+  of their resets may fill.
 
 The values drawn differ from a model built on the CPU under the same seed (each process
 draws only its own layers); load a state dict where they must be equal.
@@ -39,16 +45,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from torchgpipe.split_stage import Stage
 
-__all__ = ["Init", "check_materializable", "check_meta_arguments", "materialize", "on_meta"]
+__all__ = ["Fill", "Init", "check_materializable", "check_meta_arguments", "materialize", "on_meta"]
 
 Init = Callable[[nn.Module], None]
 """Fills one layer's tensors, already allocated on its device (``init(layer)``)."""
@@ -71,26 +80,34 @@ def check_meta_arguments(
         )
 
 
-def materialize(
-    layers: list[tuple[str, nn.Module]],
-    device: torch.device,
-    *,
-    init: Init | None = None,
-    state_dict: Mapping[str, Tensor] | None = None,
-) -> None:
+@dataclass
+class Fill:
+    """What fills the layers of a model built on the meta device: the checks' findings.
+
+    Made by :func:`check_materializable`, used by :func:`materialize` for each part.
+    """
+
+    init: Init | None = None
+    state_dict: Mapping[str, Tensor] | None = None
+    watched: dict[int, tuple[int, Tensor]] = field(default_factory=dict)
+    """The meta tensors a reset is to fill, by ``id``, with the ``id`` of the layer whose
+    resets must fill it (its first holder's): checked once they ran."""
+
+
+def materialize(layers: list[tuple[str, nn.Module]], device: torch.device, fill: Fill) -> None:
     """Allocate the meta layers among ``layers`` on ``device``, and fill them.
 
     ``layers`` are ``(name, layer)`` pairs, ``name`` the layer's in the plain
-    ``nn.Sequential`` (its keys in ``state_dict`` start with ``name + "."``, but for a
-    split model's stages, :func:`key_prefix`). Layers with no meta tensor are left as
-    they are.
+    ``nn.Sequential`` (its keys in the state dict start with ``name + "."``, but for a
+    split model's stages, :func:`key_prefix`). Layers with no meta tensor keep their
+    values, but for the keys ``fill.state_dict`` holds, which are loaded into them.
 
-    Call :func:`check_materializable` first, on every layer this process will fill and
-    with the whole model: it refuses what cannot be filled before anything changes,
-    and it alone sees ties to layers outside ``layers``. This fills what that check
-    found: each module's reset, ``init``, or the keys ``state_dict`` holds. A tensor
-    that none of them fills here is a later holder of a tied parameter, left as
-    allocated until its first holder's values reach it.
+    ``fill`` comes from :func:`check_materializable`, called on every layer this
+    process will fill and with the whole model: it refuses what cannot be filled
+    before anything changes, and it alone sees ties to layers outside ``layers``. This
+    fills what that check found: ``init``, each module's reset, then the state dict's
+    keys. A tensor that none of them fills here is a later holder of a tied parameter,
+    left as allocated until its first holder's values reach it.
 
     A tensor that several modules of ``layers`` hold (a head tied to an embedding of
     the same partition, layers that share one weight, a module registered twice) stays
@@ -98,30 +115,35 @@ def materialize(
     layer filled is dropped. Ties across partitions are :mod:`torchgpipe.tied`'s.
 
     Raises:
-        ValueError: a layer mixes meta and real tensors.
+        ValueError: a layer mixes meta and real tensors, or a module's reset left a
+            tensor it was trusted with as allocated (the layer is allocated by then).
     """
-    todo = _meta_layers(layers)
-    holders = [_holders(layer) for _, layer in todo]  # before any is allocated
     made: dict[int, Tensor] = {}  # a meta tensor's id: the one tensor that replaces it
-    for (name, layer), held in zip(todo, holders, strict=True):
+    meta = {id(layer) for _, layer in _meta_layers(layers)}
+    for name, layer in layers:
+        prefix = key_prefix(name, layer)
+        if id(layer) not in meta:
+            if fill.state_dict is not None:
+                _load(layer, prefix, fill.state_dict)
+            continue
+        held = _holders(layer)  # before it is allocated
         layer.to_empty(device=device)
+        _retie(held, {})  # holders inside the layer share one tensor before any fill
         with torch.no_grad():
-            if init is not None:
-                init(layer)
+            if fill.init is not None:
+                fill.init(layer)
             else:
-                loaded: dict[str, Tensor] = {}  # layer's key: its value in the state dict
-                prefix = key_prefix(name, layer)
-                if state_dict is not None:
-                    loaded = {
-                        key: state_dict[prefix + key]
-                        for key in layer.state_dict(keep_vars=True)
-                        if prefix + key in state_dict  # else a tie's later name
-                    }
-                _reset(layer, set(loaded), prefix)  # where it can; the state dict's values win
-                targets = layer.state_dict(keep_vars=True)
-                for key, value in loaded.items():
-                    targets[key].copy_(value)
+                _reset(layer, held, fill.watched, prefix)
+                if fill.state_dict is not None:
+                    _load(layer, prefix, fill.state_dict)  # the state dict's values win
         _retie(held, made)
+
+
+def _load(layer: nn.Module, prefix: str, state_dict: Mapping[str, Tensor]) -> None:
+    """Load the keys of ``layer`` that ``state_dict`` holds, as ``load_state_dict`` does."""
+    keys = layer.state_dict(keep_vars=True)
+    mine = {key: state_dict[prefix + key] for key in keys if prefix + key in state_dict}
+    layer.load_state_dict(mine, strict=False)  # what is missing was checked, or reset
 
 
 _Holder = tuple[int, nn.Module, str]
@@ -147,11 +169,13 @@ def _holders(layer: nn.Module) -> list[_Holder]:
 def _retie(holders: list[_Holder], made: dict[int, Tensor]) -> None:
     """Give every holder of each meta tensor the one that replaced it first.
 
-    The first holder's tensor, as its layer's fill left it, is kept (in ``made``); a
-    later holder's, allocated by ``to_empty`` and filled by its own reset (or ``init``,
-    or the state dict), is dropped. So each tied tensor is filled once, as the first
-    holder fills it, and a module that two layers share is not filled anew by the
-    second.
+    With an empty ``made``, right after allocation: the holders inside one layer share
+    its first holder's tensor, so whichever of their resets fills it fills it for all.
+    With the partition's ``made``, once the layer is filled: the first layer's tensor,
+    as its fill left it, is kept; a later layer's, filled by its own reset (or
+    ``init``, or the state dict), is dropped. So each tied tensor is filled once, as
+    its first holder fills it, and a module that two layers share is not filled anew
+    by the second.
     """
     for key, module, name in holders:
         table = module._parameters if name in module._parameters else module._buffers
@@ -181,30 +205,59 @@ def check_materializable(
     init: Init | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
     model: nn.Sequential | None = None,
-) -> list[tuple[str, nn.Module]]:
-    """The meta layers among ``layers``, once checked that they can be filled.
+) -> Fill:
+    """What fills the meta layers among ``layers``, once checked that they can be filled.
 
     ``model`` is the whole ``nn.Sequential`` that ``layers`` are part of (by default
     ``layers`` are all of it): a parameter tied to one of its earlier layers needs no
-    fill here. What fills what is the module docstring's; ``state_dict`` is read as
-    given, so pass it through :func:`torchgpipe.tied.tied_state_dict` first.
+    fill here, and the state dict's keys are checked against all of it. What fills
+    what is the module docstring's; ``state_dict`` is read as given, so pass it
+    through :func:`torchgpipe.tied.tied_state_dict` first.
 
     Raises:
         ValueError: ``init`` and ``state_dict`` both given; a layer mixes meta and real
-            tensors; ``state_dict`` lacks a key of a meta layer, or has a shape that
-            does not fit; or, without ``init``, a tensor that nothing fills (every one
-            named, with the reason), among them those of a module under the legacy
-            ``torch.nn.utils.spectral_norm`` or ``weight_norm`` hooks, which keep their
-            values in tensors (``weight_orig``, ``weight_u``, ...) that
-            ``reset_parameters()`` does not fill.
+            tensors; ``state_dict`` holds a meta tensor, a key the model lacks, lacks
+            a key of ``layers``, or has a shape that does not fit; or, without
+            ``init``, a tensor that nothing fills (every one named, with the reason),
+            among them those of a module under a hook that keeps its values in tensors
+            its reset does not fill (``torch.nn.utils.prune``, and the legacy
+            ``spectral_norm`` and ``weight_norm``: ``weight_orig``, ``weight_u``, ...).
     """
     if init is not None and state_dict is not None:
         raise ValueError("pass init or state_dict, not both: either fills the layers")
     todo = _meta_layers(layers)
+    whole = layers if model is None else list(model.named_children())
+    fill = Fill(init=init, state_dict=state_dict)
+    if state_dict is not None:
+        _check_keys(state_dict, whole)
     if init is None:
-        whole = layers if model is None else list(model.named_children())
-        _check_fillable(todo, state_dict, _first_holders(whole))
-    return todo
+        fill.watched = _check_fillable(todo, layers, state_dict, _first_holders(whole))
+    return fill
+
+
+def _check_keys(state_dict: Mapping[str, Tensor], whole: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a state dict with keys the model lacks, or with meta tensors."""
+    known = {
+        key_prefix(name, layer) + key
+        for name, layer in whole
+        for key in layer.state_dict(keep_vars=True)
+    }
+    unknown = sorted(key for key in state_dict if key not in known)
+    empty = sorted(k for k, v in state_dict.items() if isinstance(v, Tensor) and v.is_meta)
+    problems = []
+    if unknown:
+        problems.append(
+            f"the state dict has keys the model does not: {', '.join(unknown[:10])}"
+            f"{' ...' if len(unknown) > 10 else ''}; give the plain model's state dict "
+            f"(its keys are the nn.Sequential's: '<layer>.<name>')"
+        )
+    if empty:
+        problems.append(
+            f"the state dict's {', '.join(empty[:10])} are on the meta device, with no "
+            f"values to load; save the state dict of a model with values"
+        )
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 def _meta_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -223,57 +276,68 @@ def _meta_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modu
     return todo
 
 
-def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, tuple[int, str]]:
-    """Each parameter's first holder in the model: its layer's ``id``, and its key there.
+def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, int]:
+    """Each parameter's first holder in the model: the ``id`` of its layer.
 
     In the order of the state dict, of :func:`_holders` and of ``Ties.untie``: layers in
     order, each module before its children.
     """
-    first: dict[int, tuple[int, str]] = {}
-    for name, layer in layers:
-        prefix = key_prefix(name, layer)
-        for path, module in layer.named_modules(remove_duplicate=False):
-            for n, parameter in module._parameters.items():
+    first: dict[int, int] = {}
+    for _, layer in layers:
+        for module in layer.modules(remove_duplicate=False):
+            for parameter in module._parameters.values():
                 if parameter is not None:
-                    first.setdefault(id(parameter), (id(layer), prefix + _join(path, n)))
+                    first.setdefault(id(parameter), id(layer))
     return first
 
 
 def _check_fillable(
+    meta: list[tuple[str, nn.Module]],
     layers: list[tuple[str, nn.Module]],
     state_dict: Mapping[str, Tensor] | None,
-    first: dict[int, tuple[int, str]],
-) -> None:
-    """Refuse, all at once, every tensor of ``layers`` that nothing fills (no ``init``)."""
+    first: dict[int, int],
+) -> dict[int, tuple[int, Tensor]]:
+    """Refuse, all at once, every tensor that nothing fills (no ``init``).
+
+    ``meta``: the layers to allocate; ``layers``: all those given, whose keys a state
+    dict must hold. Returns the tensors a reset is to fill (:attr:`Fill.watched`).
+    """
     missing: list[str] = []
     shapes: list[str] = []
-    legacy: list[str] = []
+    legacy: dict[str, list[str]] = {}
     unfilled: list[str] = []
+    watched: dict[int, tuple[int, Tensor]] = {}
+    allocated = {id(layer) for _, layer in meta}
     for name, layer in layers:
         prefix = key_prefix(name, layer)
         saved = {} if state_dict is None else layer.state_dict(prefix=prefix, keep_vars=True)
-        for path, module in _children_first(layer, prefix.removesuffix(".")):
-            hooks, outside = _legacy_norms(module), False
-            for n, tensor in _own_tensors(module):
-                key = _join(path, n)
-                mine = (id(layer), key)
-                if isinstance(tensor, nn.Parameter) and first.get(id(tensor), mine) != mine:
-                    continue  # a later holder of a tied parameter: it takes the first's values
-                if key in saved and state_dict is not None:
-                    if key not in state_dict:
-                        missing.append(key)
-                    elif state_dict[key].shape != tensor.shape:
-                        shapes.append(
-                            f"{key} has shape {tuple(state_dict[key].shape)} in the state dict "
-                            f"but {tuple(tensor.shape)} in the model"
-                        )
-                    continue
-                outside = True
-                why = _why_unfilled(module, n)
-                if why and not hooks:
-                    unfilled.append(f"{key} ({type(module).__name__}: {why})")
-            if hooks and outside:
-                legacy.extend(f"{path} ({type(module).__name__} under {hook})" for hook in hooks)
+        for tensor, holders in _by_tensor(layer, prefix.removesuffix(".")).items():
+            key = holders[0][0]
+            if isinstance(tensor, nn.Parameter) and first.get(id(tensor)) not in (None, id(layer)):
+                continue  # a later holder of a tied parameter: it takes the first's values
+            keys = [k for k, _, _ in holders if k in saved]
+            if keys and state_dict is not None:
+                present = [k for k in keys if k in state_dict]
+                if present and state_dict[present[-1]].shape != tensor.shape:
+                    shapes.append(
+                        f"{present[-1]} has shape {tuple(state_dict[present[-1]].shape)} in "
+                        f"the state dict but {tuple(tensor.shape)} in the model"
+                    )
+                if present or not _counts_batches(holders):
+                    missing.extend([] if present else keys[:1])
+                    continue  # else a batch count the reset zeroes, as load_state_dict allows
+            if id(layer) not in allocated or tensor.numel() == 0:
+                continue  # keeps its values; or nothing to fill
+            hooks = [(p, m, hook) for _, m, p in holders for hook in _hooks(m)]
+            for path, module, hook in hooks:
+                legacy.setdefault(f"{path} ({type(module).__name__}", []).append(hook)
+            if hooks:
+                continue
+            if any(_reset_of(module) for _, module, _ in holders):
+                watched[id(tensor)] = (id(layer), tensor)
+            else:
+                kind = type(holders[0][1]).__name__
+                unfilled.append(f"{key} ({kind}: it has no reset_parameters())")
     problems = []
     if missing:
         problems.append(
@@ -283,12 +347,13 @@ def _check_fillable(
         )
     problems.extend(shapes)
     if legacy:
+        where = ", ".join(f"{m} under {' and '.join(sorted(set(h)))})" for m, h in legacy.items())
         problems.append(
-            f"{', '.join(legacy)} cannot be made on its device: the legacy hook keeps "
-            f"its values in tensors that reset_parameters() does not fill; pass init= "
-            f"(a function of each layer) or state_dict= (the plain model's) to fill them "
-            f"(torch.nn.utils.parametrizations' norms, which replace these deprecated "
-            f"hooks, need one of them too)"
+            f"{where} cannot be made on its device: the hook keeps its values in tensors "
+            f"that reset_parameters() does not fill; pass init= (a function of each "
+            f"layer) or state_dict= (the plain model's) to fill them "
+            f"(torch.nn.utils.parametrizations' norms, which replace the deprecated "
+            f"norm hooks, need one of them too)"
         )
     if unfilled:
         problems.append(
@@ -300,82 +365,137 @@ def _check_fillable(
         )
     if problems:
         raise ValueError("\n".join(problems))
+    return watched
 
 
-def _why_unfilled(module: nn.Module, name: str) -> str | None:
-    """Why no reset of ``module`` is known to fill its tensor ``name``; None: one may.
+def _by_tensor(layer: nn.Module, path: str) -> dict[Tensor, list[tuple[str, nn.Module, str]]]:
+    """Each tensor of ``layer`` with its holders: ``(key, module, module's path)``.
 
-    Whether a reset fills a user's class's buffers is known only once it ran: see
-    :func:`_reset`.
+    In the order of its state dict: each module before its children; a tensor two
+    modules hold (a module and its parent) appears once, with both.
     """
-    if _reset_of(module) is None:
-        return "it has no reset_parameters()"
-    return None
+    found: dict[int, tuple[Tensor, list[tuple[str, nn.Module, str]]]] = {}
+    for sub, module in layer.named_modules(prefix=path, remove_duplicate=False):
+        for n, tensor in _own_tensors(module):
+            found.setdefault(id(tensor), (tensor, []))[1].append((_join(sub, n), module, sub))
+    return {tensor: holders for tensor, holders in found.values()}
 
 
-def _torchs_own(module: nn.Module) -> bool:
-    """Whether ``module``'s class is torch's own (or this library's), not a user's.
+def _counts_batches(holders: list[tuple[str, nn.Module, str]]) -> bool:
+    """Whether a tensor is a batch norm's ``num_batches_tracked``, which may be unsaved."""
+    return any(
+        isinstance(module, _NormBase) and key.rpartition(".")[2] == "num_batches_tracked"
+        for key, module, _ in holders
+    )
 
-    Their resets are known to fill their buffers too (``BatchNorm``'s running
-    statistics, ``DeferredBatchNorm``'s); a user's subclass may add buffers they do not.
+
+def _hooks(module: nn.Module) -> list[str]:
+    """The hooks on ``module`` that keep its values where its reset does not write.
+
+    ``torch.nn.utils.prune`` (``weight_orig``, ``weight_mask``) and the legacy norms
+    (``torch.nn.utils.spectral_norm``, ``weight_norm``).
     """
-    return type(module).__module__.split(".")[0] in ("torch", "torchgpipe")
-
-
-def _legacy_norms(module: nn.Module) -> list[str]:
-    """The legacy hook-based norms on ``module`` (``torch.nn.utils.spectral_norm``, ...)."""
-    kinds = {SpectralNorm: "spectral_norm", WeightNorm: "weight_norm"}
+    kinds = {
+        SpectralNorm: "torch.nn.utils.spectral_norm",
+        WeightNorm: "torch.nn.utils.weight_norm",
+        BasePruningMethod: "torch.nn.utils.prune",
+    }
     return [
-        f"torch.nn.utils.{name}"
+        name
         for hook in module._forward_pre_hooks.values()
         for kind, name in kinds.items()
         if isinstance(hook, kind)
     ]
 
 
-def _reset(layer: nn.Module, loaded: set[str], prefix: str) -> None:
+def _reset(
+    layer: nn.Module, held: list[_Holder], watched: dict[int, tuple[int, Tensor]], prefix: str
+) -> None:
     """Reset every module of ``layer`` that holds tensors and can, children first.
 
-    ``loaded``: the keys (in ``layer``'s state dict) a state dict fills afterwards;
-    ``prefix``: what the layer's keys start with in the model's, for errors.
+    ``held``: the layer's holders before allocation (:func:`_holders`); ``watched``:
+    the meta tensors a reset is to fill (:attr:`Fill.watched`); ``prefix``: what the
+    layer's keys start with in the model's, for errors.
 
-    The reset of a class of a user's (a subclass of torch's included) may leave a buffer
-    it knows nothing of (a mask a subclass of ``nn.Linear`` adds): such a buffer is
-    first filled with NaN (when floating), and found unfilled when the reset neither
-    replaced it, nor wrote it in place (its version counter), nor through ``.data``
-    (it is still all NaN).
+    Each watched tensor is first marked: NaN when floating, the dtype's lowest value
+    for integers, ``True`` for booleans. It is found unfilled (:meth:`_Mark.unfilled`)
+    when no reset replaced it in any holder and it still holds a NaN (floating), or,
+    for integers, no reset wrote it in place (its version counter) nor through
+    ``.data`` (its storage, or its values).
 
     Raises:
-        ValueError: a reset left a buffer of a user's class as it was allocated.
+        ValueError: the resets left a watched tensor as allocated.
     """
-    for path, module in _children_first(layer, ""):
+    paths: dict[int, str] = {}
+    for path, module in layer.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), path)
+    marks: dict[int, _Mark] = {}
+    for key, module, name in held:
+        if key in watched and watched[key][0] == id(layer):
+            tensor = _slot(module, name)
+            assert tensor is not None  # a holder holds a tensor
+            if key not in marks:
+                _mark(tensor)
+                key_name = prefix + _join(paths[id(module)], name)
+                marks[key] = _Mark(tensor, tensor._version, tensor.data_ptr(), key_name, [])
+            marks[key].holders.append((module, name))
+    for _, module in _children_first(layer, ""):
         reset = _reset_of(module)
-        if reset is None or not _own_tensors(module):
-            continue
-        watched = {}  # name: (buffer, its version once marked)
-        if not _torchs_own(module):
-            for n, b in module._buffers.items():
-                if b is not None and _join(path, n) not in loaded:
-                    if b.is_floating_point() or b.is_complex():
-                        b.fill_(math.nan)
-                    watched[n] = (b, b._version)
-        reset()
-        left = [n for n, (b, v) in watched.items() if _unfilled(module._buffers.get(n), b, v)]
-        if left:
-            names = ", ".join(prefix + _join(path, n) for n in left)
-            raise ValueError(
-                f"{type(module).__name__}.reset_parameters() left {names} as allocated "
-                f"(uninitialized memory): fill it there, or pass init= or a state dict "
-                f"holding it, or build that layer outside the meta device"
-            )
+        if reset is not None and _own_tensors(module):
+            reset()
+    left = [mark.name for mark in marks.values() if mark.unfilled()]
+    if left:
+        where = prefix.removesuffix(".") or type(layer).__name__
+        raise ValueError(
+            f"layer {where}: reset_parameters() left {', '.join(left)} as allocated "
+            f"(uninitialized memory, wholly or in part): fill it in the reset of the "
+            f"module that holds it, or pass init= or a state dict holding it, or build "
+            f"that layer outside the meta device"
+        )
 
 
-def _unfilled(now: Tensor | None, marked: Tensor, version: int) -> bool:
-    """Whether a buffer marked before a reset is still as marked after it."""
-    if now is not marked or marked._version != version:
-        return False
-    floating = marked.is_floating_point() or marked.is_complex()
-    return not floating or bool(marked.isnan().all())
+def _slot(module: nn.Module, name: str) -> Tensor | None:
+    """The tensor ``module`` holds as ``name``, a parameter or a buffer."""
+    found = module._parameters.get(name)
+    return module._buffers.get(name) if found is None else found
+
+
+@dataclass
+class _Mark:
+    """A tensor marked before the resets ran, as it was then."""
+
+    tensor: Tensor
+    version: int
+    pointer: int
+    name: str
+    holders: list[tuple[nn.Module, str]]
+
+    def unfilled(self) -> bool:
+        """Whether the resets left the tensor, or part of it, as marked.
+
+        Not when a holder now holds another tensor. A floating tensor still holding a
+        NaN was not wholly written; an integer one counts as written once its version
+        or its storage changed, or any value differs from the mark.
+        """
+        if any(_slot(module, name) is not self.tensor for module, name in self.holders):
+            return False
+        if self.tensor.is_floating_point() or self.tensor.is_complex():
+            return bool(self.tensor.isnan().any())
+        if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
+            return False
+        marked = torch.empty_like(self.tensor)
+        _mark(marked)
+        return torch.equal(self.tensor, marked)
+
+
+def _mark(tensor: Tensor) -> None:
+    """Fill ``tensor`` with what no reset is likely to write: NaN, a lowest integer, True."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.data.fill_(math.nan)
+    elif tensor.dtype == torch.bool:
+        tensor.data.fill_(True)
+    else:
+        tensor.data.fill_(torch.iinfo(tensor.dtype).min)
 
 
 def _reset_of(module: nn.Module) -> Callable[[], object] | None:

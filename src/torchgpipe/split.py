@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
+from torchgpipe.materialize import on_meta
 from torchgpipe.rng import own_generators
 from torchgpipe.skip.skippable import Namespace, Skippable
 from torchgpipe.split_capture import (
@@ -97,6 +98,9 @@ def split(
             point names no submodule or is out of order, a submodule would be called
             from two stages, or the model has too few parts for ``stages``.
         TypeError: an argument has the wrong type.
+        ValueError: ``by`` is neither ``"time"`` nor ``"size"``, ``stages`` is not
+            positive, or ``stages`` is given for a model on the meta device (balancing
+            runs it).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"split takes an nn.Module, got {type(module).__name__}")
@@ -162,6 +166,8 @@ def _split(
     names: tuple[str, ...],
     concrete: dict[str, Any],
 ) -> nn.Sequential:
+    if by not in ("time", "size"):
+        raise ValueError(f"by is 'time' or 'size', got {by!r}")
     if at is not None:
         if isinstance(at, str) or not all(isinstance(name, str) for name in at):
             raise TypeError(f"at takes a list of submodule names, got {at!r}")
@@ -170,10 +176,16 @@ def _split(
         kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
         cuts = cuts_at(module, graph, list(at))
         return _build(module, graph, cuts, kind, names, kinds)
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    if isinstance(stages, bool) or not isinstance(stages, int):
         raise TypeError(f"stages must be a positive int, got {stages!r}")
-    if by not in ("time", "size"):
-        raise TypeError(f"by is 'time' or 'size', got {by!r}")
+    if stages < 1:
+        raise ValueError(f"stages must be a positive int, got {stages}")
+    if on_meta(module):
+        raise ValueError(
+            "split(stages=...) balances the stages by running them, and this model is on "
+            "the meta device, where nothing runs; give the split points by name "
+            "(at=[...]), or split a copy of the model built with values"
+        )
     graph = trace_into(module, stages, concrete)
     kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
     starts = candidates(graph)

@@ -21,7 +21,9 @@ from torch import nn
 
 from torchgpipe.balance.blockpartition import check_partitions, solve
 from torchgpipe.balance.profile import layerwise_size, layerwise_time
+from torchgpipe.devices import as_device
 from torchgpipe.gpipe import check_chunks
+from torchgpipe.materialize import on_meta
 from torchgpipe.skip.layout import verify_skippables
 
 __all__ = ["balance_by_size", "balance_by_time"]
@@ -59,8 +61,9 @@ def balance_by_time(
     Raises:
         TypeError: ``partitions`` is not an integer, ``module`` is not an
             ``nn.Sequential``, or its skips do not match.
-        ValueError: ``partitions`` not positive or more than the layers, or a
-            non-positive ``timeout``.
+        ValueError: ``partitions`` not positive or more than the layers, a
+            non-positive ``timeout``, a model on the meta device, or a ``device`` that
+            is not available or is ``'meta'``.
     """
     partitions = _check(partitions, module)
     if not timeout > 0:
@@ -103,7 +106,8 @@ def balance_by_size(
             fraction, ``4.0``, counts as one, as in :class:`~torchgpipe.GPipe`),
             ``module`` is not an ``nn.Sequential``, or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, ``chunks``
-            not positive, or a negative ``param_scale``.
+            not positive, a negative ``param_scale``, a model on the meta device, or a
+            ``device`` that is not available or is ``'meta'``.
     """
     partitions = _check(partitions, module)
     chunks = check_chunks(chunks)  # as GPipe checks it
@@ -118,6 +122,13 @@ def balance_by_size(
 def _check(partitions: int, module: nn.Sequential) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"balancing takes an nn.Sequential, got {type(module).__name__}")
+    if on_meta(module):
+        raise ValueError(
+            "balancing runs the layers, and this model is on the meta device, where "
+            "nothing runs; give the balance by hand (for split, the split points by "
+            "name: at=[...]), or balance a copy of the model built with values (a "
+            "smaller one of the same layers, for a model too large for one process)"
+        )
     partitions = check_partitions(len(module), partitions)  # before the slow profiling
     verify_skippables(module)
     return partitions
@@ -126,6 +137,4 @@ def _check(partitions: int, module: nn.Sequential) -> int:
 def _device(device: Device | None) -> torch.device:
     if device is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
+    return as_device(device)  # checked as GPipe checks its devices: 'meta' is refused

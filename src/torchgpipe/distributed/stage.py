@@ -221,7 +221,6 @@ class PipelineStage(PlacedModule, StageHolder):
                 "static_shapes": self.static_shapes,
             },
         )
-        deferred = convert_deferred_batch_norm(module) if self.deferred_batch_norm else []
         layers = list(module.named_children())
         starts = [sum(self.balance[:s]) for s in range(n + 1)]
         self.skip_layout: SkipLayout = skip_layout(module, self.balance)
@@ -233,7 +232,9 @@ class PipelineStage(PlacedModule, StageHolder):
         own = [layer for s in self.stages for layer in layers[starts[s] : starts[s + 1]]]
         state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
         # The whole model: a parameter tied to another rank's layer is filled there.
-        check_materializable(own, init=init, state_dict=state_dict, model=module)
+        fill = check_materializable(own, init=init, state_dict=state_dict, model=module)
+        deferred = convert_deferred_batch_norm(module) if self.deferred_batch_norm else []
+        layers = list(module.named_children())  # with the deferred batch norms
         every = [[layer for _, layer in layers[starts[s] : starts[s + 1]]] for s in range(n)]
         shared = tied_ranks(every, [s % self.world_size for s in range(n)])
         self._ties = Ties.untie(  # a tied weight: a copy per stage here, kept equal to theirs
@@ -245,7 +246,7 @@ class PipelineStage(PlacedModule, StageHolder):
         for s in self.stages:
             part = layers[starts[s] : starts[s + 1]]
             # Only this process's layers are allocated, when built on the meta device.
-            materialize(part, self.device, init=init, state_dict=state_dict)
+            materialize(part, self.device, fill)
             for name, layer in part:
                 self.add_module(name, layer)
             self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)
