@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import random
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -755,3 +756,150 @@ def test_split_leaves_the_process_wide_generator_to_other_threads(how: str) -> N
         split(model, x, stages=2)
     assert unchanged
     assert all(unchanged)
+
+
+# What fx would keep as it was at split time, refused: modes, Python draws, hooks.
+
+
+class _Teacher(_Pair):
+    """A frozen part of the forward, in one of the ways users write it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.c = nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def _frozen(self, h: Tensor) -> Tensor:
+        return self.c(h)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if self.how == "method":
+            t = self._frozen(h)
+        elif self.how == "no_grad":
+            with torch.no_grad():
+                t = self.c(h)
+        elif self.how == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                t = self.c(h)
+        else:
+            t = self.c(h).clamp(-1, 1) if torch.is_grad_enabled() else self.c(h)
+        return self.b(h) + t
+
+
+@pytest.mark.parametrize("how", ["method", "no_grad", "autocast", "reads"])
+def test_split_refuses_code_under_a_mode_entered_in_the_forward(how: str) -> None:
+    match = "depends on train.*is_grad_enabled" if how == "reads" else "runs under torch.no_grad"
+    with pytest.raises(SplitError, match=rf"test_split\.py:\d+.*{match}"):
+        split(_Teacher(how), torch.randn(3, 4), at=["b"])
+
+
+def test_split_refuses_a_python_random_draw_and_leaves_random_as_it_was() -> None:
+    class LayerDrop(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            return self.b(h) if random.random() > 0.5 else h
+
+    draw = random.random
+    with pytest.raises(SplitError, match=r"random\.random\(\.\.\.\) at .*test_split\.py"):
+        split(LayerDrop(), torch.randn(3, 4), at=["b"])
+    assert random.random is draw
+
+
+def test_split_refuses_an_in_place_module_on_an_earlier_stages_value() -> None:
+    class InPlace(_Pair):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act, self.c = nn.ReLU(inplace=True), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            g = self.b(x)
+            return self.c(g + self.act(h)) + h
+
+    model, x = InPlace(), torch.randn(3, 4)
+    with pytest.raises(SplitError, match=r"'a' made in stage 0 .*changed in place by act"):
+        split(model, x, at=["b"])
+    stages = split(model, x, at=["c"])  # made and changed in one stage: fine
+    torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(self.linear(x))
+
+
+def test_split_refuses_one_module_under_two_names_in_two_stages() -> None:
+    class Shares(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = _Normed(), _Normed()
+            self.second.norm = self.first.norm
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.second(self.first(x))
+
+    with pytest.raises(
+        SplitError, match=r"'first\.norm' in stage 0.*'second\.norm' in stage 1.*two names"
+    ):
+        split(Shares(), torch.randn(3, 4), at=["second"])
+
+
+class _Chain(_Pair):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+def test_split_refuses_hooks_on_the_model_itself() -> None:
+    model = _Chain()
+    handle = model.register_forward_hook(lambda module, args, output: output * 2)
+    with pytest.raises(SplitError, match=r"_Chain has forward hooks.*register them on"):
+        split(model, torch.randn(3, 4), at=["b"])
+    handle.remove()
+    split(model, torch.randn(3, 4), at=["b"])
+
+
+class _Encoder(nn.Sequential):
+    """A Sequential with a forward of its own, whose control flow fx cannot capture."""
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        for layer in self:
+            x = layer(x)
+            if x.abs().max() > 100:
+                break
+        return x
+
+
+def test_a_sequential_with_a_forward_of_its_own_is_called_whole() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = _Encoder(nn.Linear(4, 4), nn.Tanh())
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.encoder(x))
+
+    model, x = Model(), torch.randn(3, 4)
+    for stages in (split(model, x, at=["head"]), split(model, x, stages=2)):
+        torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
+def test_a_reassigned_buffer_is_named_and_updating_it_in_place_is_advised() -> None:
+    class Average(_Pair):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            self.ema = self.ema * 0.9 + h.detach().mean(0) * 0.1
+            return self.b(h)
+
+    with pytest.raises(SplitError, match=r"\(self\.ema .*update it in place, self\.ema\.mul_"):
+        split(Average(), torch.randn(3, 4), at=["b"])

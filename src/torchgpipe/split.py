@@ -109,6 +109,23 @@ def split(
         raise TypeError(
             f"split takes exactly one of at=[submodule names] or stages=<count>; got {given}"
         )
+    hooked = [
+        kind
+        for kind, hooks in [
+            ("forward ", module._forward_hooks),
+            ("forward pre-", module._forward_pre_hooks),
+            ("backward ", module._backward_hooks),
+            ("backward pre-", module._backward_pre_hooks),
+        ]
+        if hooks
+    ]
+    if hooked:
+        raise SplitError(
+            f"{type(module).__name__} has {' and '.join(hooked)}hooks, which split cannot "
+            f"keep: torch.fx captures its forward alone, so the stages would run without "
+            f"them; remove them, and register them on what runs the stages (the GPipe), "
+            f"or on a submodule that split calls whole"
+        )
     if any(isinstance(m, Skippable) for m in module.modules()):
         raise SplitError(
             f"{type(module).__name__} holds torchgpipe.skip layers; split makes the skips "
@@ -331,23 +348,28 @@ def _build(
 
 
 def _check_modules(module: nn.Module, compute: list[fx.Node], stage_of: dict[fx.Node, int]) -> None:
-    """Refuse a submodule called from two stages: its state would live in two places."""
-    called: dict[str, tuple[int, fx.Node]] = {}
+    """Refuse a module that two stages call: its state would live in two places.
+
+    By identity: the same submodule called again, a submodule inside another that a
+    later stage calls, or one module held under two names (``b.norm = a.norm``).
+    """
+    seen: dict[int, tuple[int, fx.Node, str]] = {}  # a module's id: where it is first called
     for node in compute:
         if node.op != "call_module":
             continue
-        name = str(node.target)
-        for other, (stage, first) in called.items():
-            related = name == other or name.startswith(other + ".") or other.startswith(name + ".")
-            if related and stage != stage_of[node]:
+        target = str(node.target)
+        held = module.get_submodule(target).named_modules(prefix=target, remove_duplicate=False)
+        for path, sub in held:
+            stage, first, name = seen.setdefault(id(sub), (stage_of[node], node, path))
+            if stage != stage_of[node]:
                 raise SplitError(
-                    f"{type(module).__name__}'s forward calls {other!r} in stage {stage}"
-                    f"{where_made(first)} and {name!r} in stage {stage_of[node]}"
-                    f"{where_made(node)}: "
-                    f"one module would land in two stages; move the split points so both "
-                    f"calls fall in one stage, or use two modules"
+                    f"{type(module).__name__}'s forward calls {name!r} in stage {stage}"
+                    f"{where_made(first)} and {path!r} in stage {stage_of[node]}"
+                    f"{where_made(node)}"
+                    f"{', one module under two names' if name != path else ''}: one module "
+                    f"would land in two stages; move the split points so both calls fall "
+                    f"in one stage, or use two modules (they may share parameters)"
                 )
-        called.setdefault(name, (stage_of[node], node))
 
 
 _IN_PLACE_OPERATORS = {
@@ -360,10 +382,18 @@ _IN_PLACE_OPERATORS = {
 _FLAGS = {"requires_grad_", "share_memory_"}  # in place, but on no values
 
 
-def _changed_in_place(node: fx.Node) -> fx.Node | None:
-    """The value ``node`` changes in place, if it is an in-place operation on one."""
+def _changed_in_place(module: nn.Module, node: fx.Node) -> fx.Node | None:
+    """The value ``node`` changes in place, if it is an in-place operation on one.
+
+    An operation named so (``relu_``, ``+=``, ``inplace=True``), or a call of a module
+    that says it works in place (``nn.ReLU(inplace=True)``: torch's own set ``inplace``).
+    """
     if isinstance(node.kwargs.get("out"), fx.Node):
         return node.kwargs["out"]  # type: ignore[return-value]  # checked just above
+    if node.op == "call_module":
+        works_in_place = getattr(module.get_submodule(str(node.target)), "inplace", False)
+        target = node.args[0] if works_in_place is True and node.args else None
+        return target if isinstance(target, fx.Node) else None
     if node.op == "call_method":
         name = str(node.target)
     elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith(
@@ -393,7 +423,7 @@ def _check_in_place(
     """
     problems = []
     for node in compute:
-        value = _changed_in_place(node)
+        value = _changed_in_place(module, node)
         if value is None or value.op == "get_attr" or stage_of[value] >= stage_of[node]:
             continue
         problems.append(

@@ -8,9 +8,14 @@ constants). Buffers are traced as attributes, so the stages read the module's ow
 Then the example runs once through the graph, to learn which values are tensors and
 devices, and which of the constants fx kept the graph changes in place.
 
-Two things fx would capture wrongly are refused while it traces: a random draw on no
-traced value (fx runs it once and keeps the numbers as a constant), and a value the
-forward stores on a module (``self.aux_loss = ...``: the module would keep a proxy).
+What fx would capture wrongly is refused while it traces: a random draw on no traced
+value, or from Python's ``random`` (fx runs it once and keeps the numbers, or the
+branch, as constants); a value the forward stores on a module (``self.aux_loss =
+...``: the module would keep a proxy); a call made under a mode entered inside the
+forward (``torch.no_grad()``, ``autocast``: fx records calls, not modes). Code that
+reads the grad mode (``torch.is_grad_enabled()``) is caught as the train/eval
+difference is: the second trace flips it too. A container with a forward of its own
+is the user's code, called whole unless a split point lies inside it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import difflib
 import functools
 import inspect
 import os
+import random
 import re
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,6 +61,7 @@ __all__ = [
 ]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_CONTAINER_FORWARDS = (nn.Sequential.forward, nn.Module.forward)  # the latter: none
 _CALLS = ("call_module", "call_function", "call_method")
 TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(__file__)
@@ -82,7 +90,41 @@ class _Tracer(fx.Tracer):
         self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return not (isinstance(m, _CONTAINERS) or module_qualified_name in self.through)
+        # A container with a forward of its own is the user's code: called whole, as any
+        # module, unless a split point lies inside it.
+        plain = isinstance(m, _CONTAINERS) and type(m).forward in _CONTAINER_FORWARDS
+        return not (plain or module_qualified_name in self.through)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self.ambient = _ambient()
+        self.model = type(root).__name__
+        return super().trace(root, concrete_args)
+
+    def create_node(
+        self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any
+    ) -> fx.Node:
+        # fx records calls, not the modes they run in: code under torch.no_grad(),
+        # inference_mode or autocast entered inside the forward would run without it.
+        if kind in _CALLS and _ambient() != self.ambient:
+            raise SplitError(
+                f"cannot split {self.model}: code that split captures{_user_line()} runs "
+                f"under torch.no_grad(), "
+                f"inference_mode, set_grad_enabled or autocast entered inside the forward, "
+                f"and torch.fx records the calls but not the mode: the stages would run "
+                f"them with gradients (or without autocast), and the gradients would be "
+                f"wrong; keep that code inside a submodule that split calls whole (name "
+                f"split points elsewhere), or enter the mode around the whole model's call"
+            )
+        return super().create_node(kind, target, args, kwargs, *rest, **more)
+
+
+def _ambient() -> tuple[bool, bool, bool]:
+    """The modes fx does not record: gradients, inference mode, autocast (any device)."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch._C._is_any_autocast_enabled(),
+    )
 
 
 def ancestors(module: nn.Module, at: Sequence[str]) -> set[str]:
@@ -111,11 +153,13 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
     graph = _traced(module, through, concrete)
     # Code that split captures must not depend on train() or eval(): the stages would
     # keep the mode of the moment of the split. Trace again in the other modes.
+    # Gradients too: code that reads torch.is_grad_enabled() would keep its branch.
     modes = {m: m.training for m in module.modules()}
     try:
         for m, training in modes.items():
             m.training = not training
-        other = _traced(module, through, concrete)
+        with torch.set_grad_enabled(not torch.is_grad_enabled()):
+            other = _traced(module, through, concrete)
     finally:
         for m, training in modes.items():
             m.training = training
@@ -124,7 +168,8 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
         raise SplitError(
             f"cannot split {type(module).__name__}: code that split captures"
             f"{where_made(first)} depends on train() or eval() (self.training, F.dropout(..., "
-            f"training=self.training)), and the stages would keep the mode they were "
+            f"training=self.training)) or on whether gradients are enabled "
+            f"(torch.is_grad_enabled()), and the stages would keep the mode they were "
             f"split in; use modules for it (nn.Dropout), or keep that code inside a "
             f"submodule that split calls whole (name split points elsewhere)"
         )
@@ -143,8 +188,9 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
 
 
 def _traced(module: nn.Module, through: set[str], concrete: dict[str, Any]) -> fx.Graph:
+    name = type(module).__name__
     try:
-        with _stored_values_refused(module), _ConstantDraws(type(module).__name__):
+        with _stored_values_refused(module), _ConstantDraws(name), _python_draws_refused(name):
             return _Tracer(through).trace(module, concrete_args=concrete or None)
     except SplitError:
         raise
@@ -227,6 +273,47 @@ class _ConstantDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_PYTHON_DRAWS = (
+    *("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample"),
+    *("gauss", "normalvariate", "lognormvariate", "expovariate", "betavariate"),
+    *("gammavariate", "triangular", "vonmisesvariate", "paretovariate", "weibullvariate"),
+)
+
+
+@contextmanager
+def _python_draws_refused(model: str) -> Iterator[None]:
+    """Refuse a draw from Python's ``random`` module by the traced forward.
+
+    fx runs Python code once, at trace time: a draw there (LayerDrop's
+    ``random.random() < p``) would pick one branch for every call. Other threads keep
+    drawing as they did.
+    """
+    tracing = threading.get_ident()
+    originals = {name: getattr(random, name) for name in _PYTHON_DRAWS}
+
+    def refusing(name: str) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != tracing:
+                return originals[name](*args, **kwargs)
+            raise SplitError(
+                f"cannot split {model}: random.{name}(...){_user_line()} draws a Python "
+                f"random number, and torch.fx runs Python code once, at split time: every "
+                f"call would take the branch drawn then; draw from torch instead "
+                f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
+                f"split calls whole"
+            )
+
+        return draw
+
+    try:
+        for name in _PYTHON_DRAWS:
+            setattr(random, name, refusing(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(random, name, original)
+
+
 def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:
     if isinstance(value, fx.Proxy):
         return value
@@ -264,7 +351,10 @@ def _stored_values_refused(module: nn.Module) -> Iterator[None]:
                 proxy = _holds_proxy(value)
                 if proxy is None:
                     continue
-                stored.append((f"{paths[m]}.{name}".lstrip("."), proxy))
+                shown = name
+                if name in ("_buffers", "_parameters") and isinstance(value, dict):
+                    shown = next(k for k, v in value.items() if _holds_proxy(v) is not None)
+                stored.append((f"{paths[m]}.{shown}".lstrip("."), proxy))
                 if name not in attrs:
                     del m.__dict__[name]
                 elif attrs[name] is value and name in contents:  # changed in place
@@ -277,8 +367,9 @@ def _stored_values_refused(module: nn.Module) -> Iterator[None]:
             f"cannot split {type(module).__name__}: its forward stores a value on the "
             f"module (self.{name}{where_made(proxy.node)}); split cannot carry values a "
             f"forward keeps on its modules, and the split model would never set it: return "
-            f"it as an output of forward instead, or keep that code in a submodule that "
-            f"split calls whole"
+            f"it as an output of forward instead (a buffer, such as a running average: "
+            f"update it in place, self.{name.rpartition('.')[2]}.mul_(m).add_(...), without "
+            f"assigning it), or keep that code in a submodule that split calls whole"
         )
 
 
