@@ -701,3 +701,37 @@ def test_every_rank_starts_a_tie_with_its_first_holders_values(keep: str | None)
     torch.testing.assert_close(merged["3.weight"], merged["0.weight"], rtol=0, atol=0)
     for name, value in {} if plain is None else plain.state_dict().items():
         torch.testing.assert_close(merged[name], value, msg=name)
+
+
+def test_a_refusal_once_building_began_puts_the_model_back_as_it_was() -> None:
+    # A reset's failure is known only once it ran: layers before it are allocated by then.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _ScaledLinear(), nn.Tanh())
+    weight = layers[0].weight
+    with pytest.raises(ValueError, match=r"left 2\.scale as allocated"):
+        GPipe(layers, [2, 2], deferred_batch_norm=True)
+    assert type(layers[1]) is nn.BatchNorm1d
+    assert layers[0].weight is weight
+    assert weight.is_meta
+    assert all(t.is_meta for t in [*layers.parameters(), *layers.buffers()])
+    model = GPipe(layers, [2, 2], init=lambda layer: [t.fill_(0.5) for t in layer.parameters()])
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def test_a_stage_that_fails_to_start_leaves_every_processs_model_as_it_was() -> None:
+    with torch.device("meta"):
+        models = [
+            nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Positions(), nn.Tanh())
+            for _ in range(2)
+        ]
+
+    def rank(transport: Transport) -> Any:
+        return PipelineStage(
+            models[transport.rank], [2, 2], transport=transport, deferred_batch_norm=True
+        )
+
+    outcomes = run_threads(rank, 2, timeout=10.0)
+    assert all(isinstance(outcome, Exception) for outcome in outcomes), outcomes
+    for model in models:
+        assert type(model[1]) is nn.BatchNorm1d
+        assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])

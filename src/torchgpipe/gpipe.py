@@ -31,6 +31,7 @@ from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
 from torchgpipe.trace import Trace
+from torchgpipe.undo import Undo
 from torchgpipe.worker import Workers
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
@@ -171,24 +172,30 @@ class GPipe(PlacedModule, StageHolder):
         state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
         fill = check_materializable(layers, init=init, state_dict=state_dict)
         # Every check has passed: from here on the module is changed (batch norm layers
-        # replaced in place, as torchgpipe did) and placed.
-        self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
-        for name, layer in module.named_children():
-            self.add_module(name, layer)
-        partitions = []
-        layers = list(module.named_children())
-        ends = [sum(self.balance[: j + 1]) for j in range(len(self.balance))]
-        parts = [
-            [layer for _, layer in layers[end - size : end]]
-            for size, end in zip(self.balance, ends, strict=True)
-        ]
-        # A tied weight: a copy per partition.
-        self._ties = Ties.untie(parts, self.devices, names=state_names(module))
-        for size, device in zip(self.balance, self.devices, strict=True):
-            part, layers = layers[:size], layers[size:]
-            materialize(part, device, fill)  # meta layers; a state dict's keys
-            partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
-        self._ties.align()
+        # replaced in place, as torchgpipe did) and placed; a refusal that comes only
+        # now (a reset that left a tensor unfilled) puts it back as it was.
+        undo = Undo(module)
+        try:
+            self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
+            for name, layer in module.named_children():
+                self.add_module(name, layer)
+            partitions = []
+            layers = list(module.named_children())
+            ends = [sum(self.balance[: j + 1]) for j in range(len(self.balance))]
+            parts = [
+                [layer for _, layer in layers[end - size : end]]
+                for size, end in zip(self.balance, ends, strict=True)
+            ]
+            # A tied weight: a copy per partition.
+            self._ties = Ties.untie(parts, self.devices, names=state_names(module))
+            for size, device in zip(self.balance, self.devices, strict=True):
+                part, layers = layers[:size], layers[size:]
+                materialize(part, device, fill)  # meta layers; a state dict's keys
+                partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
+            self._ties.align()
+        except BaseException:
+            undo()
+            raise
         if any(isinstance(layer, Stage) for layer in module):
             keep_plain_keys(self)  # a split model's keys: the model's own
         if self._ties:

@@ -46,6 +46,7 @@ from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
 from torchgpipe.trace import Trace
+from torchgpipe.undo import Undo
 from torchgpipe.worker import WorkerPool
 
 __all__ = ["PipelineStage"]
@@ -193,6 +194,7 @@ class PipelineStage(PlacedModule, StageHolder):
         # What follows may fail here alone (a state dict without a key of these layers),
         # while the others wait for this process's fingerprint: they must hear of it.
         outcome: dict[str, Any] | Exception
+        undo = Undo(module)  # a stage that fails to start leaves the model as it was
         try:
             outcome = self._build(module, init=init, state_dict=state_dict)
         except Exception as error:
@@ -202,7 +204,8 @@ class PipelineStage(PlacedModule, StageHolder):
             self._across = AcrossRanks(transport)
             self._across.align(self._ties)
         except BaseException:
-            self._stop_listening()  # a stage that failed to start leaves no thread behind
+            self._stop_listening()  # ... and no thread behind
+            undo()
             raise
 
     def _build(

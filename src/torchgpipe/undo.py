@@ -1,0 +1,52 @@
+"""Putting a model back as it was when building a GPipe or a PipelineStage fails."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from torch import nn
+
+__all__ = ["Undo"]
+
+
+class Undo:
+    """What every module of a model holds now: its parameters, buffers and children.
+
+    Building on a model changes it in place: batch norm layers replaced by deferred
+    ones, tied weights given a copy per partition, meta layers allocated and filled,
+    layers moved to their devices. Some refusals come only once that began (a reset
+    that left a tensor as allocated, another process that failed to start); calling
+    the ``Undo`` then puts every module's tensors and children back, the values of the
+    parameters moved included, so the model can be given again, as it was.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._kept = [
+            (
+                m,
+                dict(m._parameters),
+                dict(m._buffers),
+                dict(m._modules),
+                {name: p.data for name, p in m._parameters.items() if p is not None},
+            )
+            for m in module.modules()
+        ]
+
+    def __call__(self) -> None:
+        """Put back what every module held when the ``Undo`` was made."""
+        for module, parameters, buffers, children, data in self._kept:
+            _refill(module._parameters, parameters)
+            _refill(module._buffers, buffers)
+            _refill(module._modules, children)
+            for name, value in data.items():
+                parameter = parameters[name]
+                assert parameter is not None  # only those were kept
+                parameter.data = value  # where .to(device) moved it, back
+
+
+V = TypeVar("V")
+
+
+def _refill(table: dict[str, V], kept: dict[str, V]) -> None:
+    table.clear()
+    table.update(kept)
