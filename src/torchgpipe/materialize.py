@@ -434,11 +434,12 @@ def _reset(
         if key in watched and watched[key][0] == id(layer):
             tensor = _slot(module, name)
             assert tensor is not None  # a holder holds a tensor
-            if key not in marks:
+            if key not in marks and _markable(tensor):
                 _mark(tensor)
                 key_name = prefix + _join(paths[id(module)], name)
                 marks[key] = _Mark(tensor, tensor._version, tensor.data_ptr(), key_name, [])
-            marks[key].holders.append((module, name))
+            if key in marks:
+                marks[key].holders.append((module, name))
     for _, module in _children_first(layer, ""):
         reset = _reset_of(module)
         if reset is not None and _own_tensors(module):
@@ -479,23 +480,41 @@ class _Mark:
         """
         if any(_slot(module, name) is not self.tensor for module, name in self.holders):
             return False
+        flat = self.tensor.detach().reshape(-1)
         if self.tensor.is_floating_point() or self.tensor.is_complex():
-            return bool(self.tensor.isnan().any())
+            return any(bool(part.isnan().any()) for part in flat.split(_PIECE))
         if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
             return False
-        marked = torch.empty_like(self.tensor)
-        _mark(marked)
-        return torch.equal(self.tensor, marked)
+        mark = _MARKS[self.tensor.dtype] if self.tensor.dtype in _MARKS else _lowest(flat)
+        return all(bool((part == mark).all()) for part in flat.split(_PIECE))
+
+
+_PIECE = 1 << 24  # elements looked at a time: a bounded temporary, whatever the tensor
+_MARKS: dict[torch.dtype, bool] = {torch.bool: True}
+
+
+def _lowest(tensor: Tensor) -> int:
+    return torch.iinfo(tensor.dtype).min
+
+
+def _markable(tensor: Tensor) -> bool:
+    """Whether :func:`_mark` and its check work for ``tensor``'s dtype (not quantized...)."""
+    probe = torch.empty(1, dtype=tensor.dtype)
+    try:
+        _mark(probe)
+        if probe.is_floating_point() or probe.is_complex():
+            return bool(probe.isnan().all())
+        return bool((probe == (_MARKS.get(probe.dtype) or _lowest(probe))).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False  # left to its reset, unchecked
 
 
 def _mark(tensor: Tensor) -> None:
     """Fill ``tensor`` with what no reset is likely to write: NaN, a lowest integer, True."""
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.data.fill_(math.nan)
-    elif tensor.dtype == torch.bool:
-        tensor.data.fill_(True)
     else:
-        tensor.data.fill_(torch.iinfo(tensor.dtype).min)
+        tensor.data.fill_(_MARKS[tensor.dtype] if tensor.dtype in _MARKS else _lowest(tensor))
 
 
 def _reset_of(module: nn.Module) -> Callable[[], object] | None:
