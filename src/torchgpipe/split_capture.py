@@ -8,7 +8,7 @@ constants). Buffers are traced as attributes, so the stages read the module's ow
 Then the example runs once through the graph, to learn which values are tensors and
 devices, and which of the constants fx kept the graph changes in place.
 
-What fx would capture wrongly is refused while it traces: a random draw on no traced
+What fx would capture wrongly is refused while it traces (``split_refusals.py``): a random draw on no traced
 value, or from Python's ``random`` (fx runs it once and keeps the numbers, or the
 branch, as constants); a value the forward stores on a module (``self.aux_loss =
 ...``: the module would keep a proxy); a call made under a mode entered inside the
@@ -20,27 +20,27 @@ is the user's code, called whole unless a split point lies inside it.
 
 from __future__ import annotations
 
-import copy
 import difflib
-import functools
 import inspect
 import os
-import random
 import re
-import threading
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
-from torchgpipe.random_functions import HANDLERS
 from torchgpipe.rng import own_generators
+from torchgpipe.split_refusals import (
+    TORCH_DIR,
+    ConstantDraws,
+    python_draws_refused,
+    stored_values_refused,
+    user_line,
+    where_made,
+)
 from torchgpipe.split_stage import InputKind, SplitError
 
 Kind = tuple[str, torch.device]
@@ -63,8 +63,6 @@ __all__ = [
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _CONTAINER_FORWARDS = (nn.Sequential.forward, nn.Module.forward)  # the latter: none
 _CALLS = ("call_module", "call_function", "call_method")
-TORCH_DIR = os.path.dirname(torch.__file__)
-_HERE = os.path.dirname(__file__)
 # The machinery between a forward's line and the tracer's error: not where it failed.
 _MACHINERY = (
     os.path.join(TORCH_DIR, "fx", ""),
@@ -107,7 +105,7 @@ class _Tracer(fx.Tracer):
         # inference_mode or autocast entered inside the forward would run without it.
         if kind in _CALLS and _ambient() != self.ambient:
             raise SplitError(
-                f"cannot split {self.model}: code that split captures{_user_line()} runs "
+                f"cannot split {self.model}: code that split captures{user_line()} runs "
                 f"under torch.no_grad(), "
                 f"inference_mode, set_grad_enabled or autocast entered inside the forward, "
                 f"and torch.fx records the calls but not the mode: the stages would run "
@@ -190,7 +188,7 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
 def _traced(module: nn.Module, through: set[str], concrete: dict[str, Any]) -> fx.Graph:
     name = type(module).__name__
     try:
-        with _stored_values_refused(module), _ConstantDraws(name), _python_draws_refused(name):
+        with stored_values_refused(module), ConstantDraws(name), python_draws_refused(name):
             return _Tracer(through).trace(module, concrete_args=concrete or None)
     except SplitError:
         raise
@@ -223,166 +221,6 @@ def _attribute(module: nn.Module, path: str) -> Any:
 
 def _shown(node: fx.Node) -> str:
     return re.sub(r"_tensor_constant\d+", "_tensor_constant", node.format_node() or "")
-
-
-# Refused while tracing: frozen random draws, values stored on modules.
-
-
-@functools.cache
-def _draws(name: str) -> bool:
-    """Whether the ATen operator called ``name`` draws random numbers."""
-    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
-    overloads = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else []
-    return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in overloads)
-
-
-def _user_line() -> str:
-    """The innermost line outside torch and this package, as `` at file:line (`code`)``."""
-    for f in reversed(traceback.extract_stack()):
-        if not f.filename.startswith((TORCH_DIR, _HERE)):
-            return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
-    return ""
-
-
-class _ConstantDraws(TorchFunctionMode):
-    """Refuses a random function called on no traced value while fx traces.
-
-    fx runs a call that has no proxy among its arguments (``torch.randn(4)``) once, at
-    trace time, and keeps its result as a constant: every call would get the same draw.
-    """
-
-    def __init__(self, model: str) -> None:
-        super().__init__()
-        self.model = model
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if (func in HANDLERS or _draws(name)) and not any(
-            isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves((args, kwargs))
-        ):
-            raise SplitError(
-                f"cannot split {self.model}: {name}(...){_user_line()} draws random numbers "
-                f"from no input of the forward, and torch.fx would draw them once, at split time, "
-                f"and reuse them on every call; draw from a tensor of the forward instead "
-                f"(torch.randn_like(x), x.new_empty(shape).normal_(), torch.randn(shape, "
-                f"device=x.device)), or keep that code in a submodule split calls whole"
-            )
-        return func(*args, **kwargs)
-
-
-_PYTHON_DRAWS = (
-    *("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample"),
-    *("gauss", "normalvariate", "lognormvariate", "expovariate", "betavariate"),
-    *("gammavariate", "triangular", "vonmisesvariate", "paretovariate", "weibullvariate"),
-)
-
-
-@contextmanager
-def _python_draws_refused(model: str) -> Iterator[None]:
-    """Refuse a draw from Python's ``random`` module by the traced forward.
-
-    fx runs Python code once, at trace time: a draw there (LayerDrop's
-    ``random.random() < p``) would pick one branch for every call. Other threads keep
-    drawing as they did.
-    """
-    tracing = threading.get_ident()
-    originals = {name: getattr(random, name) for name in _PYTHON_DRAWS}
-
-    def refusing(name: str) -> Any:
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != tracing:
-                return originals[name](*args, **kwargs)
-            raise SplitError(
-                f"cannot split {model}: random.{name}(...){_user_line()} draws a Python "
-                f"random number, and torch.fx runs Python code once, at split time: every "
-                f"call would take the branch drawn then; draw from torch instead "
-                f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
-                f"split calls whole"
-            )
-
-        return draw
-
-    try:
-        for name in _PYTHON_DRAWS:
-            setattr(random, name, refusing(name))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(random, name, original)
-
-
-def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:
-    if isinstance(value, fx.Proxy):
-        return value
-    if depth < 4 and isinstance(value, list | tuple | set | frozenset | dict):
-        items = value.values() if isinstance(value, dict) else value
-        return next((p for v in items if (p := _holds_proxy(v, depth + 1)) is not None), None)
-    return None
-
-
-def _refill(container: Any, contents: Any) -> None:
-    container.clear()
-    if isinstance(container, list):
-        container.extend(contents)
-    else:
-        container.update(contents)
-
-
-@contextmanager
-def _stored_values_refused(module: nn.Module) -> Iterator[None]:
-    """Put back what a traced forward stored on the modules, and refuse it if it did."""
-    kept = {
-        m: (
-            dict(vars(m)),
-            {k: copy.copy(v) for k, v in vars(m).items() if type(v) in (list, dict, set)},
-        )
-        for m in module.modules()
-    }
-    stored: list[tuple[str, fx.Proxy]] = []
-    try:
-        yield
-    finally:
-        paths = {m: name for name, m in module.named_modules()}
-        for m, (attrs, contents) in kept.items():
-            for name, value in list(vars(m).items()):
-                proxy = _holds_proxy(value)
-                if proxy is None:
-                    continue
-                shown = name
-                if name in ("_buffers", "_parameters") and isinstance(value, dict):
-                    shown = next(k for k, v in value.items() if _holds_proxy(v) is not None)
-                stored.append((f"{paths[m]}.{shown}".lstrip("."), proxy))
-                if name not in attrs:
-                    del m.__dict__[name]
-                elif attrs[name] is value and name in contents:  # changed in place
-                    _refill(value, contents[name])
-                else:
-                    m.__dict__[name] = attrs[name]
-    if stored:
-        name, proxy = stored[0]
-        raise SplitError(
-            f"cannot split {type(module).__name__}: its forward stores a value on the "
-            f"module (self.{name}{where_made(proxy.node)}); split cannot carry values a "
-            f"forward keeps on its modules, and the split model would never set it: return "
-            f"it as an output of forward instead (a buffer, such as a running average: "
-            f"update it in place, self.{name.rpartition('.')[2]}.mul_(m).add_(...), without "
-            f"assigning it), or keep that code in a submodule that split calls whole"
-        )
-
-
-def where_made(node: fx.Node) -> str:
-    """Where in the user's code ``node`` was made, as `` (file:line)``, if known."""
-    frames = []
-    for line in (node.stack_trace or "").splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path, _, rest = line[len('File "') :].partition('", line ')
-            if not path.startswith((TORCH_DIR, _HERE)):  # the user's own frames
-                frames.append(f"{path}:{rest.split(',')[0]}")
-    return f" ({frames[-1]})" if frames else ""
 
 
 def _trace_failure(module: nn.Module, error: Exception) -> str:

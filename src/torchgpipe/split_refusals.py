@@ -1,0 +1,199 @@
+"""What ``torch.fx`` would capture wrongly, refused while it traces (``split_capture.py``).
+
+fx runs the Python of a forward once, at trace time, and records only the calls on
+proxies: a random draw on no traced value, or from Python's ``random``, would be kept
+as a constant (or a branch) for every call; a value the forward stores on a module
+would be a proxy the module keeps. These refuse them, naming the user's line.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import random
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from torchgpipe.random_functions import HANDLERS
+from torchgpipe.split_stage import SplitError
+
+__all__ = [
+    "TORCH_DIR",
+    "ConstantDraws",
+    "python_draws_refused",
+    "stored_values_refused",
+    "user_line",
+    "where_made",
+]
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(__file__)
+
+
+# Refused while tracing: frozen random draws, values stored on modules.
+
+
+@functools.cache
+def _draws(name: str) -> bool:
+    """Whether the ATen operator called ``name`` draws random numbers."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    overloads = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else []
+    return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in overloads)
+
+
+def user_line() -> str:
+    """The innermost line outside torch and this package, as `` at file:line (`code`)``."""
+    for f in reversed(traceback.extract_stack()):
+        if not f.filename.startswith((TORCH_DIR, _HERE)):
+            return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    return ""
+
+
+class ConstantDraws(TorchFunctionMode):
+    """Refuses a random function called on no traced value while fx traces.
+
+    fx runs a call that has no proxy among its arguments (``torch.randn(4)``) once, at
+    trace time, and keeps its result as a constant: every call would get the same draw.
+    """
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (func in HANDLERS or _draws(name)) and not any(
+            isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves((args, kwargs))
+        ):
+            raise SplitError(
+                f"cannot split {self.model}: {name}(...){user_line()} draws random numbers "
+                f"from no input of the forward, and torch.fx would draw them once, at split time, "
+                f"and reuse them on every call; draw from a tensor of the forward instead "
+                f"(torch.randn_like(x), x.new_empty(shape).normal_(), torch.randn(shape, "
+                f"device=x.device)), or keep that code in a submodule split calls whole"
+            )
+        return func(*args, **kwargs)
+
+
+_PYTHON_DRAWS = (
+    *("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample"),
+    *("gauss", "normalvariate", "lognormvariate", "expovariate", "betavariate"),
+    *("gammavariate", "triangular", "vonmisesvariate", "paretovariate", "weibullvariate"),
+)
+
+
+@contextmanager
+def python_draws_refused(model: str) -> Iterator[None]:
+    """Refuse a draw from Python's ``random`` module by the traced forward.
+
+    fx runs Python code once, at trace time: a draw there (LayerDrop's
+    ``random.random() < p``) would pick one branch for every call. Other threads keep
+    drawing as they did.
+    """
+    tracing = threading.get_ident()
+    originals = {name: getattr(random, name) for name in _PYTHON_DRAWS}
+
+    def refusing(name: str) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != tracing:
+                return originals[name](*args, **kwargs)
+            raise SplitError(
+                f"cannot split {model}: random.{name}(...){user_line()} draws a Python "
+                f"random number, and torch.fx runs Python code once, at split time: every "
+                f"call would take the branch drawn then; draw from torch instead "
+                f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
+                f"split calls whole"
+            )
+
+        return draw
+
+    try:
+        for name in _PYTHON_DRAWS:
+            setattr(random, name, refusing(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(random, name, original)
+
+
+def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:
+    if isinstance(value, fx.Proxy):
+        return value
+    if depth < 4 and isinstance(value, list | tuple | set | frozenset | dict):
+        items = value.values() if isinstance(value, dict) else value
+        return next((p for v in items if (p := _holds_proxy(v, depth + 1)) is not None), None)
+    return None
+
+
+def _refill(container: Any, contents: Any) -> None:
+    container.clear()
+    if isinstance(container, list):
+        container.extend(contents)
+    else:
+        container.update(contents)
+
+
+@contextmanager
+def stored_values_refused(module: nn.Module) -> Iterator[None]:
+    """Put back what a traced forward stored on the modules, and refuse it if it did."""
+    kept = {
+        m: (
+            dict(vars(m)),
+            {k: copy.copy(v) for k, v in vars(m).items() if type(v) in (list, dict, set)},
+        )
+        for m in module.modules()
+    }
+    stored: list[tuple[str, fx.Proxy]] = []
+    try:
+        yield
+    finally:
+        paths = {m: name for name, m in module.named_modules()}
+        for m, (attrs, contents) in kept.items():
+            for name, value in list(vars(m).items()):
+                proxy = _holds_proxy(value)
+                if proxy is None:
+                    continue
+                shown = name
+                if name in ("_buffers", "_parameters") and isinstance(value, dict):
+                    shown = next(k for k, v in value.items() if _holds_proxy(v) is not None)
+                stored.append((f"{paths[m]}.{shown}".lstrip("."), proxy))
+                if name not in attrs:
+                    del m.__dict__[name]
+                elif attrs[name] is value and name in contents:  # changed in place
+                    _refill(value, contents[name])
+                else:
+                    m.__dict__[name] = attrs[name]
+    if stored:
+        name, proxy = stored[0]
+        raise SplitError(
+            f"cannot split {type(module).__name__}: its forward stores a value on the "
+            f"module (self.{name}{where_made(proxy.node)}); split cannot carry values a "
+            f"forward keeps on its modules, and the split model would never set it: return "
+            f"it as an output of forward instead (a buffer, such as a running average: "
+            f"update it in place, self.{name.rpartition('.')[2]}.mul_(m).add_(...), without "
+            f"assigning it), or keep that code in a submodule that split calls whole"
+        )
+
+
+def where_made(node: fx.Node) -> str:
+    """Where in the user's code ``node`` was made, as `` (file:line)``, if known."""
+    frames = []
+    for line in (node.stack_trace or "").splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            if not path.startswith((TORCH_DIR, _HERE)):  # the user's own frames
+                frames.append(f"{path}:{rest.split(',')[0]}")
+    return f" ({frames[-1]})" if frames else ""
