@@ -8,14 +8,14 @@ constants). Buffers are traced as attributes, so the stages read the module's ow
 Then the example runs once through the graph, to learn which values are tensors and
 devices, and which of the constants fx kept the graph changes in place.
 
-What fx would capture wrongly is refused while it traces (``split_refusals.py``): a random draw on no traced
-value, or from Python's ``random`` (fx runs it once and keeps the numbers, or the
-branch, as constants); a value the forward stores on a module (``self.aux_loss =
-...``: the module would keep a proxy); a call made under a mode entered inside the
-forward (``torch.no_grad()``, ``autocast``: fx records calls, not modes). Code that
-reads the grad mode (``torch.is_grad_enabled()``) is caught as the train/eval
-difference is: the second trace flips it too. A container with a forward of its own
-is the user's code, called whole unless a split point lies inside it.
+What fx would capture wrongly is refused while it traces (``split_refusals.py``): a
+random draw on no traced value, or from Python's ``random`` (fx runs it once and keeps
+the numbers, or the branch, as constants); a value the forward stores on a module
+(``self.aux_loss = ...``: the module would keep a proxy); a call made under a mode
+entered inside the forward (``torch.no_grad()``, ``autocast``: fx records calls, not
+modes). Code that reads the grad mode (``torch.is_grad_enabled()``) is caught as the
+train/eval difference is: the second trace flips it too. A container with a forward
+of its own is the user's code, called whole unless a split point lies inside it.
 """
 
 from __future__ import annotations
