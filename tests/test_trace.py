@@ -50,6 +50,7 @@ def test_forward_spans_follow_the_clock_cycles(checkpoint: str) -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.usefixtures("backward_by")
 def test_backward_spans_run_in_reverse_micro_batch_order(checkpoint: str) -> None:
     n, m = 3, 4
     model = _model(checkpoint, n, m)
@@ -98,8 +99,8 @@ def _synthetic(n: int, m: int, busy: float, ticks: int) -> Trace:
     trace.m = m
     for j in range(n):
         for i in range(m):
-            start = float(i + j)
-            trace.record(j, i, "forward", start, start + busy)
+            start = float(i + j)  # each partition on a worker of its own
+            trace.events.append(CellEvent(j, i, "forward", start, start + busy, f"worker-{j}"))
     assert ticks == m + n - 1
     return trace
 
@@ -130,6 +131,60 @@ def test_empty_trace_has_no_summary() -> None:
         Trace(2).summary()
 
 
+def _two_ranks(label: str = "") -> Trace:
+    """Partitions 0 and 2 on one thread, 1 and 3 on another, each thread always busy."""
+    trace = Trace(4)
+    trace.m = 2
+    for j, start in [(0, 0.0), (2, 2.0), (1, 1.0), (3, 3.0)]:
+        thread = f"{label}worker-{j % 2}"
+        trace.events.append(CellEvent(j, 0, "forward", start, start + 2.0, thread))
+    return trace
+
+
+def test_summary_counts_a_rank_busy_while_it_runs_any_of_its_partitions() -> None:
+    # The bug: idle time was counted per partition, so a rank running its other
+    # partition sat idle, and the ideal was GPipe's for n = 4 rather than interleaved's.
+    summary = _two_ranks().summary()
+    assert summary.bubble == pytest.approx(1 - 8 / (2 * 5))
+    assert summary.ideal_bubble == pytest.approx((2 - 1) / (2 * 2 + 2 - 1))  # v = 2, m = 2
+    assert summary.busy == pytest.approx((2.0,) * 4)
+    assert summary.ranks == ((0, 2), (1, 3))
+    assert summary.rank_busy == pytest.approx((4.0, 4.0))
+    assert "4 partitions on 2 ranks" in str(summary)
+    assert "rank 1 (partitions 1, 3)" in str(summary)
+    assert "bubble 20.0% (interleaved 1F1B's ideal for 2 ranks, v = 2, m = 2: 20.0%)" in str(
+        summary
+    )
+
+
+def test_summary_of_a_merged_trace_counts_per_process() -> None:
+    # gather_trace labels each process's threads: the same thread name in two processes
+    # is two ranks.
+    merged = Trace(4)
+    for r in range(2):
+        events = [e for e in _two_ranks().on_wall_clock() if e[0] % 2 == r]
+        merged.merge([(j, i, kind, a, b, "MainThread") for j, i, kind, a, b, _ in events],
+                     f"rank {r}")  # fmt: skip
+    merged.m = 2
+    summary = merged.summary()
+    assert summary.bubble == pytest.approx(0.2)
+    assert summary.ranks == ((0, 2), (1, 3))
+
+
+def test_summary_of_an_interleaved_step_knows_its_ranks() -> None:
+    from torchgpipe import ScheduleInterleaved1F1B
+
+    m = 4
+    model = _model("never", n=4, m=m)
+    with model.trace() as trace:
+        ScheduleInterleaved1F1B(model, nn.functional.mse_loss).step(
+            torch.randn(8, 4), torch.randn(8, 4)
+        )
+    summary = trace.summary()
+    assert summary.ideal_bubble == pytest.approx(1 / (2 * m + 1))
+    assert summary.ranks == ((0, 2), (1, 3))
+
+
 def test_chrome_export(tmp_path) -> None:  # type: ignore[no-untyped-def]
     model = _model("always", n=2, m=2)
     with model.trace() as trace:
@@ -157,6 +212,33 @@ def test_timeline_picture(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_timeline_legend_covers_no_span(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The bug: the legend sat in the plot's upper right corner, over partition 0's last
+    # spans. Now it is outside the plot, and inside the picture.
+    figure_module = pytest.importorskip("matplotlib.figure")
+    model = _model("except_last")
+    with model.trace() as trace:
+        model(torch.randn(8, 4)).sum().backward()
+    boxes = []
+    save = figure_module.Figure.savefig
+
+    def saving(figure, *args, **kwargs):  # type: ignore[no-untyped-def]
+        save(figure, *args, **kwargs)
+        renderer = figure.canvas.get_renderer()
+        axes = figure.axes[0]
+        boxes.append((axes.get_legend().get_window_extent(renderer),
+                      axes.get_window_extent(renderer), figure.bbox))  # fmt: skip
+
+    monkeypatch.setattr(figure_module.Figure, "savefig", saving)
+    trace.draw(tmp_path / "timeline.png")
+    ((legend, plot, picture),) = boxes
+    assert not legend.overlaps(plot)
+    assert picture.x0 <= legend.x0
+    assert legend.x1 <= picture.x1
+    assert picture.y0 <= legend.y0
+    assert legend.y1 <= picture.y1
+
+
 def test_backward_spans_of_a_partition_whose_input_needs_no_grad() -> None:
     # Token ids need no gradient: the span ends when the partition's parameters have
     # theirs, and tracing does not make the input need one (no extra work).
@@ -175,21 +257,87 @@ def test_backward_spans_of_a_partition_whose_input_needs_no_grad() -> None:
 def test_a_traced_forward_without_backward_leaves_no_hook_and_frees_the_trace(
     backward_by: str,
 ) -> None:
-    # In the engine's backward, the first partition's input needs no gradient, so its
-    # parameters get hooks that end its backward spans; with no backward, they must go
-    # with the graph. On the workers, no hooks at all: the worker records the spans.
+    # In the engine's backward, the first partition's input needs no gradient, so the
+    # nodes of each micro-batch's graph get hooks that end its backward span; with no
+    # backward, they must go with the graph. On the workers, no hooks at all: the
+    # worker records the spans. Nothing is ever hooked on the model's parameters.
     model = GPipe(
         nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)), [1, 1], chunks=2, checkpoint="never"
     )
     with model.trace() as trace:
         out = model(torch.randint(10, (4, 3)))
-    # the hooks are on, meanwhile
-    assert bool(model[0].weight._post_accumulate_grad_hooks) == (backward_by == "engine")
+    assert bool(_graph_hooks(out)) == (backward_by == "engine")  # meanwhile, in the graph
+    assert not model[0].weight._post_accumulate_grad_hooks
     alive = weakref.ref(trace)
     del trace, out
     gc.collect()
     assert alive() is None
     assert not model[0].weight._post_accumulate_grad_hooks
+
+
+def _graph_hooks(output: Tensor) -> int:
+    """How many post hooks the nodes of ``output``'s graph hold."""
+    stack, seen, count = [output.grad_fn], set(), 0
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        probe = node.register_hook(lambda grad_inputs, grad_outputs: None)
+        count += len(probe.hooks_dict_ref()) - 1  # the node's hooks share one dict
+        probe.remove()
+        stack += [n for n, _ in node.next_functions]
+    return count
+
+
+def _first_partition_with_a_spare_weight(m: int, spare: bool = True) -> GPipe:
+    class WithSpare(nn.Module):  # a weight that this forward does not use
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.spare = nn.Parameter(torch.zeros(3), requires_grad=spare)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.linear(x)
+
+    layers = nn.Sequential(WithSpare(), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    return GPipe(layers, [2, 3], chunks=m, checkpoint="never")
+
+
+@pytest.mark.usefixtures("engine_backward")
+@pytest.mark.parametrize("spare", [False, True])
+def test_engine_backward_spans_of_the_first_partition_follow_each_other(spare: bool) -> None:
+    # The bug: the first partition's input needs no gradient, and its spans ended when
+    # its parameters had their gradients: once per backward, for every micro-batch at
+    # once, so each span ran to the end of the whole backward, the spans nested, and a
+    # weight unused by the forward left no span at all.
+    m = 4
+    model = _first_partition_with_a_spare_weight(m, spare)
+    with model.trace() as trace:
+        out = model(torch.randn(16, 8))
+    out.sum().backward(retain_graph=True)
+    backward = _by_cell(trace.events, "backward")
+    assert set(backward) == {(i, j) for i in range(m) for j in range(2)}
+    for j in range(2):  # the engine runs micro-batch i's cell before i - 1's, whole
+        for i in range(1, m):
+            assert backward[(i, j)].end <= backward[(i - 1, j)].start
+    assert _graph_hooks(out) == 0  # removed as the spans ended, the graph kept
+    assert not model[0].spare._post_accumulate_grad_hooks
+
+
+@pytest.mark.usefixtures("engine_backward")
+def test_engine_backward_that_stops_short_of_a_cell_removes_its_hooks() -> None:
+    # Only the first layer's bias: its weight's part of the graph never runs, so the
+    # first partition's spans cannot end. No span, rather than a wrong one, and no hook
+    # left behind once the backward is over.
+    model = _first_partition_with_a_spare_weight(2)
+    with model.trace() as trace:
+        out = model(torch.randn(8, 8))
+    assert _graph_hooks(out) > 0
+    torch.autograd.grad(out.sum(), [model[0].linear.bias], retain_graph=True)
+    assert {e.j for e in trace.events if e.kind == "backward"} == {1}
+    assert _graph_hooks(out) == 0
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def test_trace_under_no_grad_and_after_a_failure() -> None:

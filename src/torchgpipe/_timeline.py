@@ -63,17 +63,21 @@ def draw_timeline(trace: Trace, path: Path, *, title: str | None = None) -> None
     axes.invert_yaxis()
     axes.set_xlabel("time (ms)")
     summary = trace.summary()
+    ranks = f" on {len(summary.ranks)} ranks" if len(summary.ranks) < trace.n else ""
     axes.set_title(
         title
-        or f"GPipe timeline: n = {trace.n}, m = {summary.m}, bubble {summary.bubble:.0%} "
+        or f"timeline: n = {trace.n}{ranks}, m = {summary.m}, bubble {summary.bubble:.0%} "
         f"(ideal {summary.ideal_bubble:.0%})"
     )
+    # Right of the plot, not in it: inside, it would cover the last spans of a row.
     axes.legend(
         handles=[
             Patch(facecolor="grey", alpha=style.alpha, hatch=style.hatch, label=kind)
             for kind, style in _STYLE.items()
         ],
-        loc="upper right",
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        borderaxespad=0.0,
         fontsize=7,
     )
     figure.tight_layout()

@@ -4,7 +4,7 @@ Tracing is opt-in and scoped::
 
     with model.trace() as trace:
         model(x).sum().backward()
-    print(trace.summary())                 # busy time per partition, bubble fraction
+    print(trace.summary())                 # busy time per partition and rank, bubble
     trace.save_chrome("trace.json")        # chrome://tracing or ui.perfetto.dev
     trace.draw("timeline.png")             # partitions as rows, micro-batches coloured
 
@@ -15,7 +15,8 @@ While a trace is on, each cell records spans on the thread that runs them:
 - ``recompute``: a checkpointed cell's forward, again, in backward;
 - ``backward``: the cell's backward (for a checkpointed cell, the backward of the
   recomputed graph; otherwise from the moment its outputs' gradient arrives until its
-  input's gradient leaves);
+  input's gradient leaves, or, for an input that needs none, until the last node of
+  the micro-batch's own graph has run: see :class:`BackwardSpan`);
 - ``weight``: with a schedule that splits the backward (zero bubble), the weight
   gradient, when it runs apart from the input gradient (``backward``).
 
@@ -27,17 +28,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
 from torchgpipe.microbatch import flatten, unflatten
 
@@ -68,12 +69,17 @@ class CellEvent:
 
 @dataclass(frozen=True)
 class TraceSummary:
-    """How busy each partition was while the traced work ran.
+    """How busy each partition and each rank was while the traced work ran.
 
     ``busy`` is each partition's time covered by its spans, ``span`` the time from the
-    first span's start to the last one's end, and ``bubble`` the fraction of
-    ``n * span`` in which partitions sat idle. ``ideal_bubble`` is GPipe's
-    ``(n - 1) / (m + n - 1)`` for the same ``n`` and ``m``.
+    first span's start to the last one's end. ``ranks`` holds the partitions each rank
+    ran, told by the thread that ran their forwards (one process: the caller's or a
+    worker's; a merged trace: a process's), ``rank_busy`` each rank's time covered by
+    the spans of its partitions. ``bubble`` is the fraction of
+    ``r * span`` in which the ``r`` ranks sat idle: a rank running another of its
+    partitions is busy. ``ideal_bubble`` is ``(r - 1) / (v * m + r - 1)`` for ``v = n /
+    r`` partitions per rank: GPipe's ``(n - 1) / (m + n - 1)`` where each partition has
+    a rank of its own, interleaved 1F1B's where a rank runs ``v``.
     """
 
     n: int
@@ -82,17 +88,30 @@ class TraceSummary:
     busy: tuple[float, ...]
     bubble: float
     ideal_bubble: float
+    ranks: tuple[tuple[int, ...], ...]
+    rank_busy: tuple[float, ...]
 
     def __str__(self) -> str:
+        r = len(self.ranks)
+        shared = r < self.n  # some rank runs several partitions
         lines = [
-            f"{self.n} partitions, {self.m} micro-batches, {self.span * 1e3:.2f} ms traced",
+            f"{self.n} partitions{f' on {r} ranks' if shared else ''}, {self.m} "
+            f"micro-batches, {self.span * 1e3:.2f} ms traced",
             *(
                 f"  partition {j}: busy {b * 1e3:8.2f} ms ({b / self.span:6.1%})"
                 for j, b in enumerate(self.busy)
             ),
-            f"bubble {self.bubble:.1%} (GPipe's ideal for n = {self.n}, m = {self.m}: "
-            f"{self.ideal_bubble:.1%})",
         ]
+        if shared:
+            lines += [
+                f"  rank {k} (partitions {', '.join(map(str, group))}): busy "
+                f"{b * 1e3:8.2f} ms ({b / self.span:6.1%})"
+                for k, (group, b) in enumerate(zip(self.ranks, self.rank_busy, strict=True))
+            ]
+            ideal = f"interleaved 1F1B's ideal for {r} ranks, v = {self.n / r:g}, m = {self.m}"
+        else:
+            ideal = f"GPipe's ideal for n = {self.n}, m = {self.m}"
+        lines.append(f"bubble {self.bubble:.1%} ({ideal}: {self.ideal_bubble:.1%})")
         return "\n".join(lines)
 
 
@@ -146,10 +165,11 @@ class Trace:
             self.record(j, i, kind, start, time.perf_counter())
 
     def summary(self) -> TraceSummary:
-        """Busy time per partition and the bubble fraction of the traced work.
+        """Busy time per partition and per rank, and the bubble fraction of the traced work.
 
         Meant for a trace of one step: time between traced steps counts as idle, and
-        ``m`` is that of the largest traced forward.
+        ``m`` is that of the largest traced forward. A rank is told by the thread that
+        ran its partitions' forwards (see ``TraceSummary.ranks``).
 
         Raises:
             ValueError: nothing was recorded.
@@ -161,9 +181,15 @@ class Trace:
         busy = tuple(
             _covered([(e.start, e.end) for e in self.events if e.j == j]) for j in range(self.n)
         )
-        bubble = 1 - sum(busy) / (self.n * span) if span > 0 else 0.0
+        groups = _ranks(self.events, self.n)
+        rank_busy = tuple(
+            _covered([(e.start, e.end) for e in self.events if e.j in group]) for group in groups
+        )
+        r = len(groups)
+        bubble = 1 - sum(rank_busy) / (r * span) if span > 0 else 0.0
         m = max(self.m, 1)
-        return TraceSummary(self.n, m, span, busy, bubble, (self.n - 1) / (m + self.n - 1))
+        ideal = (r - 1) / (self.n * m / r + r - 1)
+        return TraceSummary(self.n, m, span, busy, bubble, ideal, groups, rank_busy)
 
     def chrome(self) -> dict[str, Any]:
         """The events in Chrome's trace format (microseconds; one row per partition)."""
@@ -253,6 +279,25 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _ranks(events: list[CellEvent], n: int) -> tuple[tuple[int, ...], ...]:
+    """The partitions of each rank, in order of their first partition.
+
+    A rank's worker runs the forwards of all its partitions, so partitions whose first
+    forward span was recorded on one thread share a rank: the caller's thread or a
+    worker's in one process, ``"rank r: ..."`` in a merged trace. Backward spans tell
+    nothing: autograd's engine records them on its own threads where it runs the
+    backward. A partition without a forward span is a rank of its own.
+    """
+    thread: dict[int, str] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        if e.kind == "forward":
+            thread.setdefault(e.j, e.thread)
+    groups: dict[str | int, list[int]] = {}
+    for j in range(n):
+        groups.setdefault(thread.get(j, j), []).append(j)
+    return tuple(sorted(tuple(group) for group in groups.values()))
+
+
 class _Stamp(torch.autograd.Function):
     """Identity whose backward calls ``stamp()``: marks when a gradient passes."""
 
@@ -268,72 +313,116 @@ class _Stamp(torch.autograd.Function):
 
 
 class BackwardSpan:
-    """Records the backward of a cell that is not checkpointed.
+    """Records the backward of a cell that is not checkpointed, in autograd's engine.
 
     The cell's first floating-point output is marked so that the arrival of its
     gradient starts the span. The span ends when the gradient leaves through the cell's
-    first floating-point input, if that input needs one; otherwise (the first
-    partition's input, token ids) when the last of the partition's parameters has
-    received its gradient for this micro-batch. Nothing is made to need a gradient that
-    did not: tracing must not add work to what it measures.
+    first floating-point input, if that input needs one. Otherwise (the first
+    partition's input: token ids, or a batch that needs no gradient) it ends when the
+    last node of the micro-batch's own graph has run: the cell's graph ends at its
+    parameters' gradient accumulators, shared by every micro-batch and run once per
+    backward, so it is the nodes just before them ("sinks") that tell. The accumulation
+    itself is in no cell's span. Nothing is made to need a gradient that did not:
+    tracing must not add work to what it measures.
+
+    A backward that ends without running every sink (``torch.autograd.grad`` of only
+    some tensors) records no span for such a cell: its end is not known.
     """
 
     def __init__(self, trace: Trace, j: int, i: int) -> None:
         self._trace, self._j, self._i = trace, j, i
         self._start: float | None = None
         self._done = False
-        self._waiting = 0
-        self._handles: list[Any] = []
+        self._at_input = False  # the span ends at the marked input, not at the sinks
+        self._waiting = 0  # the sinks yet to run
+        self._handles: list[RemovableHandle] = []
 
-    def mark_input(self, value: Any, parameters: list[Tensor]) -> Any:
+    def mark_input(self, value: Any) -> Any:
         """``value`` with its first float tensor marked as the end of the span.
 
-        Without such a tensor, hooks on the parameters end the span. They hold the span
-        weakly, and are removed when it ends or when it is collected: the graph holds
-        the span, so a forward whose backward never runs leaves no hook behind, and
-        nothing that keeps the trace alive.
+        Where no input tensor needs a gradient, the cell's graph says where its
+        backward ends (:meth:`mark_output`).
         """
-        value, marked = _mark_first(value, self._end)
-        if not marked:
-            watched = [p for p in parameters if p.requires_grad]
-            self._waiting = len(watched)
-            hook = partial(_on_accumulated, weakref.ref(self))
-            self._handles = [p.register_post_accumulate_grad_hook(hook) for p in watched]
-            weakref.finalize(self, _remove, list(self._handles))
+        value, self._at_input = _mark_first(value, self._end)
         return value
 
     def mark_output(self, value: Any) -> Any:
-        """``value`` with its first float tensor marked as the start of the span."""
+        """``value`` with its first float tensor marked as the start of the span.
+
+        Where no input was marked, a hook on each sink of the graph from ``value`` counts
+        the sinks down. The hooks are on the micro-batch's own nodes, not on anything the
+        model keeps: they are removed when the span ends or when the backward that
+        started it is over, and a forward whose backward never runs takes them away
+        with its graph (which holds the span: nothing keeps the trace alive). Finding
+        the sinks walks the graph once, a microsecond or so per node, in the cell's
+        forward span.
+        """
+        if not self._at_input:
+            sinks = _sinks(value)
+            self._waiting = len(sinks)
+            self._handles = [node.register_hook(self._sink_ran) for node in sinks]
         return _mark_first(value, self._begin)[0]
 
     def _begin(self) -> None:
-        self._start = time.perf_counter()
+        self._arrived()
+        if not self._at_input and self._waiting == 0:  # no node of its own: nothing to run
+            self._end()
 
-    def _accumulated(self, parameter: Tensor) -> None:
-        if self._start is None:  # another micro-batch's gradient, before this one's
+    def _arrived(self) -> None:
+        if self._start is not None:
             return
+        self._start = time.perf_counter()
+        if self._handles:  # however this backward ends, the hooks go with it
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
+
+    def _sink_ran(self, grad_inputs: object, grad_outputs: object) -> None:
+        self._arrived()  # a gradient through another output may come first
         self._waiting -= 1
         if self._waiting == 0:
             self._end()
+
+    def _backward_over(self) -> None:
+        self._done = True  # ended, or never will: some sink did not run
+        self._remove_hooks()
 
     def _end(self) -> None:
         if self._start is not None and not self._done:
             self._done = True
             self._trace.record(self._j, self._i, "backward", self._start, time.perf_counter())
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
-def _on_accumulated(span: weakref.ReferenceType[BackwardSpan], parameter: Tensor) -> None:
-    alive = span()
-    if alive is not None:
-        alive._accumulated(parameter)
+def _sinks(value: Any) -> list[Node]:
+    """The nodes of the graph from ``value`` whose gradients go on to no other of them.
+
+    The graph stops at gradient accumulators (of parameters, shared by every
+    micro-batch). Every node runs before some sink, so once every sink has run, the
+    whole graph has.
+    """
+    stack = [
+        x.grad_fn for x in flatten(value)[0] if isinstance(x, Tensor) and x.grad_fn is not None
+    ]
+    seen: dict[int, Node] = {}  # by id: the engine's nodes compare by identity
+    sinks = []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        following = [n for n, _ in node.next_functions if n is not None and not _accumulator(n)]
+        stack.extend(following)
+        if not following:
+            sinks.append(node)
+    return sinks
 
 
-def _remove(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
+def _accumulator(node: Node) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
 
 
 def _mark_first(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
