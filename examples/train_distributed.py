@@ -28,16 +28,23 @@ from torchgpipe.distributed import PipelineStage, Schedule1F1B
 
 def build_model() -> nn.Sequential:
     torch.manual_seed(0)  # every process builds the same model
+    # Five layers, each with weights (a ReLU alone would make a stage with nothing to
+    # train, which the optimizer refuses): at most five processes, one stage each.
     return nn.Sequential(
-        nn.Linear(32, 64),
-        nn.ReLU(),
-        nn.Linear(64, 64),
-        nn.ReLU(),
-        nn.Linear(64, 64),
-        nn.ReLU(),
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU()),
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
         nn.Linear(64, 64),
         nn.Linear(64, 1),
     )
+
+
+def positive(text: str) -> int:
+    """An argument of at least 1, or an argparse error that says so."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def train(backend: str, steps: int) -> None:
@@ -48,9 +55,10 @@ def train(backend: str, steps: int) -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    # The 8 layers in `world` partitions, one per process.
-    balance = [8 // world + (j < 8 % world) for j in range(world)]
-    stage = PipelineStage(build_model(), balance, chunks=4, device=device)
+    model = build_model()
+    layers = len(model)  # in `world` partitions, one per process
+    balance = [layers // world + (j < layers % world) for j in range(world)]
+    stage = PipelineStage(model, balance, chunks=4, device=device)
     schedule = Schedule1F1B(stage, nn.functional.mse_loss)
     optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3)
 
@@ -84,13 +92,22 @@ def _spawned(rank: int, world: int, port: int, backend: str, steps: int) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--processes", type=int, default=4, help="without torchrun only")
+    parser.add_argument("--steps", type=positive, default=30, help="training steps (30)")
+    parser.add_argument(
+        "--processes", type=positive, default=4, help="stages, without torchrun only (4)"
+    )
     args = parser.parse_args()
     if "RANK" in os.environ:  # started by torchrun
         world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        stages = int(os.environ.get("WORLD_SIZE", "1"))
     else:
-        world = args.processes
+        world = stages = args.processes
+    layers = len(build_model())
+    if stages > layers:
+        parser.error(
+            f"{stages} processes, but the model has {layers} layers and each process runs "
+            f"at least one; start at most {layers}"
+        )
     if args.backend == "nccl" and torch.cuda.device_count() < world:
         # One GPU cannot host two NCCL ranks: each process needs a GPU of its own.
         parser.error(

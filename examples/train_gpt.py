@@ -88,12 +88,32 @@ def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def positive(text: str) -> int:
+    """An argument of at least 1, or an argparse error that says so."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def tied_pair(pipe: GPipe) -> tuple[Tensor, Tensor]:
+    """The token embedding's weight and the head's, in whichever stages split put them.
+
+    The stages keep the plain model's parameter names, so search them by name: with many
+    stages the first may hold no layer of the model at all.
+    """
+    found = {
+        name: p for stage in pipe for name, p in stage.named_parameters(remove_duplicate=False)
+    }
+    return found["tokens.weight"], found["head.weight"]
+
+
 def main() -> None:
     """Train the three copies side by side and print their losses."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--steps", type=positive, default=30, help="training steps (30)")
+    parser.add_argument("--stages", type=positive, default=3, help="stages to split into (3)")
+    parser.add_argument("--chunks", type=positive, default=4, help="micro-batches per batch (4)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # each CPU stage runs on a worker thread of its own
@@ -143,7 +163,7 @@ def main() -> None:
             row = "  ".join(f"{name} {v:.4f}" for name, v in zip(NAMES, losses, strict=True))
             print(f"step {step:3d}  loss {row}")
     print(f"largest loss difference from the plain model: {worst:.2e}")
-    tied = [torch.equal(m[0].tokens.weight, m[-1].head.weight) for m in (pipe, stepped)]
+    tied = [torch.equal(*tied_pair(m)) for m in (pipe, stepped)]
     print(f"tied copies equal after training: {all(tied)}")
     back = copy.deepcopy(model)
     back.load_state_dict(pipe.state_dict())  # the plain model's keys, both tied names included

@@ -151,3 +151,148 @@ def test_timeline_plays_a_part_of_the_table_with_given_costs() -> None:
     forward_start, forward_end = timeline(table, lambda a: 1.0, kinds="F")
     assert set(forward_start) == {a for rank in table.ranks for a in rank if a.kind == "F"}
     assert max(forward_end.values()) == 4.0  # m + n - 1 ticks
+
+
+def test_parse_refuses_text_without_actions() -> None:
+    # It used to fail with "max() arg is an empty sequence".
+    for text in ("", "  \n \n"):
+        with pytest.raises(ValueError, match=r"holds no actions; write one line of actions"):
+            Schedule.parse(text)
+
+
+def test_schedule_refuses_a_placement_that_is_not_one_rank_per_stage() -> None:
+    ranks = ((Action(0, "F", 0), Action(0, "B", 0)), (Action(1, "F", 0), Action(1, "B", 0)))
+    # Too short: validate() used to raise a bare IndexError.
+    with pytest.raises(ValueError, match=r"placement \(0,\) must give each of the 2 stages"):
+        Schedule(2, 1, ranks, placement=(0,))
+    with pytest.raises(ValueError, match=r"one of the 2 ranks \(0 to 1\)"):
+        Schedule(2, 1, ranks, placement=(0, 5))
+    with pytest.raises(ValueError, match=r"ranks \(the number of ranks\) must be at least 1"):
+        Schedule(1, 1, ())
+    with pytest.raises(TypeError, match=r"ranks hold '0F0', not an Action"):
+        Schedule(1, 1, (("0F0",),))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Schedule: stages \(the number of stages\)"):
+        Schedule.parse("0F0 0B0", stages=0)
+
+
+def test_schedule_takes_lists_and_numpy_counts() -> None:
+    import numpy as np
+
+    table = Schedule(np.int64(1), np.int32(1), [[Action(0, "F", 0), Action(0, "B", 0)]])  # type: ignore[arg-type]
+    assert table == one_f_one_b(1, 1)
+    assert type(table.stages) is int
+    assert hash(table) == hash(one_f_one_b(1, 1))
+
+
+BUILDERS = {
+    "gpipe": gpipe,
+    "one_f_one_b": one_f_one_b,
+    "zero_bubble_h1": zero_bubble_h1,
+    "interleaved_one_f_one_b": lambda n, m: interleaved_one_f_one_b(n, m, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("bad", [2.5, 2.0, "2", True, None])
+def test_table_builders_refuse_counts_that_are_not_ints(name: str, bad: object) -> None:
+    # one_f_one_b(2.5, 4) used to raise "'float' object cannot be interpreted as an
+    # integer", one_f_one_b('2', 4) "'<' not supported between 'str' and 'int'".
+    make = BUILDERS[name]
+    with pytest.raises(TypeError, match=rf"^{name}: n \(the number of stages\) must be a whole"):
+        make(bad, 2)
+    with pytest.raises(TypeError, match=rf"^{name}: m \(the number of micro-batches\) must"):
+        make(2, bad)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_table_builders_refuse_counts_below_one_and_take_numpy_ints(name: str) -> None:
+    import numpy as np
+
+    make = BUILDERS[name]
+    with pytest.raises(ValueError, match=rf"^{name}: n \(the number of stages\) .* got 0"):
+        make(0, 2)
+    with pytest.raises(ValueError, match=rf"^{name}: m \(the number of micro-batches\) .* got -1"):
+        make(2, -1)
+    assert make(np.int64(2), np.int32(4)) == make(2, 4)
+
+
+def test_interleaving_refuses_a_bad_number_of_virtual_stages() -> None:
+    with pytest.raises(TypeError, match=r"v \(the number of virtual stages per rank\) must be"):
+        interleaved_one_f_one_b(2, 4, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"v \(the number of virtual stages .* got 0"):
+        interleaved_one_f_one_b(2, 4, 0)
+
+
+def test_simulate_names_the_kinds_of_action_without_a_cost() -> None:
+    # The README's {"F": 1, "B": 2} on a table with W used to raise a bare KeyError: 'W'.
+    with pytest.raises(ValueError, match=r"has no cost for W, which the table has"):
+        simulate(zero_bubble_h1(2, 2), {"F": 1, "B": 2})
+    with pytest.raises(ValueError, match=r"has no cost for B, W"):
+        simulate(zero_bubble_h1(2, 2), {"F": 1})
+    # A cost for a kind the table lacks is no harm.
+    assert simulate(one_f_one_b(2, 2), {"F": 1, "B": 2, "W": 1}).makespan == 3 * (2 + 2 - 1)
+
+
+# The schedule classes' checks of a table (torchgpipe.training) live here with the
+# tables' own.
+
+
+def _tiny_pipe(partitions: int, chunks: int = 2):  # type: ignore[no-untyped-def]
+    from torch import nn
+
+    from torchgpipe import GPipe
+
+    layers = [nn.Linear(2, 2) for _ in range(partitions)]
+    return GPipe(nn.Sequential(*layers), [1] * partitions, chunks=chunks)
+
+
+def _mse(output, target):  # type: ignore[no-untyped-def]
+    return ((output - target) ** 2).mean()
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        (5, r"table must be a torchgpipe.schedules.Schedule .* got int 5"),
+        (None, r"table must be a torchgpipe.schedules.Schedule .* got NoneType None"),
+        ("0F0 0B0\n1F0 1B0", r"table is text .*; read it with .*Schedule.parse\(text\)"),
+        (one_f_one_b, r"one argument, the number of micro-batches m, but one_f_one_b\(n"),
+    ],
+    ids=["int", "None", "text", "builder"],
+)
+def test_pipeline_schedule_refuses_a_table_that_is_not_one_when_built(table, match) -> None:  # type: ignore[no-untyped-def]
+    from torchgpipe import PipelineSchedule
+
+    # Each used to be taken, and the step to fail: "'int' object is not callable".
+    with pytest.raises(TypeError, match=match):
+        PipelineSchedule(_tiny_pipe(2), _mse, table)
+
+
+def test_pipeline_schedule_refuses_a_table_function_that_returns_no_schedule() -> None:
+    import torch
+
+    from torchgpipe import PipelineSchedule
+
+    schedule = PipelineSchedule(_tiny_pipe(2), _mse, lambda m: "0F0")  # type: ignore[arg-type,return-value]
+    # The step used to fail with "'str' object has no attribute 'stages'".
+    with pytest.raises(TypeError, match=r"returned str '0F0' for m = 2 micro-batches, not a"):
+        schedule.step(torch.randn(4, 2), torch.randn(4, 2))
+    good = PipelineSchedule(_tiny_pipe(2), _mse, lambda m: one_f_one_b(2, m))
+    assert len(good.step(torch.randn(4, 2), torch.randn(4, 2)).losses) == 2
+
+
+def test_interleaved_schedule_says_its_default_virtual_stages_do_not_fit() -> None:
+    import numpy as np
+
+    from torchgpipe import ScheduleInterleaved1F1B
+
+    # It used to say "virtual_stages must be a positive divisor of the 3 partitions, got
+    # 2", of a value the caller never gave.
+    with pytest.raises(
+        ValueError,
+        match=r"virtual_stages defaults to 2 partitions per rank, which does not divide the "
+        r"3 partitions; pass virtual_stages= one of \[1, 3\]",
+    ):
+        ScheduleInterleaved1F1B(_tiny_pipe(3), _mse)
+    schedule = ScheduleInterleaved1F1B(_tiny_pipe(4), _mse, virtual_stages=np.int64(2))  # type: ignore[arg-type]
+    assert schedule.virtual_stages == 2

@@ -22,14 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_python(*args: str) -> str:
+    done = start_python(*args)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def start_python(*args: str) -> subprocess.CompletedProcess[str]:
     # On the CPU, as the rest of the default run, also where a GPU is present: the
     # scripts' GPU runs are benchmarks/gpu/run.sh's.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
     )
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 def test_demo_quick_trains_and_compares_throughput(tmp_path):
@@ -76,6 +80,29 @@ def test_example_script_trains():
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 6
     assert losses[-1] < losses[0] / 2
+
+
+@pytest.mark.parametrize("name", ["train_mlp", "skip_unet"])
+def test_example_help_explains_and_trains_nothing(name):
+    # train_mlp.py and skip_unet.py took no arguments: --help started the training.
+    out = run_python(f"examples/{name}.py", "--help")
+    assert out.startswith(f"usage: {name}.py")
+    assert "--steps" in out
+    assert "loss" not in out
+
+
+@pytest.mark.parametrize("name", ["train_mlp", "skip_unet", "train_gpt", "train_distributed"])
+def test_example_refuses_steps_below_one(name):
+    # train_gpt.py --steps 0 used to fail with UnboundLocalError after building the model.
+    done = start_python(f"examples/{name}.py", "--steps", "0")
+    assert done.returncode == 2, done.stderr
+    assert "argument --steps: must be at least 1, got 0" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["train_mlp", "skip_unet"])
+def test_example_options_set_the_steps_and_chunks(name):
+    out = run_python(f"examples/{name}.py", "--steps", "1", "--chunks", "2")
+    assert re.findall(r"step +(\d+) +loss", out) == ["1"]  # the last step is always shown
 
 
 def test_benchmark_quick_writes_json_and_tables(tmp_path):
@@ -138,6 +165,13 @@ def test_gpt_example_trains_split_stages_like_the_plain_model():
     assert float(rows[-1][0]) < float(rows[0][0])
     assert "tied copies equal after training: True" in out
     assert "state dict loads into the plain model: True" in out
+
+
+def test_gpt_example_finds_the_tied_weights_in_any_stage():
+    # With 15 stages or more the first holds no layer of the model (the token embedding
+    # is in stage 1): the script trained, then failed on m[0].tokens.
+    out = run_python("examples/train_gpt.py", "--steps", "1", "--stages", "16", "--chunks", "1")
+    assert "tied copies equal after training: True" in out
 
 
 def test_skip_example_trains_and_prints_the_layout():
@@ -258,6 +292,23 @@ def test_distributed_example_trains_on_two_processes():
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 2  # printed by rank 0 only, every 5 steps
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("processes", "error"),
+    [
+        ("0", "argument --processes: must be at least 1, got 0"),
+        ("6", "6 processes, but the model has 5 layers and each process runs at least one"),
+    ],
+    ids=["none", "more-than-layers"],
+)
+def test_distributed_example_refuses_processes_it_cannot_fill(processes, error):
+    # Refused before any process starts: --processes 0 printed nothing and exited 0;
+    # more processes than layers failed in every process with a BalanceError (and six to
+    # eight, each one layer of the old eight, gave a ReLU alone nothing to train).
+    done = start_python("examples/train_distributed.py", "--processes", processes)
+    assert done.returncode == 2, done.stderr
+    assert error in done.stderr
 
 
 @pytest.mark.distributed

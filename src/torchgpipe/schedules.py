@@ -24,6 +24,7 @@ decide them.
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,10 @@ class Schedule:
         micro_batches: the number of micro-batches.
         ranks: for each rank, its actions in the order it runs them.
         placement: the rank of each stage. Default: stage ``s`` on rank ``s % len(ranks)``.
+
+    Raises:
+        TypeError: a count that is not an int, or something other than an Action in ``ranks``.
+        ValueError: a count below 1 (no ranks), or not one rank of ``ranks`` per stage.
     """
 
     stages: int
@@ -105,9 +110,21 @@ class Schedule:
     placement: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.placement:
-            n = len(self.ranks)
-            object.__setattr__(self, "placement", tuple(s % n for s in range(self.stages)))
+        ranks = tuple(tuple(rank) for rank in self.ranks)
+        stages, m, n = _counts(
+            "Schedule", stages=self.stages, micro_batches=self.micro_batches, ranks=len(ranks)
+        )
+        odd = [a for rank in ranks for a in rank if not isinstance(a, Action)]
+        if odd:
+            raise TypeError(f"Schedule: ranks hold {odd[0]!r}, not an Action; see Schedule.parse")
+        placement = tuple(self.placement) or tuple(s % n for s in range(stages))
+        if len(placement) != stages or any(r not in range(n) for r in placement):
+            raise ValueError(
+                f"Schedule: placement {placement} must give each of the {stages} stages one "
+                f"of the {n} ranks (0 to {n - 1}); or leave it out for stage s on rank s % {n}"
+            )
+        # Frozen: set through __dict__ (NumPy counts become ints, lists of actions tuples).
+        self.__dict__.update(stages=stages, micro_batches=m, ranks=ranks, placement=placement)
 
     @property
     def splits_backward(self) -> bool:
@@ -140,6 +157,9 @@ class Schedule:
         """The schedule written ``text`` (one line of actions per rank).
 
         ``stages`` and ``micro_batches`` default to what the actions mention.
+
+        Raises:
+            ValueError: a word is not an action, or ``text`` holds none.
         """
         ranks = tuple(
             tuple(Action.parse(word) for word in line.split())
@@ -147,6 +167,11 @@ class Schedule:
             if line.strip()
         )
         actions = [a for rank in ranks for a in rank]
+        if not actions:
+            raise ValueError(
+                f"Schedule.parse: {text!r} holds no actions; write one line of actions per "
+                f"rank, as in '0F0 0B0\\n1F0 1B0'"
+            )
         return cls(
             stages if stages is not None else 1 + max(a.stage for a in actions),
             micro_batches if micro_batches is not None else 1 + max(a.i for a in actions),
@@ -280,13 +305,22 @@ def simulate(
     """Run ``schedule`` on paper, with ``costs`` per kind of action (or per action).
 
     Each action starts when its rank is free and its dependencies are done, and takes
-    its cost (``{"F": 1, "B": 2, "W": 1}``, or a function of the action).
-    Communication is free.
+    its cost (``{"F": 1, "B": 2}``, with ``"W"`` too when the table splits the backward,
+    or a function of the action). Communication is free.
 
     Raises:
         ScheduleError: the schedule is not valid (see :meth:`Schedule.validate`).
+        ValueError: ``costs`` lacks a kind of action that the table has.
     """
     schedule.validate()
+    if not callable(costs):
+        kinds = {a.kind for rank in schedule.ranks for a in rank}
+        missing = [k for k in "FBW" if k in kinds and k not in costs]
+        if missing:
+            raise ValueError(
+                f"simulate: costs {dict(costs)} has no cost for {', '.join(missing)}, which the "
+                f"table has; give each kind of action its cost, as in {{'F': 1, 'B': 1, 'W': 1}}"
+            )
     cost: Callable[[Action], float] = costs if callable(costs) else (lambda a: float(costs[a.kind]))
     start, end = timeline(schedule, cost)
     makespan = max(end.values())
@@ -346,8 +380,11 @@ def gpipe(n: int, m: int) -> Schedule:
 
     The backwards go from the last micro-batch to the first, as GPipe's do: the last
     forward's activations (not checkpointed with ``'except_last'``) are used at once.
+
+    Raises:
+        TypeError, ValueError: ``n`` or ``m`` is not an int of at least 1.
     """
-    _check(n, m)
+    n, m = _counts("gpipe", n=n, m=m)
     return Schedule(n, m, tuple(
         tuple(Action(s, "F", i) for i in range(m))
         + tuple(Action(s, "B", i) for i in reversed(range(m)))
@@ -360,8 +397,11 @@ def one_f_one_b(n: int, m: int) -> Schedule:
 
     After ``n - s - 1`` warm-up forwards, stage ``s`` alternates one forward and one
     backward, then drains its backwards.
+
+    Raises:
+        TypeError, ValueError: ``n`` or ``m`` is not an int of at least 1.
     """
-    _check(n, m)
+    n, m = _counts("one_f_one_b", n=n, m=m)
     ranks = []
     for s in range(n):
         warmup = min(n - s - 1, m)
@@ -380,11 +420,10 @@ def interleaved_one_f_one_b(n: int, m: int, v: int) -> Schedule:
     ``m`` must be a multiple of ``n``.
 
     Raises:
-        ValueError: ``v`` is not positive or ``m`` not a multiple of ``n``.
+        TypeError, ValueError: ``n``, ``m`` or ``v`` is not an int of at least 1.
+        ValueError: ``m`` is not a multiple of ``n``.
     """
-    _check(n, m)
-    if v < 1:
-        raise ValueError(f"v must be a positive number of virtual stages per rank, got {v}")
+    n, m, v = _counts("interleaved_one_f_one_b", n=n, m=m, v=v)
     if m % n:
         raise ValueError(f"interleaving needs micro-batches in groups of n = {n}; got m = {m}")
     total = m * v
@@ -422,7 +461,11 @@ def zero_bubble_h1(n: int, m: int) -> Schedule:
     waiting for their ``W``), which is 1F1B's peak (that of its first stage). With F,
     B and W of equal cost and ``m >= n``, a stage idles ``n - 1`` units where 1F1B idles
     ``3 (n - 1)``: a third, and the makespan is ``3 m + n - 1``.
+
+    Raises:
+        TypeError, ValueError: ``n`` or ``m`` is not an int of at least 1.
     """
+    n, m = _counts("zero_bubble_h1", n=n, m=m)
     base = one_f_one_b(n, m)
     ranks = []
     for s, order in enumerate(base.ranks):
@@ -438,6 +481,18 @@ def zero_bubble_h1(n: int, m: int) -> Schedule:
     return Schedule(n, m, tuple(ranks))
 
 
-def _check(n: int, m: int) -> None:
-    if n < 1 or m < 1:
-        raise ValueError(f"a schedule needs n >= 1 stages and m >= 1 micro-batches, got {n}, {m}")
+def _counts(where: str, **counts: object) -> list[int]:
+    """Each count as an int of at least 1, or an error that says which one is wrong."""
+    meaning = {"n": "stages", "m": "micro-batches", "v": "virtual stages per rank"}
+    checked = []
+    for name, value in counts.items():
+        what = f"{where}: {name} (the number of {meaning.get(name, name.replace('_', '-'))})"
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"{what} must be a whole number, an int (or a NumPy integer), got "
+                f"{type(value).__name__} {value!r}"
+            )
+        if value < 1:
+            raise ValueError(f"{what} must be at least 1, got {value}")
+        checked.append(int(value))
+    return checked

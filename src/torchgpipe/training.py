@@ -39,6 +39,8 @@ outputs to its weights again.)
 
 from __future__ import annotations
 
+import inspect
+import numbers
 from typing import Any
 
 from torchgpipe.schedules import (
@@ -83,14 +85,15 @@ class PipelineSchedule(TableSteps):
             where the last stage runs.
         table: the schedule: a :class:`~torchgpipe.schedules.Schedule` for exactly the
             number of micro-batches each step will have, or a function from that number
-            to one. Stage ``s`` is partition ``s``. In one process the stages of one rank
-            must share a device; across processes stage ``s`` runs on rank ``s % R`` of
-            the ``R`` processes.
+            to one (``lambda m: one_f_one_b(n, m)``). Stage ``s`` is partition ``s``. In
+            one process the stages of one rank must share a device; across processes
+            stage ``s`` runs on rank ``s % R`` of the ``R`` processes.
         reduction: ``'mean'`` (the default) or ``'sum'``: how the batch's loss is made
             of the micro-batches' (see the module's documentation).
 
     Raises:
-        TypeError: ``pipe`` is neither, or ``loss_fn`` not callable.
+        TypeError: ``pipe`` is neither, ``loss_fn`` not callable, or ``table`` neither a
+            Schedule nor a function of one argument (its text: ``Schedule.parse``).
         ValueError: an unknown reduction, or a table that does not fit the stages.
         ScheduleError: a table that is not valid (see ``Schedule.validate``).
     """
@@ -104,9 +107,15 @@ class PipelineSchedule(TableSteps):
         reduction: Reduction = "mean",
     ) -> None:
         self.pipe = _check_pipe(pipe)
-        self._adopt(loss_fn, table, reduction)
+        self._adopt(loss_fn, _check_table_arg(table), reduction)
 
     def _check_table(self, table: Schedule, m: int) -> None:
+        if not isinstance(table, Schedule):  # what a table function returned
+            raise TypeError(
+                f"the table function returned {type(table).__name__} {table!r:.60} for "
+                f"m = {m} micro-batches, not a Schedule; return one, such as "
+                f"one_f_one_b(n, m) or Schedule.parse(text)"
+            )
         n = len(self.pipe.balance)
         if table.stages != n:
             raise ValueError(
@@ -211,6 +220,16 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     ) -> None:
         pipe = _check_pipe(pipe)
         v = pipe.default_virtual_stages() if virtual_stages is None else virtual_stages
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            v = int(v)  # a NumPy integer, as the table builders take
+        n = len(pipe.balance)
+        if virtual_stages is None and n and n % v:
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            raise ValueError(
+                f"ScheduleInterleaved1F1B: virtual_stages defaults to {v} partitions per "
+                f"rank, which does not divide the {n} partitions; pass virtual_stages= one "
+                f"of {divisors}, or a balance of a multiple of {v} partitions"
+            )
         ranks = pipe.schedule_ranks(v, "ScheduleInterleaved1F1B")
         if pipe.chunks % ranks:
             raise ValueError(
@@ -238,6 +257,35 @@ class ScheduleZeroBubble(PipelineSchedule):
     ) -> None:
         n = _check_pipe(pipe).schedule_ranks(1, "ScheduleZeroBubble")
         super().__init__(pipe, loss_fn, lambda m: zero_bubble_h1(n, m), reduction=reduction)
+
+
+def _check_table_arg(table: object) -> Schedule | TableFor:
+    """``table`` if it is a Schedule or a function of one argument, else a TypeError."""
+    if isinstance(table, Schedule):
+        return table
+    if isinstance(table, str):
+        raise TypeError(
+            f"table is text ({table!r:.40}); read it with "
+            f"torchgpipe.schedules.Schedule.parse(text) and pass the Schedule"
+        )
+    if not callable(table):
+        raise TypeError(
+            f"table must be a torchgpipe.schedules.Schedule or a function from the number "
+            f"of micro-batches to one (lambda m: one_f_one_b(n, m)), got "
+            f"{type(table).__name__} {table!r:.40}"
+        )
+    try:
+        inspect.signature(table).bind(1)
+    except TypeError:  # not callable with m alone: a builder of several arguments?
+        name = getattr(table, "__name__", type(table).__name__)
+        raise TypeError(
+            f"table is called with one argument, the number of micro-batches m, but "
+            f"{name}{inspect.signature(table)} cannot be; pass a function of m alone, "
+            f"such as lambda m: one_f_one_b(n, m)"
+        ) from None
+    except ValueError:  # no signature to read (some built-ins): trust it
+        pass
+    return table
 
 
 def _check_pipe(pipe: Any) -> StageHolder:
