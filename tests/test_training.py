@@ -8,6 +8,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import PopAdd, StashLinear
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.gpipe import Checkpoint
-from torchgpipe.schedules import Schedule, ScheduleError, simulate
+from torchgpipe.schedules import Schedule, ScheduleError, one_f_one_b, simulate
 from torchgpipe.training import (
     PipelineSchedule,
     Schedule1F1B,
@@ -525,3 +526,56 @@ def test_a_short_last_batch_under_interleaving_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="groups of n = 2; got m = 3") as info:
         schedule.step(torch.randn(3, 4), torch.randn(3, 4))
     assert any("drop_last=True" in note for note in info.value.__notes__)
+
+
+# A table that is not one is refused when the schedule is built, or when its function
+# returns something else.
+
+
+def _tiny_pipe(partitions: int) -> GPipe:
+    layers = [nn.Linear(2, 2) for _ in range(partitions)]
+    return GPipe(nn.Sequential(*layers), [1] * partitions, chunks=2)
+
+
+def _squared_error(output: Tensor, target: Tensor) -> Tensor:
+    return ((output - target) ** 2).mean()
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        (5, r"table must be a torchgpipe.schedules.Schedule .* got int 5"),
+        (None, r"table must be a torchgpipe.schedules.Schedule .* got NoneType None"),
+        ("0F0 0B0\n1F0 1B0", r"table is text .*; read it with .*Schedule.parse\(text\)"),
+        (one_f_one_b, r"one argument, the number of micro-batches m, but one_f_one_b\(n"),
+    ],
+    ids=["int", "None", "text", "builder"],
+)
+def test_pipeline_schedule_refuses_a_table_that_is_not_one_when_built(
+    table: Any, match: str
+) -> None:
+    with pytest.raises(TypeError, match=match):
+        PipelineSchedule(_tiny_pipe(2), _squared_error, table)
+
+
+def test_pipeline_schedule_refuses_a_table_function_that_returns_no_schedule() -> None:
+    returns_text: Any = lambda m: "0F0"  # noqa: E731
+    schedule = PipelineSchedule(_tiny_pipe(2), _squared_error, returns_text)
+    with pytest.raises(TypeError, match=r"returned str '0F0' for m = 2 micro-batches, not a"):
+        schedule.step(torch.randn(4, 2), torch.randn(4, 2))
+    good = PipelineSchedule(_tiny_pipe(2), _squared_error, lambda m: one_f_one_b(2, m))
+    assert len(good.step(torch.randn(4, 2), torch.randn(4, 2)).losses) == 2
+
+
+def test_interleaved_schedule_says_its_default_virtual_stages_do_not_fit() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"virtual_stages defaults to 2 partitions per rank, which does not divide the "
+        r"3 partitions; pass virtual_stages= one of \[1, 3\]",
+    ):
+        ScheduleInterleaved1F1B(_tiny_pipe(3), _squared_error)
+    two: Any = np.int64(2)
+    assert (
+        ScheduleInterleaved1F1B(_tiny_pipe(4), _squared_error, virtual_stages=two).virtual_stages
+        == 2
+    )
