@@ -2,6 +2,8 @@
 
 import copy
 import itertools
+import math
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +62,16 @@ def test_solve_is_optimal_for_float_costs(data: st.DataObject) -> None:
     assert _largest(costs, balance) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_solve_is_optimal_for_runs_of_zero_costs(data: st.DataObject) -> None:
+    costs = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 7]), min_size=1, max_size=9))
+    k = data.draw(st.integers(1, len(costs)))
+    balance = solve(costs, k)
+    _check_split(costs, k, balance)
+    assert _largest(costs, balance) == _brute_force(costs, k)
+
+
 def _integer_optimum(costs: list[int], k: int) -> int:
     """For integer costs, the least cap the greedy fill meets, by bisection: exact."""
 
@@ -90,6 +102,44 @@ def test_solve_on_zeros_and_equal_costs() -> None:
     assert solve([0.0] * 5, 3) == [1, 1, 3]  # one group, split at its first even point
     assert solve([1, 1, 1, 1], 4) == [1, 1, 1, 1]
     assert solve([1, 1, 1, 1], 2) == [2, 2]
+
+
+class _Budget(list[int]):
+    """Prefix sums that count their reads, and refuse any read past a budget."""
+
+    def __init__(self, items: list[int], budget: int) -> None:
+        super().__init__(items)
+        self.left = budget
+
+    def __getitem__(self, index: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise AssertionError("over budget: the split reads the costs too often")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize(
+    ("costs", "k"),
+    [
+        ([0] * 20_000, 10_000),
+        ([0] * 4_000, 4_000),
+        ([1 if i % 1000 == 0 else 0 for i in range(20_000)], 5_000),
+        ([(i * 7919) % 101 + 1 for i in range(4_000)], 4_000),
+    ],
+)
+def test_solve_splits_into_many_groups_in_k_log_n_reads(costs: list[int], k: int) -> None:
+    # Filling up to k groups scanned every group and every point of the group split,
+    # for each split: 20,000 zero costs into 10,000 groups took half a minute. Counted
+    # in reads of the prefix sums (not timed): O(k log n), which the old fill exceeds
+    # within a fraction of a second.
+    from torchgpipe.balance.blockpartition import _least_cap, _split
+
+    prefix = list(itertools.accumulate(costs, initial=0))
+    cap = _least_cap(prefix, k)
+    budget = 4 * (k + 1) * math.ceil(math.log2(len(prefix)))
+    balance = _split(_Budget(prefix, budget), k, cap)
+    _check_split(costs, k, balance)
+    assert _largest(costs, balance) == cap == _integer_optimum(costs, k)
 
 
 def test_solve_takes_numpy_and_tensor_scalars() -> None:
@@ -289,6 +339,23 @@ def test_balancing_takes_numpy_integers() -> None:
     assert balance == [1, 1, 1]
     assert all(type(n) is int for n in balance)
     assert solve([1.0, 2.0, 3.0], np.int8(2)) == [2, 1]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("by", ["time", "size"])
+def test_balancing_draws_nothing_from_the_process_wide_generators(by: str) -> None:
+    # Dropout in the profiled layers drew from the default generator, balance_by_time
+    # as many times as its timing passes: what a program drew after balancing depended
+    # on the machine's speed. Profiling draws from generators of its own.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    if by == "time":
+        balance_by_time(2, model, x, timeout=0.01, device="cpu")
+    else:
+        balance_by_size(2, model, x, device="cpu")
+    assert torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("bad", [True, 2.0, "2", None])

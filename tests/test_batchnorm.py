@@ -1,6 +1,7 @@
 """Deferred batch norm, and plain batch norm under checkpointing."""
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -297,3 +298,86 @@ def test_gpipe_sets_the_micro_batches_of_a_deferred_layer() -> None:
     assert deferred.chunks == 3
     assert int(deferred.num_batches_tracked) == 1
     torch.testing.assert_close(deferred.running_mean, reference.running_mean)
+
+
+def _untracked(bn: nn.Module) -> None:
+    bn.track_running_stats = False  # after construction: the buffers are still there
+
+
+def _no_running_stats(bn: nn.Module) -> None:
+    bn.running_mean = bn.running_var = None  # tracking on, nothing to track into
+
+
+def _no_counter(bn: nn.Module) -> None:
+    bn.num_batches_tracked = None
+    bn.momentum = None  # BatchNorm then averages with a factor of 0
+
+
+@pytest.mark.parametrize("prepare", [_untracked, _no_running_stats, _no_counter])
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_deferred_batch_norm_follows_batch_norm_rules_as_they_stand(
+    prepare: Any, when: str, chunks: int
+) -> None:
+    # Deferred layers read track_running_stats and the running statistics at each call,
+    # as BatchNorm does: turned off after construction, the eval forward raised
+    # "running_mean must be defined in evaluation mode"; with the running statistics
+    # set to None, training failed a bare assert.
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    if when == "before":
+        prepare(plain[1])
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=chunks, deferred_batch_norm=True)
+    if when == "after":
+        prepare(plain[1])
+        prepare(model[1])
+    assert isinstance(model[1], DeferredBatchNorm)
+    for _ in range(2):
+        x = torch.randn(9, 3, dtype=torch.float64)
+        expected = plain(x)
+        output = model(x)
+        if chunks == 1:
+            torch.testing.assert_close(output, expected)
+    after, before = model.state_dict(), plain.state_dict()
+    assert list(after) == list(before)
+    for key in before:
+        torch.testing.assert_close(after[key], before[key])
+    plain.eval()
+    model.eval()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    # Each micro-batch alone, as the pipeline sees it: with no running statistics,
+    # evaluation normalizes with the batch's own.
+    expected = torch.cat([plain(piece) for piece in scatter(x, chunks)])
+    torch.testing.assert_close(model(x), expected)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_deferred_batch_norm_refuses_half_running_stats_as_batch_norm(training: bool) -> None:
+    plain = nn.BatchNorm1d(2).train(training)
+    deferred = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain))
+    x = torch.randn(4, 2)
+    for bn in (plain, deferred):
+        bn.running_var = None
+        message = "must either both be None" if training else "running_var must be defined"
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            bn(x)
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape", "message"),
+    [
+        (nn.BatchNorm1d(4), (8, 4, 3, 3), r"expected 2D or 3D input \(got 4D input\)"),
+        (nn.BatchNorm2d(4), (8, 4), r"expected 4D input \(got 2D input\)"),
+        (nn.BatchNorm3d(4), (8, 4, 5), r"expected 5D input \(got 3D input\)"),
+    ],
+)
+def test_deferred_batch_norm_keeps_the_input_check_of_the_layer_it_replaces(
+    layer: nn.Module, shape: tuple[int, ...], message: str
+) -> None:
+    x = torch.randn(shape)
+    with pytest.raises(ValueError, match=message):
+        layer(x)
+    model = GPipe(nn.Sequential(nn.Identity(), layer), [1, 1], chunks=2, deferred_batch_norm=True)
+    with pytest.raises(ValueError, match=message):
+        model(x)
+    # A deferred layer of its own has no class to follow: any batch of channels goes.
+    DeferredBatchNorm(4)(torch.randn(8, 4, 3, 3))

@@ -54,6 +54,23 @@ def test_verify_reports_a_skip_popped_twice() -> None:
         verify_skippables(nn.Sequential(Stash(), Pop(), Pop()))
 
 
+def test_verify_reports_one_module_used_twice() -> None:
+    # named_children() gives a repeated child once: Sequential(down, up, down) passed,
+    # though its one object stashes the same skip twice (isolate cannot tell them apart).
+    down, up = Stash(), Pop()
+    with pytest.raises(
+        TypeError,
+        match=r"'skip' is stashed by layer 0 \(Stash\) and layer 2 \(Stash, the same "
+        r"object as layer 0; use a new instance\)",
+    ):
+        verify_skippables(nn.Sequential(down, up, down))
+    inner = nn.Sequential(nn.Identity(), up)
+    with pytest.raises(TypeError, match=r"popped by layer 1\.1 \(Pop\) and layer 2\.1 \(Pop, the"):
+        verify_skippables(nn.Sequential(down, inner, inner))
+    ns = Namespace()
+    verify_skippables(nn.Sequential(down, up, Stash().isolate(ns), Pop().isolate(ns)))
+
+
 def test_verify_finds_skippables_inside_layers() -> None:
     inner = nn.Sequential(nn.Identity(), Stash())
     with pytest.raises(TypeError, match=r"stashed by layer 0\.1 \(Stash\) but never popped"):

@@ -2,7 +2,10 @@
 
 import copy
 import functools
+import importlib
+import io
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -410,3 +413,47 @@ def test_a_failing_layer_takes_back_its_stash() -> None:
     # Nothing stale is left for a later pop to find.
     with pytest.raises(ValueError, match="popped before any layer stashed it"):
         Pop().isolate(ns)(torch.ones(1))
+
+
+class Block(nn.Module):
+    """A user's layer with a generator forward, made skippable by a call below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return self.linear(x)
+
+
+StashBlock = skippable(stash=["skip"])(Block)  # a call, not a decorator: Block stays
+
+
+def test_a_skippable_made_by_a_call_pickles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The class made takes Block's name, where the module holds Block itself: pickle
+    # refused it ("it's not the same object as ...Block"), and so did torch.save.
+    ns = Namespace("saved")
+    model = nn.Sequential(StashBlock().isolate(ns), Pop().isolate(ns), Stash(), Pop())
+    x = torch.randn(3, 2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    for load in (
+        lambda: torch.load(io.BytesIO(buffer.getvalue()), weights_only=False),
+        lambda: pickle.loads(pickle.dumps(model)),
+        lambda: copy.deepcopy(model),
+    ):
+        loaded = load()
+        assert type(loaded[0]) is StashBlock  # the class of this process, found again
+        assert type(loaded[2]) is Stash  # decorated classes pickle by name, as before
+        torch.testing.assert_close(loaded(x), model(x))
+    # A process that never made StashBlock makes it again from Block and the names.
+    # Imported by name: torchgpipe.skip.skippable, as an attribute, is the decorator.
+    module = importlib.import_module("torchgpipe.skip.skippable")
+    monkeypatch.setattr(module, "_MADE", weakref.WeakValueDictionary())
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert type(loaded[0]) is not StashBlock
+    assert isinstance(loaded[0], Block)
+    assert loaded[0].stash_names == ("skip",)
+    assert loaded[0].skip_key("skip") == SkipKey(ns, "skip")
+    torch.testing.assert_close(loaded(x), model(x))

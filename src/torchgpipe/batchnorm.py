@@ -41,8 +41,10 @@ class DeferredBatchNorm(_BatchNorm):
     statistics are updated after the last of them, as plain ``BatchNorm`` would update
     them seeing the mini-batch at once. ``GPipe(..., deferred_batch_norm=True)`` sets the
     number itself, calling :meth:`expect` before each mini-batch (without that flag, a
-    layer of yours inside GPipe keeps its own ``chunks``). Evaluation uses the running
-    statistics, as ``BatchNorm`` does. Example, on its own::
+    layer of yours inside GPipe keeps its own ``chunks``). Otherwise it follows
+    ``BatchNorm``'s rules as they stand at each call: ``track_running_stats`` and the
+    running statistics may be changed or set to None, and evaluation uses the running
+    statistics, or the batch's where there are none. Example, on its own::
 
         bn = DeferredBatchNorm(64, chunks=4)
         for micro_batch in batch.chunk(4):
@@ -75,10 +77,15 @@ class DeferredBatchNorm(_BatchNorm):
         self._count: Tensor | None = None  # samples per channel merged so far
         self._mean: Tensor | None = None
         self._m2: Tensor | None = None  # sum of squared deviations from the mean
+        # The class of the layer this one replaces (from_batch_norm), whose check of the
+        # input's dimensions this one keeps: BatchNorm2d takes only 4-D input, say.
+        self._checks_as: type[_BatchNorm] | None = None
         self.expect(chunks)
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
+        if self._checks_as is not None:
+            self._checks_as._check_input_dim(self, input)  # the same ValueError as it
+        elif input.dim() < 2:
             raise ValueError(
                 f"DeferredBatchNorm expects input of at least 2 dimensions (batch, "
                 f"channels, ...), got {input.dim()}"
@@ -96,21 +103,34 @@ class DeferredBatchNorm(_BatchNorm):
         self._count = self._mean = self._m2 = None
 
     def forward(self, input: Tensor) -> Tensor:
-        """Normalize ``input``; in training mode, merge its statistics."""
+        """Normalize ``input`` as ``BatchNorm`` would; in training mode, merge its statistics.
+
+        As ``BatchNorm``: training normalizes with the batch's statistics and, while
+        ``track_running_stats`` holds, tracks them (here once per mini-batch: the
+        running mean and variance where they are not None, and ``num_batches_tracked``);
+        evaluation uses the running statistics, or the batch's if both are None.
+        """
         self._check_input_dim(input)
         if not self.training:
+            both_none = self.running_mean is None and self.running_var is None
             return batch_norm(
                 input,
-                self.running_mean if self.track_running_stats else None,
-                self.running_var if self.track_running_stats else None,
+                self.running_mean,
+                self.running_var,
                 self.weight,
                 self.bias,
-                self.running_mean is None,
+                both_none,
                 0.0,
                 self.eps,
             )
-        if self.track_running_stats and not is_recomputing():
-            self._merge(input.detach())
+        if self.track_running_stats:
+            if (self.running_mean is None) != (self.running_var is None):
+                # BatchNorm's own refusal (batch_norm raises it for the pair of them).
+                raise ValueError(
+                    "running_mean and running_var must either both be None or neither be None"
+                )
+            if not is_recomputing():
+                self._merge(input.detach())
         return batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     def _merge(self, x: Tensor) -> None:
@@ -131,25 +151,26 @@ class DeferredBatchNorm(_BatchNorm):
             self._count = total
         self._seen += 1
         if self._seen == self.chunks:
-            self._commit()
+            self._commit(self._count, self._mean, self._m2)
 
-    def _commit(self) -> None:
-        assert self._count is not None
-        assert self._mean is not None
-        assert self._m2 is not None
-        assert self.running_mean is not None
-        assert self.running_var is not None
-        assert isinstance(self.num_batches_tracked, Tensor)
-        count = self._count
-        variance = self._m2 / (count - 1) if count > 1 else self._m2 / count
+    def _commit(self, count: Tensor, mean: Tensor, m2: Tensor) -> None:
+        """Track the mini-batch's statistics as ``BatchNorm`` tracks a batch's.
+
+        What is None is skipped, as ``BatchNorm`` skips it: a running mean or variance
+        set to None is not updated, and without ``num_batches_tracked``,
+        ``momentum=None`` averages with a factor of 0 (the statistics stay as they are).
+        """
+        variance = m2 / (count - 1) if count > 1 else m2 / count
+        factor = 0.0 if self.momentum is None else self.momentum
         with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # a cumulative average over the mini-batches
-                factor = 1.0 / float(self.num_batches_tracked)
-            else:
-                factor = self.momentum
-            self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)
-            self.running_var.lerp_(variance.to(self.running_var.dtype), factor)
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+                if self.momentum is None:  # a cumulative average over the mini-batches
+                    factor = 1.0 / float(self.num_batches_tracked)
+            if self.running_mean is not None:
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+            if self.running_var is not None:
+                self.running_var.lerp_(variance.to(self.running_var.dtype), factor)
         self.expect(self.chunks)
 
     @classmethod
@@ -167,6 +188,7 @@ class DeferredBatchNorm(_BatchNorm):
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             deferred.register_buffer(name, getattr(module, name))
         deferred.train(module.training)
+        deferred._checks_as = type(module)
         return deferred
 
     @overload
@@ -223,6 +245,12 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
 
     Parameters and buffers are shared with the layers replaced, so ``state_dict()``
     keys and values stay as they were. Returns the deferred layers.
+
+    Layers that do not track running statistics are replaced too (torchgpipe 0.0.7
+    left them alone): a deferred layer follows ``BatchNorm``'s rules as they stand at
+    each call, so it computes what the layer replaced would, even if tracking is turned
+    on or off after the conversion. It keeps the replaced class's check of the input's
+    dimensions (``BatchNorm2d`` takes 4-D input only).
 
     Raises:
         ValueError: a lazy batch-norm layer has not been initialized yet.

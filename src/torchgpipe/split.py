@@ -42,7 +42,6 @@ import torch
 from torch import fx, nn
 
 from torchgpipe.materialize import on_meta
-from torchgpipe.rng import own_generators
 from torchgpipe.skip.skippable import Namespace, Skippable
 from torchgpipe.split_capture import (
     ExampleRun,
@@ -210,8 +209,7 @@ def _split(
     from torchgpipe import balance as balancing
 
     solve = balancing.balance_by_time if by == "time" else balancing.balance_by_size
-    with own_generators():  # timing draws no number from the process-wide generators
-        counts = solve(stages, units, example_input)
+    counts = solve(stages, units, example_input)  # own generators: balance/profile.py
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
     return _build(module, graph, [starts[end - 1] for end in ends], kind, names, kinds)
 

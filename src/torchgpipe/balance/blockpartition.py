@@ -20,10 +20,11 @@ optimal for the costs given.
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 import random
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from fractions import Fraction
 from itertools import accumulate, pairwise
@@ -155,19 +156,39 @@ def _ranges(prefix: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
 
 
 def _split(prefix: list[int], k: int, cap: int) -> list[int]:
-    """Exactly ``k`` non-empty groups, none over ``cap`` (which the greedy fill meets)."""
+    """Exactly ``k`` non-empty groups, none over ``cap`` (which the greedy fill meets).
+
+    The greedy fill gives at most ``k`` groups; while there are fewer, the costliest
+    group of more than one item (the first of equals) is split where its larger half
+    is least (the first such point). A heap of the groups and a bisection for each
+    point keep this ``O(k log n)``, also on long runs of zero costs.
+    """
     n = len(prefix) - 1
     bounds = [0]
     while bounds[-1] < n:
         bounds.append(bisect_right(prefix, prefix[bounds[-1]] + cap) - 1)
-    # Fewer than k groups: split the costliest group that has room, at its middle cost.
-    while len(bounds) - 1 < k:
-        splittable = [g for g in range(len(bounds) - 1) if bounds[g + 1] - bounds[g] > 1]
-        g = max(splittable, key=lambda g: prefix[bounds[g + 1]] - prefix[bounds[g]])
-        a, b = bounds[g], bounds[g + 1]
-        middle = min(
-            range(a + 1, b),
-            key=lambda m: max(prefix[m] - prefix[a], prefix[b] - prefix[m]),
-        )
-        bounds.insert(g + 1, middle)
-    return [b - a for a, b in pairwise(bounds)]
+    # (-total, start, end): the costliest first, then the leftmost, as groups are disjoint.
+    heap = [(prefix[a] - prefix[b], a, b) for a, b in pairwise(bounds) if b - a > 1]
+    heapq.heapify(heap)
+    for _ in range(k - (len(bounds) - 1)):
+        _, a, b = heapq.heappop(heap)
+        m = _middle(prefix, a, b)
+        bounds.append(m)
+        for first, last in ((a, m), (m, b)):
+            if last - first > 1:
+                heapq.heappush(heap, (prefix[first] - prefix[last], first, last))
+    return [b - a for a, b in pairwise(sorted(bounds))]
+
+
+def _middle(prefix: list[int], a: int, b: int) -> int:
+    """The first ``m`` in ``(a, b)`` that makes the larger of ``c[a:m]``, ``c[m:b]`` least.
+
+    The left total grows with ``m`` and the right one shrinks: the least is at the
+    first ``m`` where the left one is at least the right one, or just before it, and
+    then at the first ``m`` of the run of equal right totals (zero costs) there.
+    """
+    total = prefix[a] + prefix[b]
+    m = bisect_left(prefix, -(-total // 2), a + 1, b)  # first m: left >= right
+    if m > a + 1 and (m == b or prefix[b] - prefix[m - 1] <= prefix[m] - prefix[a]):
+        return bisect_left(prefix, prefix[m - 1], a + 1, m)
+    return m

@@ -5,6 +5,10 @@ so the model's weights, gradients, training mode and device are left as they wer
 Each layer gets its input detached (a new leaf that needs grad, cloned so that a layer
 may modify it in place), so that its backward stops at its own input. Skips stashed by
 skippable layers are handed on detached as well.
+
+The layers run under generators of the profiling's own (``rng.own_generators``): a
+layer that draws (dropout) advances no process-wide generator, so what a program draws
+after balancing does not depend on it, nor on how many passes the timing made.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe.microbatch import flatten, map_tensors, scatter
+from torchgpipe.rng import own_generators
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import SkipTracker, use_tracker
 
@@ -60,7 +65,7 @@ def _copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
 
 @contextmanager
 def _profiling() -> Iterator[None]:
-    with use_tracker(_DetachingTracker()), torch.enable_grad():
+    with use_tracker(_DetachingTracker()), torch.enable_grad(), own_generators():
         yield
 
 

@@ -87,20 +87,31 @@ class _Use:
 
 
 def _skippables(module: nn.Sequential) -> Iterator[tuple[_Use, Skippable]]:
-    """Every skippable module inside ``module``, with its position and a readable name."""
+    """Every use of a skippable module inside ``module``, with its position and a name.
 
-    def walk(
-        parent: nn.Module, prefix: str, order: tuple[int, ...]
-    ) -> Iterator[tuple[_Use, Skippable]]:
-        ordered = isinstance(parent, nn.Sequential)
-        for index, (name, child) in enumerate(parent.named_children()):
-            path = f"{prefix}.{name}" if prefix else name
-            child_order = (*order, index) if ordered else order
-            if isinstance(child, Skippable):
-                yield _Use(child_order, f"layer {path} ({type(child).__name__})"), child
-            yield from walk(child, path, child_order if ordered else order)
-
-    yield from walk(module, "", ())
+    A module that appears twice (``Sequential(down, up, down)``) is two uses, each in
+    its place: ``named_modules(remove_duplicate=False)`` walks every occurrence, where
+    ``named_children()`` gives a repeated child once and would hide a second stash.
+    """
+    parents: dict[str, tuple[nn.Module, tuple[int, ...]]] = {}
+    children: dict[str, int] = {}  # how many children of each parent were walked so far
+    first: dict[int, str] = {}  # where each skippable module was first met, by id
+    for path, sub in module.named_modules(remove_duplicate=False):  # parents first
+        order: tuple[int, ...] = ()
+        if path:
+            parent_path = path.rpartition(".")[0]
+            parent, order = parents[parent_path]
+            index = children.get(parent_path, 0)
+            children[parent_path] = index + 1
+            if isinstance(parent, nn.Sequential):
+                order = (*order, index)
+            if isinstance(sub, Skippable):
+                where = f"layer {path} ({type(sub).__name__}"
+                if id(sub) in first:  # isolate() cannot tell two uses of one object apart
+                    where += f", the same object as layer {first[id(sub)]}; use a new instance"
+                first.setdefault(id(sub), path)
+                yield _Use(order, f"{where})"), sub
+        parents[path] = (sub, order)
 
 
 def _uses(module: nn.Sequential) -> tuple[dict[SkipKey, list[_Use]], dict[SkipKey, list[_Use]]]:

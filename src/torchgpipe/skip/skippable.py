@@ -31,10 +31,12 @@ without their skips colliding. Names no namespace was given live in a global one
 
 from __future__ import annotations
 
+import sys
 import uuid
+import weakref
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 from torch import Tensor, nn
 
@@ -177,6 +179,21 @@ class Skippable(nn.Module):
         cls._generator_forward = forward
         cls.forward = Skippable.forward  # type: ignore[method-assign]  # the driver
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as any module, or, when its class is out of pickle's reach, rebuilt.
+
+        ``skippable(...)(Base)`` called as a function (not as a decorator) makes a class
+        that takes ``Base``'s name, where the module still holds ``Base``: pickle finds
+        ``Base`` under that name, "not the same object". Such a module is pickled as
+        the decoration of ``Base`` with the same names, redone when it is loaded.
+        """
+        cls = type(self)
+        made: _Made | None = cls.__dict__.get("_skippable_of")
+        if made is None or _reachable(cls):
+            return super().__reduce_ex__(protocol)
+        state = self.__getstate__()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return (_rebuild, made, state)
+
     def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
         """Put this module's skip names (or the names in ``only``) into namespace ``ns``.
 
@@ -300,6 +317,28 @@ class Skippable(nn.Module):
 
 
 ModuleType = TypeVar("ModuleType", bound=type[nn.Module])
+_Made = tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]
+"""What :func:`skippable` made a class of: the class decorated, its stash and pop names."""
+
+_MADE: weakref.WeakValueDictionary[_Made, type[Skippable]] = weakref.WeakValueDictionary()
+"""The class :func:`skippable` last made of each decoration, as long as it lives."""
+
+
+def _reachable(cls: type) -> bool:
+    """Whether pickle finds ``cls`` itself under its module and qualified name."""
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
+
+
+def _rebuild(base: type[nn.Module], stash: tuple[str, ...], pop: tuple[str, ...]) -> Skippable:
+    """An empty module of ``skippable(stash=stash, pop=pop)(base)``, for unpickling."""
+    cls = _MADE.get((base, stash, pop))
+    if cls is None:  # a process that has not decorated base so yet
+        cls = cast(type[Skippable], skippable(stash=stash, pop=pop)(base))
+    module: Skippable = cls.__new__(cls)
+    return module
 
 
 def skippable(
@@ -321,6 +360,10 @@ def skippable(
     The class gets ``stash_names`` and ``pop_names`` (tuples, in declared order), and
     torchgpipe 0.0.7's ``stashable_names`` and ``poppable_names`` (frozensets).
 
+    Called as a function, ``StashBlock = skippable(stash=["skip"])(Block)``, it leaves
+    ``Block`` as it was; modules of ``StashBlock`` still pickle (``torch.save``), as
+    ``Block`` decorated with those names again when they are loaded.
+
     Raises:
         TypeError: the decorated object is not an ``nn.Module`` class.
         ValueError: a name is declared twice, or both stashed and popped.
@@ -341,16 +384,20 @@ def skippable(
         forward: Callable[..., Any] = cls.forward
         if issubclass(cls, Skippable):
             forward = cls._generator_forward
+        made: _Made = (cls, stash_names, pop_names)
         namespace = {
             "stash_names": stash_names,
             "pop_names": pop_names,
             "forward": forward,  # taken aside by Skippable.__init_subclass__
+            "_skippable_of": made,  # for pickling (Skippable.__reduce_ex__)
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
         bases = (cls,) if already else (Skippable, cls)
-        return type(cls.__name__, bases, namespace)  # type: ignore[return-value]  # a subclass of cls
+        decorated: type[Skippable] = type(cls.__name__, bases, namespace)
+        _MADE[made] = decorated
+        return decorated  # type: ignore[return-value]  # a subclass of cls
 
     return decorate
 
