@@ -528,10 +528,12 @@ class _Counts(nn.Module):
         self.weight = nn.Parameter(torch.empty(4))
         self.register_buffer("ids", torch.empty(4, dtype=torch.long), persistent=False)
         self.register_buffer("cache", torch.empty(0), persistent=False)
+        self.register_buffer("seen", torch.empty(4, dtype=torch.uint8), persistent=False)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
         self.ids.data.copy_(torch.arange(4))  # moves no version counter
+        self.seen.data.zero_()  # nor this: zeros, an unsigned tensor's lowest value
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.weight + self.ids
@@ -554,6 +556,7 @@ def test_integer_empty_and_aliased_tensors_are_filled_by_what_can_fill_them() ->
         layers = nn.Sequential(_Counts(), _Alias())
     model = GPipe(layers, [1, 1])
     assert torch.equal(model[0].ids, torch.arange(4))
+    assert torch.equal(model[0].seen, torch.zeros(4, dtype=torch.uint8))
     assert model[1].w is model[1].proj.weight  # one tensor, the child's reset filled it
     assert model[1].w.abs().max() < 1  # Linear's reset: U(-1/2, 1/2), not the mark
     assert not model[1].w.isnan().any()
@@ -735,3 +738,99 @@ def test_a_stage_that_fails_to_start_leaves_every_processs_model_as_it_was() -> 
     for model in models:
         assert type(model[1]) is nn.BatchNorm1d
         assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+class _EmbeddingAndHead(nn.Module):
+    """A tie inside one layer, as a language model's: the head takes the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(300, 16)
+        self.head = nn.Linear(16, 300, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.embedding(x))
+
+
+class _Replaces(nn.Module):
+    """A tie inside one layer whose first holder has no reset and whose second
+    replaces its parameter rather than filling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.ParameterDict({"w": nn.Parameter(torch.empty(4, 4))})
+        self.linear = nn.Linear(4, 4, bias=False)
+        self.linear.weight = self.table["w"]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+def _new_weight(linear: nn.Linear) -> None:
+    linear.weight = nn.Parameter(torch.full_like(linear.weight, 0.25))
+
+
+def test_a_tie_inside_a_layer_keeps_its_first_filled_holders_values() -> None:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        layers = nn.Sequential(_EmbeddingAndHead(), nn.Identity())
+    model = GPipe(layers, [1, 1])
+    weight = model[0].embedding.weight
+    assert model[0].head.weight is weight
+    assert 0.8 < float(weight.detach().std()) < 1.2  # Embedding's N(0, 1), not Linear's bound
+    with torch.device("meta"):
+        layers = nn.Sequential(_Replaces(), nn.Identity())
+    layers[0].linear.reset_parameters = lambda: _new_weight(layers[0].linear)  # type: ignore[method-assign]
+    model = GPipe(layers, [1, 1])
+    assert model[0].table["w"] is model[0].linear.weight
+    assert torch.equal(model[0].linear.weight, torch.full((4, 4), 0.25))
+
+
+def test_a_parents_reset_runs_after_its_childrens_as_its_constructor_ran() -> None:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        layers = nn.Sequential(
+            nn.Transformer(8, 2, 1, 1, 64, dropout=0.0, batch_first=True), nn.Identity()
+        )
+    model = GPipe(layers, [1, 1])
+    weight = model[0].encoder.layers[0].linear1.weight  # (64, 8): xavier, not kaiming
+    assert float(weight.detach().abs().max()) <= (6 / (8 + 64)) ** 0.5  # kaiming's: 8**-0.5
+
+
+def test_a_split_model_with_a_tie_loads_the_plain_models_state_dict() -> None:
+    from split_models import TinyGPT
+
+    from torchgpipe import split
+
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    ids = torch.randint(0, 32, (4, 8))
+    with torch.device("meta"):
+        meta = split(TinyGPT(), ids.to("meta"), at=["blocks.1"])
+    model = GPipe(meta, [1, 1], state_dict=plain.state_dict())
+    torch.testing.assert_close(model(ids), plain(ids))
+
+
+def test_a_refusal_puts_back_the_values_a_state_dict_loaded_into_real_layers() -> None:
+    real = nn.Linear(4, 4)
+    before = real.weight.detach().clone()
+    with torch.device("meta"):
+        rest = [nn.Linear(4, 4), _Rotary()]
+    layers = nn.Sequential(real, *rest)
+    saved = {k: torch.full_like(v, 7.0, device="cpu") for k, v in layers.state_dict().items()}
+    with pytest.raises(ValueError, match=r"left 2\.frequencies as allocated"):
+        GPipe(layers, [1, 2], state_dict=saved)
+    assert torch.equal(real.weight, before)
+    assert layers[0] is real
+
+
+def test_a_parent_module_cannot_move_or_wipe_a_gpipe() -> None:
+    model = GPipe(mlp(), [4, 4])
+    parent = nn.ModuleDict({"pipe": model})
+    for move in (lambda: parent.to("meta"), lambda: parent.to_empty(device="cpu")):
+        with pytest.raises(TypeError, match="cannot be moved as a whole"):
+            move()
+    assert not any(p.is_meta for p in model.parameters())
+    assert parent.to(torch.float64) is parent  # a dtype change still reaches it
+    assert all(p.dtype == torch.float64 for p in model.parameters())

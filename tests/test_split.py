@@ -806,6 +806,17 @@ def test_split_refuses_a_python_random_draw_and_leaves_random_as_it_was() -> Non
         split(LayerDrop(), torch.randn(3, 4), at=["b"])
     assert random.random is draw
 
+    kept: list[Callable[[], float]] = []
+
+    class Keeps(_Pair):  # as code that imports random's functions while a split runs
+        def forward(self, x: Tensor) -> Tensor:
+            kept.append(random.random)
+            return self.b(self.a(x))
+
+    split(Keeps(), torch.randn(3, 4), at=["b"])
+    assert random.random is draw
+    assert 0 <= kept[0]() < 1  # what it kept draws as ever once the split is over
+
 
 def test_split_refuses_an_in_place_module_on_an_earlier_stages_value() -> None:
     class InPlace(_Pair):
@@ -903,3 +914,52 @@ def test_a_reassigned_buffer_is_named_and_updating_it_in_place_is_advised() -> N
 
     with pytest.raises(SplitError, match=r"\(self\.ema .*update it in place, self\.ema\.mul_"):
         split(Average(), torch.randn(3, 4), at=["b"])
+
+
+class _Convs(nn.Module):
+    """VGG's pattern: a convolution, then an in-place ReLU on what it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.ReLU(inplace=True),
+        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_an_in_place_module_on_a_value_nothing_else_reads_may_start_a_stage(
+    checkpoint: str,
+) -> None:
+    torch.manual_seed(0)
+    plain, x = _Convs(), torch.randn(4, 2, 4, 4)
+    for stages in (split(plain, x, at=["features.1", "features.3"]), split(plain, x, stages=3)):
+        model = GPipe(copy.deepcopy(stages), [1] * len(stages), chunks=2, checkpoint=checkpoint)
+        model(x).square().sum().backward()
+        plain.zero_grad()
+        plain(x).square().sum().backward()
+        _assert_close(_pipe_grads(model), _grads(plain))
+
+
+def test_processes_step_a_split_model_whose_stage_starts_in_place() -> None:
+    from test_nccl_transport import _play
+
+    torch.manual_seed(0)
+    plain = _Convs()
+    x, y = torch.randn(8, 2, 4, 4), torch.randn(8, 3)
+    build = lambda: split(copy.deepcopy(plain), x, at=["features.1"])  # noqa: E731
+    results, rules = _play(2, "1f1b", build, [(x, y)], chunks=4, checkpoint="except_last")
+    rules.check()
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    F.mse_loss(plain(x), y).backward()
+    grads: dict[str, Tensor] = {}
+    for steps, _ in results:
+        grads.update({name.partition(".")[2]: grad for name, grad in steps[0][2].items()})
+    _assert_close(grads, _grads(plain))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, ClassVar, NoReturn, TypeAlias
 
 import torch
@@ -115,6 +116,22 @@ class PlacedModule(nn.Module):
         raise TypeError(self.move_refused)
 
     cpu = xpu = ipu = mtia = to_empty = cuda
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PlacedModule:
+        # What a parent module's .to(), .cuda() or .to_empty() does to this one: refused
+        # as calling them here is, by trying the change on a tensor of each device held.
+        # A dtype change gives another dtype, .to() with nothing to change the tensor
+        # itself; the same dtype on a new tensor is a copy or a wipe (to_empty).
+        held = {t.device for t in chain(self.parameters(), self.buffers())}
+        for device in held:
+            probe = torch.zeros(1, device=device)
+            changed = fn(probe)
+            if not isinstance(changed, Tensor) or changed.device != device:
+                raise TypeError(self.move_refused)
+            if changed is not probe and changed.dtype == probe.dtype:
+                raise TypeError(self.move_refused)
+        applied: PlacedModule = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        return applied
 
 
 def _names_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -174,7 +174,7 @@ class GPipe(PlacedModule, StageHolder):
         # Every check has passed: from here on the module is changed (batch norm layers
         # replaced in place, as torchgpipe did) and placed; a refusal that comes only
         # now (a reset that left a tensor unfilled) puts it back as it was.
-        undo = Undo(module)
+        undo = Undo(module, loaded=fill.loaded(layers))
         try:
             self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
             for name, layer in module.named_children():

@@ -89,6 +89,13 @@ class Fill:
 
     init: Init | None = None
     state_dict: Mapping[str, Tensor] | None = None
+
+    def loaded(self, layers: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+        """The layers among ``layers`` with values that the state dict loads into."""
+        if self.state_dict is None:
+            return []
+        return [layer for _, layer in layers if not on_meta(layer)]
+
     watched: dict[int, tuple[int, Tensor]] = field(default_factory=dict)
     """The meta tensors a reset is to fill, by ``id``, with the ``id`` of the layer whose
     resets must fill it (its first holder's): checked once they ran."""
@@ -128,12 +135,12 @@ def materialize(layers: list[tuple[str, nn.Module]], device: torch.device, fill:
             continue
         held = _holders(layer)  # before it is allocated
         layer.to_empty(device=device)
-        _retie(held, {})  # holders inside the layer share one tensor before any fill
         with torch.no_grad():
             if fill.init is not None:
+                _retie(held, {})  # holders inside the layer share one tensor
                 fill.init(layer)
             else:
-                reset(layer, held, fill.watched, prefix)
+                reset(layer, held, fill.watched, prefix)  # and ties inside the layer
                 if fill.state_dict is not None:
                     _load(layer, prefix, fill.state_dict)  # the state dict's values win
         _retie(held, made)
@@ -227,9 +234,10 @@ def check_materializable(
 
 def _check_keys(state_dict: Mapping[str, Tensor], whole: list[tuple[str, nn.Module]]) -> None:
     """Refuse a state dict with keys the model lacks, or with meta tensors."""
-    known = {
-        key_prefix(name, layer) + key
+    known = {  # a split model's stage answers to the model's keys and to its own
+        prefix + key
         for name, layer in whole
+        for prefix in {key_prefix(name, layer), f"{name}."}
         for key in layer.state_dict(keep_vars=True)
     }
     unknown = sorted(key for key in state_dict if key not in known)

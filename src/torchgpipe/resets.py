@@ -7,6 +7,7 @@ or in part, is refused once they ran (:func:`reset`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,40 +30,61 @@ def own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 def reset(
     layer: nn.Module, held: list[Holder], watched: dict[int, tuple[int, Tensor]], prefix: str
 ) -> None:
-    """Reset every module of ``layer`` that holds tensors and can, children first.
+    """Reset every module of ``layer`` that can, children first; then tie what it ties.
 
-    ``held``: the layer's holders before allocation (:func:`_holders`); ``watched``:
-    the meta tensors a reset is to fill (:attr:`Fill.watched`); ``prefix``: what the
-    layer's keys start with in the model's, for errors.
+    ``held``: the layer's holders before allocation (:func:`materialize._holders`);
+    ``watched``: the meta tensors a reset is to fill (:attr:`Fill.watched`);
+    ``prefix``: what the layer's keys start with in the model's, for errors.
 
-    Each watched tensor is first marked: NaN when floating, the dtype's lowest value
-    for integers, ``True`` for booleans. It is found unfilled (:meth:`_Mark.unfilled`)
-    when no reset replaced it in any holder and it still holds a NaN (floating), or,
-    for integers, no reset wrote it in place (its version counter) nor through
-    ``.data`` (its storage, or its values).
+    ``to_empty`` gave each holder of a tensor tied inside the layer (a head and an
+    embedding, a module and its parent) one of its own, and each module's reset fills
+    its own, as the plain model's constructors did. Then every holder takes the tensor
+    of the first holder that a reset filled: the first holder's, as ``head.weight =
+    embedding.weight`` keeps the embedding's, unless nothing filled it (a parent that
+    holds its child's weight and has no reset).
+
+    Each watched tensor is first marked: NaN when floating, an extreme value for
+    integers (the lowest, or the highest when unsigned), ``True`` for booleans. A
+    holder's tensor counts as filled when a reset replaced it, or it holds no NaN
+    (floating), or, for integers, a reset wrote it in place (its version counter) or
+    through ``.data`` (its storage, or any value).
 
     Raises:
-        ValueError: the resets left a watched tensor as allocated.
+        ValueError: no reset filled a watched tensor, wholly, in any of its holders.
     """
     paths: dict[int, str] = {}
     for path, module in layer.named_modules(remove_duplicate=False):
         paths.setdefault(id(module), path)
-    marks: dict[int, _Mark] = {}
+    groups: dict[int, list[_Mark]] = {}  # a meta tensor's id: a mark per holder
     for key, module, name in held:
-        if key in watched and watched[key][0] == id(layer):
-            tensor = _slot(module, name)
-            assert tensor is not None  # a holder holds a tensor
-            if key not in marks and _markable(tensor):
-                _mark(tensor)
-                key_name = prefix + join(paths[id(module)], name)
-                marks[key] = _Mark(tensor, tensor._version, tensor.data_ptr(), key_name, [])
-            if key in marks:
-                marks[key].holders.append((module, name))
+        tensor = _slot(module, name)
+        assert tensor is not None  # a holder holds a tensor
+        mine = key in watched and watched[key][0] == id(layer) and _markable(tensor.dtype)
+        shown = prefix + join(paths[id(module)], name)
+        groups.setdefault(key, []).append(_Mark(tensor, module, name, shown, mine))
+    for mark in {id(m.tensor): m for group in groups.values() for m in group}.values():
+        if mark.watched:
+            _mark(mark.tensor)
+    for group in groups.values():  # once every tensor is marked: versions as they are now
+        for mark in group:
+            mark.version, mark.pointer = mark.tensor._version, mark.tensor.data_ptr()
     for _, module in _children_first(layer, ""):
         reset = reset_of(module)
-        if reset is not None and own_tensors(module):
+        if reset is not None:
             reset()
-    left = [mark.name for mark in marks.values() if mark.unfilled()]
+    left = []
+    for group in groups.values():
+        kept = next((mark.now() for mark in group if not mark.watched or mark.filled()), None)
+        if kept is None:
+            left.append(group[0].shown)
+            continue
+        for mark in group:
+            table = (
+                mark.module._parameters
+                if mark.name in mark.module._parameters
+                else mark.module._buffers
+            )
+            table[mark.name] = kept  # type: ignore[assignment]  # a parameter's holder keeps one
     if left:
         where = prefix.removesuffix(".") or type(layer).__name__
         raise ValueError(
@@ -81,58 +103,65 @@ def _slot(module: nn.Module, name: str) -> Tensor | None:
 
 @dataclass
 class _Mark:
-    """A tensor marked before the resets ran, as it was then."""
+    """A holder's tensor, marked (when ``watched``) before the resets ran."""
 
     tensor: Tensor
-    version: int
-    pointer: int
+    module: nn.Module
     name: str
-    holders: list[tuple[nn.Module, str]]
+    shown: str  # its key, for errors
+    watched: bool
+    version: int = 0
+    pointer: int = 0
 
-    def unfilled(self) -> bool:
-        """Whether the resets left the tensor, or part of it, as marked.
+    def now(self) -> Tensor:
+        """The tensor the holder holds now (a reset may have replaced it)."""
+        tensor = _slot(self.module, self.name)
+        assert tensor is not None  # a reset replaces a tensor, it does not drop it
+        return tensor
 
-        Not when a holder now holds another tensor. A floating tensor still holding a
-        NaN was not wholly written; an integer one counts as written once its version
-        or its storage changed, or any value differs from the mark.
-        """
-        if any(_slot(module, name) is not self.tensor for module, name in self.holders):
-            return False
+    def filled(self) -> bool:
+        """Whether a reset replaced the tensor, or wrote all of it (see :func:`reset`)."""
+        if self.now() is not self.tensor:
+            return True
         flat = self.tensor.detach().reshape(-1)
         if self.tensor.is_floating_point() or self.tensor.is_complex():
-            return any(bool(part.isnan().any()) for part in flat.split(_PIECE))
+            return not any(bool(part.isnan().any()) for part in flat.split(_PIECE))
         if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
-            return False
-        mark = _MARKS[self.tensor.dtype] if self.tensor.dtype in _MARKS else _lowest(flat)
-        return all(bool((part == mark).all()) for part in flat.split(_PIECE))
+            return True
+        mark = _sentinel(self.tensor.dtype)
+        return not all(bool((part == mark).all()) for part in flat.split(_PIECE))
 
 
 _PIECE = 1 << 24  # elements looked at a time: a bounded temporary, whatever the tensor
-_MARKS: dict[torch.dtype, bool] = {torch.bool: True}
 
 
-def _lowest(tensor: Tensor) -> int:
-    return torch.iinfo(tensor.dtype).min
+def _sentinel(dtype: torch.dtype) -> bool | int:
+    """What marks an integer or boolean tensor: True, or an extreme of its dtype."""
+    if dtype == torch.bool:
+        return True
+    info = torch.iinfo(dtype)
+    return info.max if info.min == 0 else info.min
 
 
-def _markable(tensor: Tensor) -> bool:
-    """Whether :func:`_mark` and its check work for ``tensor``'s dtype (not quantized...)."""
-    probe = torch.empty(1, dtype=tensor.dtype)
+@functools.cache
+def _markable(dtype: torch.dtype) -> bool:
+    """Whether :func:`_mark` and its check work for ``dtype`` (not quantized...)."""
+    probe = torch.empty(1, dtype=dtype)
     try:
         _mark(probe)
         if probe.is_floating_point() or probe.is_complex():
             return bool(probe.isnan().all())
-        return bool((probe == (_MARKS.get(probe.dtype) or _lowest(probe))).all())
+        return bool((probe == _sentinel(dtype)).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False  # left to its reset, unchecked
 
 
 def _mark(tensor: Tensor) -> None:
-    """Fill ``tensor`` with what no reset is likely to write: NaN, a lowest integer, True."""
+    """Fill ``tensor`` with what no reset is likely to write (see :func:`reset`)."""
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.data.fill_(math.nan)
     else:
-        tensor.data.fill_(_MARKS[tensor.dtype] if tensor.dtype in _MARKS else _lowest(tensor))
+        tensor.data.fill_(_sentinel(tensor.dtype))
 
 
 def reset_of(module: nn.Module) -> Callable[[], object] | None:

@@ -205,7 +205,7 @@ def _split(
     graph = trace_into(module, stages, concrete)
     kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
     starts = candidates(graph)
-    units = _build(module, graph, starts, kind, names, kinds)
+    units = _build(module, graph, starts, kind, names, kinds, final=False)
     from torchgpipe import balance as balancing
 
     solve = balancing.balance_by_time if by == "time" else balancing.balance_by_size
@@ -240,7 +240,14 @@ def _build(
     kind: InputKind,
     names: tuple[str, ...],
     kinds: dict[fx.Node, Kind],
+    *,
+    final: bool = True,
 ) -> nn.Sequential:
+    """The stages of ``graph`` cut before the calls at ``cuts``.
+
+    Not ``final``: the pieces ``stages=k`` profiles, cut at every candidate; a change
+    in place across their cuts is refused only if the stages chosen keep it.
+    """
     compute = compute_nodes(graph)
     count = len(cuts) + 1
     stage_of: dict[fx.Node, int] = {n: bisect.bisect_right(cuts, k) for k, n in enumerate(compute)}
@@ -249,7 +256,8 @@ def _build(
     for node in inputs:
         stage_of[node] = 0
     output = next(node for node in graph.nodes if node.op == "output")
-    _check_in_place(module, compute, stage_of)
+    if final:
+        _check_in_place(module, compute, stage_of)
 
     # Which earlier values each stage uses, and how each travels there.
     tensors = {node for node, (kind, _) in kinds.items() if kind == "tensor"}
@@ -416,14 +424,18 @@ def _check_in_place(
 
     A stage gets its own handle on a value from an earlier one (its input, a skip, a
     tensor received from another process): a change made there would not reach the
-    stages that read the value as a skip, the gradients would follow the value as it
-    was, and across processes the backward fails.
+    stages that read the value as a skip, and the gradients would follow the value as
+    it was. A change nothing else sees (the value's one use) is fine: the pipeline
+    gives a stage inputs it may change, as it does for a partition that starts with
+    ``nn.ReLU(inplace=True)``.
     """
     problems = []
     for node in compute:
         value = _changed_in_place(module, node)
         if value is None or value.op == "get_attr" or stage_of[value] >= stage_of[node]:
             continue
+        if set(value.users) == {node}:
+            continue  # read by nothing else (nn.ReLU(inplace=True) after a conv): unseen
         problems.append(
             f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
             f"changed in place by {getattr(node.target, '__name__', node.target)} in stage "

@@ -94,38 +94,65 @@ _PYTHON_DRAWS = (
 )
 
 
+class _PythonDraws(threading.local):
+    """Which model this thread is tracing (None: none), for the wrappers of ``random``."""
+
+    model: str | None = None
+
+
+_TRACING = _PythonDraws()
+_INSTALLED: dict[str, Any] = {}  # name: the original function, while wrappers are in
+_USERS = [0]  # splits under way, in any thread
+_LOCK = threading.Lock()
+
+
+def _refusing(name: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        model = _TRACING.model
+        if model is None:  # another thread, or after the split: as ever
+            return original(*args, **kwargs)
+        raise SplitError(
+            f"cannot split {model}: random.{name}(...){user_line()} draws a Python "
+            f"random number, and torch.fx runs Python code once, at split time: every "
+            f"call would take the branch drawn then; draw from torch instead "
+            f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
+            f"split calls whole"
+        )
+
+    draw.__torchgpipe_wraps__ = original  # type: ignore[attr-defined]
+    return draw
+
+
 @contextmanager
 def python_draws_refused(model: str) -> Iterator[None]:
     """Refuse a draw from Python's ``random`` module by the traced forward.
 
     fx runs Python code once, at trace time: a draw there (LayerDrop's
-    ``random.random() < p``) would pick one branch for every call. Other threads keep
-    drawing as they did.
+    ``random.random() < p``) would pick one branch for every call. The module's
+    functions are wrapped while any split is under way; a wrapper refuses only in a
+    thread that is tracing, so other threads (and code that imported a wrapper) keep
+    drawing as they did. The last split to end puts back each function still wrapped.
     """
-    tracing = threading.get_ident()
-    originals = {name: getattr(random, name) for name in _PYTHON_DRAWS}
-
-    def refusing(name: str) -> Any:
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != tracing:
-                return originals[name](*args, **kwargs)
-            raise SplitError(
-                f"cannot split {model}: random.{name}(...){user_line()} draws a Python "
-                f"random number, and torch.fx runs Python code once, at split time: every "
-                f"call would take the branch drawn then; draw from torch instead "
-                f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
-                f"split calls whole"
-            )
-
-        return draw
-
+    with _LOCK:
+        if not _USERS[0]:
+            for name in _PYTHON_DRAWS:
+                original = getattr(random, name)
+                _INSTALLED[name] = original
+                setattr(random, name, _refusing(name, original))
+        _USERS[0] += 1
+    outer, _TRACING.model = _TRACING.model, model
     try:
-        for name in _PYTHON_DRAWS:
-            setattr(random, name, refusing(name))
         yield
     finally:
-        for name, original in originals.items():
-            setattr(random, name, original)
+        _TRACING.model = outer
+        with _LOCK:
+            _USERS[0] -= 1
+            if not _USERS[0]:
+                for name, original in _INSTALLED.items():
+                    if getattr(getattr(random, name), "__torchgpipe_wraps__", None) is original:
+                        setattr(random, name, original)  # not if someone replaced it since
+                _INSTALLED.clear()
 
 
 def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:

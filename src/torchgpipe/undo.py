@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import chain
 from typing import TypeVar
 
+import torch
 from torch import nn
 
 __all__ = ["Undo"]
@@ -20,7 +23,13 @@ class Undo:
     parameters moved included, so the model can be given again, as it was.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, loaded: Iterable[nn.Module] = ()) -> None:
+        """Keep what ``module`` holds; of the layers in ``loaded``, their values too.
+
+        ``loaded``: layers with values that a state dict will be loaded into in place
+        (layers built outside the meta device among meta ones); the others' tensors are
+        replaced, not written, so keeping the tensors keeps their values.
+        """
         self._kept = [
             (
                 m,
@@ -30,6 +39,11 @@ class Undo:
                 {name: p.data for name, p in m._parameters.items() if p is not None},
             )
             for m in module.modules()
+        ]
+        self._values = [
+            (t, t.detach().clone())
+            for layer in loaded
+            for t in chain(layer.parameters(), layer.buffers())
         ]
 
     def __call__(self) -> None:
@@ -42,6 +56,9 @@ class Undo:
                 parameter = parameters[name]
                 assert parameter is not None  # only those were kept
                 parameter.data = value  # where .to(device) moved it, back
+        with torch.no_grad():
+            for tensor, value in self._values:
+                tensor.copy_(value)
 
 
 V = TypeVar("V")

@@ -194,7 +194,7 @@ class PipelineStage(PlacedModule, StageHolder):
         # What follows may fail here alone (a state dict without a key of these layers),
         # while the others wait for this process's fingerprint: they must hear of it.
         outcome: dict[str, Any] | Exception
-        undo = Undo(module)  # a stage that fails to start leaves the model as it was
+        undo = Undo(module, loaded=module if state_dict is not None else ())  # see below
         try:
             outcome = self._build(module, init=init, state_dict=state_dict)
         except Exception as error:
@@ -204,8 +204,8 @@ class PipelineStage(PlacedModule, StageHolder):
             self._across = AcrossRanks(transport)
             self._across.align(self._ties)
         except BaseException:
-            self._stop_listening()  # ... and no thread behind
-            undo()
+            self._stop_listening()  # a stage that failed to start leaves no thread behind,
+            undo()  # and the model as it was (values loaded from state_dict= included)
             raise
 
     def _build(
