@@ -1,5 +1,9 @@
 """Schedules as data: text form, validation with a dry run, simulation, grid."""
 
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
 import pytest
 
 from torchgpipe.schedules import (
@@ -167,6 +171,11 @@ def test_schedule_refuses_a_placement_that_is_not_one_rank_per_stage() -> None:
         Schedule(2, 1, ranks, placement=(0,))
     with pytest.raises(ValueError, match=r"one of the 2 ranks \(0 to 1\)"):
         Schedule(2, 1, ranks, placement=(0, 5))
+    for odd in [(True, False), (0.0, 1.0)]:  # ranks are ints, not what equals one
+        with pytest.raises(ValueError, match=r"must give each of the 2 stages one of"):
+            Schedule(2, 1, ranks, placement=odd)  # type: ignore[arg-type]
+    numpy_ranks: Any = [np.int64(0), np.int64(1)]
+    assert Schedule(2, 1, ranks, placement=numpy_ranks).placement == (0, 1)
     with pytest.raises(ValueError, match=r"ranks \(the number of ranks\) must be at least 1"):
         Schedule(1, 1, ())
     with pytest.raises(TypeError, match=r"ranks hold '0F0', not an Action"):
@@ -229,5 +238,7 @@ def test_simulate_names_the_kinds_of_action_without_a_cost() -> None:
         simulate(zero_bubble_h1(2, 2), {"F": 1, "B": 2})
     with pytest.raises(ValueError, match=r"has no cost for B, W"):
         simulate(zero_bubble_h1(2, 2), {"F": 1})
+    # A mapping that has a cost for any kind needs none named.
+    assert simulate(zero_bubble_h1(2, 2), defaultdict(lambda: 1.0)).makespan > 0
     # A cost for a kind the table lacks is no harm.
     assert simulate(one_f_one_b(2, 2), {"F": 1, "B": 2, "W": 1}).makespan == 3 * (2 + 2 - 1)

@@ -438,6 +438,7 @@ def test_a_skippable_made_by_a_call_pickles(monkeypatch: pytest.MonkeyPatch) -> 
     x = torch.randn(3, 2)
     buffer = io.BytesIO()
     torch.save(model, buffer)
+    again = skippable(stash=["skip"])(Block)  # the same decoration, another class
     for load in (
         lambda: torch.load(io.BytesIO(buffer.getvalue()), weights_only=False),
         lambda: pickle.loads(pickle.dumps(model)),
@@ -445,6 +446,7 @@ def test_a_skippable_made_by_a_call_pickles(monkeypatch: pytest.MonkeyPatch) -> 
     ):
         loaded = load()
         assert type(loaded[0]) is StashBlock  # the class of this process, found again
+        assert type(loaded[0]) is not again
         assert type(loaded[2]) is Stash  # decorated classes pickle by name, as before
         torch.testing.assert_close(loaded(x), model(x))
     # A process that never made StashBlock makes it again from Block and the names.

@@ -5,6 +5,7 @@ import gc
 import json
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -400,3 +401,76 @@ def test_waiting_for_the_previous_stage_is_not_a_copy() -> None:
     copies = [e for e in trace.events if e.j == 1 and e.kind == "copy"]
     assert copies
     assert all(e.end - e.start < 0.025 for e in copies)
+
+
+class _FailsOnce(torch.autograd.Function):
+    """Identity whose first backward raises."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if not _FailsOnce.failed:
+            _FailsOnce.failed = True
+            raise RuntimeError("the first backward fails")
+        return grad
+
+
+class _Fails(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _FailsOnce.apply(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.usefixtures("engine_backward")
+@pytest.mark.parametrize("input_wants_grad", [False, True])
+def test_engine_backward_run_again_after_a_failure_records_spans_of_one_run(
+    input_wants_grad: bool,
+) -> None:
+    # A span whose first backward failed before it ended took its start from that run,
+    # and so straddled the time between the two.
+    _FailsOnce.failed = False
+    layers = nn.Sequential(nn.Linear(8, 8), _Fails(), nn.Linear(8, 8), nn.Linear(8, 8))
+    model = GPipe(layers, [2, 2], chunks=2, checkpoint="never")
+    x = torch.randn(4, 8, requires_grad=input_wants_grad)
+    with model.trace() as trace:
+        out = model(x)
+    with pytest.raises(RuntimeError, match="the first backward fails"):
+        out.sum().backward(retain_graph=True)
+    failed = time.perf_counter()
+    out.sum().backward()
+    spans = [e for e in trace.events if e.kind == "backward"]
+    assert {(e.j, e.i) for e in spans} == {(j, i) for j in range(2) for i in range(2)}
+    assert all(e.end <= failed or e.start >= failed for e in spans)
+
+
+class _Complex(nn.Module):
+    """A layer whose output is complex: the next partition's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.polar(torch.ones_like(x), self.linear(x))
+
+
+class _Magnitude(nn.Module):
+    def forward(self, z: Tensor) -> Tensor:
+        return z.abs()
+
+
+@pytest.mark.usefixtures("engine_backward")
+def test_engine_backward_spans_end_at_a_complex_input() -> None:
+    # A complex input was taken for one that needs no gradient: the span of the
+    # partition it entered ran on into the previous partition's backward.
+    model = GPipe(nn.Sequential(_Complex(), _Magnitude(), nn.Linear(8, 2)), [1, 2], chunks=2)
+    with model.trace() as trace:
+        out = model(torch.randn(4, 8))
+    out.sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    for i in range(2):
+        assert backward[(i, 1)].end <= backward[(i, 0)].start

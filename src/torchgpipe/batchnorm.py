@@ -77,8 +77,8 @@ class DeferredBatchNorm(_BatchNorm):
         self._count: Tensor | None = None  # samples per channel merged so far
         self._mean: Tensor | None = None
         self._m2: Tensor | None = None  # sum of squared deviations from the mean
-        # The class of the layer this one replaces (from_batch_norm), whose check of the
-        # input's dimensions this one keeps: BatchNorm2d takes only 4-D input, say.
+        # torch's class of the layer this one replaces (from_batch_norm), whose check of
+        # the input's dimensions this one keeps: BatchNorm2d takes only 4-D input, say.
         self._checks_as: type[_BatchNorm] | None = None
         self.expect(chunks)
 
@@ -123,15 +123,15 @@ class DeferredBatchNorm(_BatchNorm):
                 0.0,
                 self.eps,
             )
-        if self.track_running_stats:
-            if (self.running_mean is None) != (self.running_var is None):
-                # BatchNorm's own refusal (batch_norm raises it for the pair of them).
-                raise ValueError(
-                    "running_mean and running_var must either both be None or neither be None"
-                )
-            if not is_recomputing():
-                self._merge(input.detach())
-        return batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if self.track_running_stats and (self.running_mean is None) != (self.running_var is None):
+            # BatchNorm's own refusal (batch_norm raises it for the pair of them).
+            raise ValueError(
+                "running_mean and running_var must either both be None or neither be None"
+            )
+        output = batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if self.track_running_stats and not is_recomputing():
+            self._merge(input.detach())  # once batch_norm took it: a refused call counts not
+        return output
 
     def _merge(self, x: Tensor) -> None:
         dims = [0, *range(2, x.dim())]
@@ -188,7 +188,11 @@ class DeferredBatchNorm(_BatchNorm):
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             deferred.register_buffer(name, getattr(module, name))
         deferred.train(module.training)
-        deferred._checks_as = type(module)
+        # torch's class among its bases: a subclass's own check may read attributes
+        # of its own, which this layer does not have.
+        deferred._checks_as = next(
+            c for c in type(module).__mro__ if c.__module__.startswith("torch.nn.")
+        )
         return deferred
 
     @overload

@@ -132,7 +132,7 @@ class _Mark:
         return not all(bool((part == mark).all()) for part in flat.split(_PIECE))
 
 
-_PIECE = 1 << 24  # elements looked at a time: a bounded temporary, whatever the tensor
+_PIECE = 1 << 20  # elements looked at a time: a bounded temporary (1 MiB), whatever the tensor
 
 
 def _sentinel(dtype: torch.dtype) -> bool | int:

@@ -118,12 +118,14 @@ class Schedule:
         if odd:
             raise TypeError(f"Schedule: ranks hold {odd[0]!r}, not an Action; see Schedule.parse")
         placement = tuple(self.placement) or tuple(s % n for s in range(stages))
-        if len(placement) != stages or any(r not in range(n) for r in placement):
+        ints = all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in placement)
+        if not ints or len(placement) != stages or any(r not in range(n) for r in placement):
             raise ValueError(
                 f"Schedule: placement {placement} must give each of the {stages} stages one "
                 f"of the {n} ranks (0 to {n - 1}); or leave it out for stage s on rank s % {n}"
             )
         # Frozen: set through __dict__ (NumPy counts become ints, lists of actions tuples).
+        placement = tuple(map(int, placement))
         self.__dict__.update(stages=stages, micro_batches=m, ranks=ranks, placement=placement)
 
     @property
@@ -315,7 +317,7 @@ def simulate(
     schedule.validate()
     if not callable(costs):
         kinds = {a.kind for rank in schedule.ranks for a in rank}
-        missing = [k for k in "FBW" if k in kinds and k not in costs]
+        missing = [] if hasattr(costs, "__missing__") else sorted(kinds & set("FBW") - set(costs))
         if missing:
             raise ValueError(
                 f"simulate: costs {dict(costs)} has no cost for {', '.join(missing)}, which the "

@@ -315,9 +315,9 @@ class _Stamp(torch.autograd.Function):
 class BackwardSpan:
     """Records the backward of a cell that is not checkpointed, in autograd's engine.
 
-    The cell's first floating-point output is marked so that the arrival of its
+    The cell's first floating-point (or complex) output is marked so that the arrival of its
     gradient starts the span. The span ends when the gradient leaves through the cell's
-    first floating-point input, if that input needs one. Otherwise (the first
+    first floating-point (or complex) input, if that input needs one. Otherwise (the first
     partition's input: token ids, or a batch that needs no gradient) it ends when the
     last node of the micro-batch's own graph has run: the cell's graph ends at its
     parameters' gradient accumulators, shared by every micro-batch and run once per
@@ -334,11 +334,12 @@ class BackwardSpan:
         self._start: float | None = None
         self._done = False
         self._at_input = False  # the span ends at the marked input, not at the sinks
-        self._waiting = 0  # the sinks yet to run
+        self._sinks = self._waiting = 0  # the sinks, and those yet to run
+        self._task: int | None = None  # the backward (autograd's graph task) it started in
         self._handles: list[RemovableHandle] = []
 
     def mark_input(self, value: Any) -> Any:
-        """``value`` with its first float tensor marked as the end of the span.
+        """``value`` with its first float (or complex) tensor marked as the end of the span.
 
         Where no input tensor needs a gradient, the cell's graph says where its
         backward ends (:meth:`mark_output`).
@@ -347,7 +348,7 @@ class BackwardSpan:
         return value
 
     def mark_output(self, value: Any) -> Any:
-        """``value`` with its first float tensor marked as the start of the span.
+        """``value`` with its first float (or complex) tensor marked as the start of the span.
 
         Where no input was marked, a hook on each sink of the graph from ``value`` counts
         the sinks down. The hooks are on the micro-batch's own nodes, not on anything the
@@ -359,7 +360,7 @@ class BackwardSpan:
         """
         if not self._at_input:
             sinks = _sinks(value)
-            self._waiting = len(sinks)
+            self._sinks = self._waiting = len(sinks)
             self._handles = [node.register_hook(self._sink_ran) for node in sinks]
         return _mark_first(value, self._begin)[0]
 
@@ -369,9 +370,12 @@ class BackwardSpan:
             self._end()
 
     def _arrived(self) -> None:
-        if self._start is not None:
+        task = _graph_task()
+        if self._start is not None and (self._done or task == self._task):
             return
-        self._start = time.perf_counter()
+        # The first gradient here, or the first of a backward run again after one that
+        # failed before this span ended (its callback never ran): the span starts now.
+        self._start, self._task, self._waiting = time.perf_counter(), task, self._sinks
         if self._handles:  # however this backward ends, the hooks go with it
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
 
@@ -425,11 +429,21 @@ def _accumulator(node: Node) -> bool:
     return type(node).__name__ == "AccumulateGrad"
 
 
+def _graph_task() -> int | None:
+    """The backward running now (an id of autograd's graph task), where torch says."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else int(current())
+
+
 def _mark_first(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
-    """``value`` with ``callback`` stamped on its first float tensor that needs a grad."""
+    """``value`` with ``callback`` stamped on its first float or complex tensor needing grad."""
     leaves, spec = flatten(value)
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+        if (
+            isinstance(leaf, Tensor)
+            and leaf.requires_grad
+            and (leaf.is_floating_point() or leaf.is_complex())
+        ):
             leaves[index] = _Stamp.apply(leaf, callback)  # type: ignore[no-untyped-call]  # apply is unannotated
             return unflatten(leaves, spec), True
     return value, False

@@ -317,11 +317,12 @@ class Skippable(nn.Module):
 
 
 ModuleType = TypeVar("ModuleType", bound=type[nn.Module])
-_Made = tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]
-"""What :func:`skippable` made a class of: the class decorated, its stash and pop names."""
+_Made = tuple[type[nn.Module], tuple[str, ...], tuple[str, ...], str]
+"""What :func:`skippable` made a class of: the class decorated, its stash and pop names,
+and a token of its own (the class, in this process: :data:`_MADE`)."""
 
-_MADE: weakref.WeakValueDictionary[_Made, type[Skippable]] = weakref.WeakValueDictionary()
-"""The class :func:`skippable` last made of each decoration, as long as it lives."""
+_MADE: weakref.WeakValueDictionary[str, type[Skippable]] = weakref.WeakValueDictionary()
+"""Each class :func:`skippable` made, by its token, as long as it lives."""
 
 
 def _reachable(cls: type) -> bool:
@@ -332,10 +333,16 @@ def _reachable(cls: type) -> bool:
     return found is cls
 
 
-def _rebuild(base: type[nn.Module], stash: tuple[str, ...], pop: tuple[str, ...]) -> Skippable:
-    """An empty module of ``skippable(stash=stash, pop=pop)(base)``, for unpickling."""
-    cls = _MADE.get((base, stash, pop))
-    if cls is None:  # a process that has not decorated base so yet
+def _rebuild(
+    base: type[nn.Module], stash: tuple[str, ...], pop: tuple[str, ...], token: str
+) -> Skippable:
+    """An empty module of ``skippable(stash=stash, pop=pop)(base)``, for unpickling.
+
+    Of the very class pickled where it still lives (a copy, a load in the same process);
+    elsewhere, of ``base`` decorated again.
+    """
+    cls = _MADE.get(token)
+    if cls is None:  # another process, or the class is gone
         cls = cast(type[Skippable], skippable(stash=stash, pop=pop)(base))
     module: Skippable = cls.__new__(cls)
     return module
@@ -384,7 +391,7 @@ def skippable(
         forward: Callable[..., Any] = cls.forward
         if issubclass(cls, Skippable):
             forward = cls._generator_forward
-        made: _Made = (cls, stash_names, pop_names)
+        made: _Made = (cls, stash_names, pop_names, uuid.uuid4().hex)
         namespace = {
             "stash_names": stash_names,
             "pop_names": pop_names,
@@ -396,7 +403,7 @@ def skippable(
         }
         bases = (cls,) if already else (Skippable, cls)
         decorated: type[Skippable] = type(cls.__name__, bases, namespace)
-        _MADE[made] = decorated
+        _MADE[made[3]] = decorated
         return decorated  # type: ignore[return-value]  # a subclass of cls
 
     return decorate
