@@ -296,6 +296,35 @@ def test_cuda_step_gradients_are_ready_on_the_callers_stream(schedule: str) -> N
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
 
 
+def _update_slowly(model: nn.Module) -> None:
+    """An update queued on the current stream behind a slow kernel (an optimizer's step)."""
+    torch.cuda._sleep(SLOW)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+
+@pytest.mark.parametrize("path", ["gpipe", "schedule"])
+@pytest.mark.parametrize("caller", ["default", "side"])
+def test_cuda_a_run_waits_for_what_the_caller_queued_before_it(path: str, caller: str) -> None:
+    # The pipeline's streams never wait for another by themselves: a forward started
+    # right after an update on the caller's stream read the weights before it.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)).to(CUDA)
+    model = GPipe(copy.deepcopy(plain), [2, 1], devices=[CUDA] * 2, chunks=4)
+    x, target = torch.randn(8, 64, device=CUDA), torch.randn(8, 64, device=CUDA)
+    stream = torch.cuda.current_stream() if caller == "default" else torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        _update_slowly(model)  # then the run, at once
+        if path == "gpipe":
+            got = model(x).detach()
+        else:
+            got = ScheduleGPipe(model, _mse).step(x, target).output
+        torch.cuda.current_stream().synchronize()
+    _update_slowly(plain)
+    torch.testing.assert_close(got, plain(x).detach(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["gpipe", "schedule"])
 def test_cuda_memory_is_reused_from_step_to_step(path: str) -> None:
     # A pipeline keeps its streams: the caching allocator's blocks, kept per stream, serve
@@ -504,3 +533,15 @@ def test_cuda_checkpoint_modes_and_schedules_draw_the_same_masks() -> None:
         torch.testing.assert_close(out, first_out, rtol=0, atol=0)
         for g, h in zip(grads, first_grads, strict=True):
             torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-11)
+
+
+def test_cuda_half_precision_dropout_scales_as_the_fused_kernel() -> None:
+    # A scale rounded to bfloat16 before the multiply biased every kept value; CUDA's
+    # fused dropout multiplies in float and rounds once.
+    p = 0.1
+    model = GPipe(nn.Sequential(nn.Dropout(p), nn.Identity()), [1, 1], devices=[CUDA] * 2)
+    x = (torch.rand(4096, 64, device=CUDA) + 0.5).to(torch.bfloat16)
+    out = model(x)
+    kept = out != 0
+    expected = (x.float() * (1.0 / (1.0 - p))).to(torch.bfloat16)
+    assert torch.equal(out[kept], expected[kept])

@@ -15,13 +15,21 @@ have run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from torchgpipe.microbatch import map_tensors
-from torchgpipe.stream import AnyStream, CPUStreamType, record_stream, use_stream, wait_stream
+from torchgpipe.stream import (
+    CPU_STREAM,
+    AnyStream,
+    CPUStreamType,
+    record_stream,
+    use_stream,
+    wait_stream,
+)
 
 __all__ = ["move"]
 
@@ -30,24 +38,31 @@ def move(
     value: Any,
     device: torch.device,
     *,
-    source: AnyStream,
+    source: AnyStream | Mapping[torch.device, AnyStream],
     copy: AnyStream,
     target: AnyStream,
 ) -> Any:
     """Move every tensor leaf of ``value`` to ``device``.
 
-    ``source`` is the stream that produced the tensors, ``copy`` the stream that copies
-    them and ``target`` the stream that will use the copies. Tensors already on
-    ``device`` are returned as they are, recorded on ``target`` (CUDA only).
+    ``source`` is the stream that produced the tensors, or, for the caller's tensors,
+    which may come from several devices, each CUDA device's stream; ``copy`` the stream
+    that copies them and ``target`` the stream that will use the copies. Tensors already
+    on ``device`` are returned as they are, recorded on ``target`` (CUDA only).
     """
     if isinstance(copy, CPUStreamType):
         if isinstance(value, Tensor) and value.device == device:
             return value  # the common case, on the path of every cell
-        # Into CPU memory: a blocking copy, issued where the tensors were produced.
-        with use_stream(source):
-            return map_tensors(lambda x: x if x.device == device else x.to(device), value)
 
-    wait_stream(copy, source)
+        def to_cpu(x: Tensor) -> Tensor:  # a blocking copy, issued where x was produced
+            if x.device == device:
+                return x
+            with use_stream(_stream_of(source, x.device)):
+                return x.to(device)
+
+        return map_tensors(to_cpu, value)
+
+    for stream in source.values() if isinstance(source, Mapping) else [source]:
+        wait_stream(copy, stream)
 
     def one(x: Tensor) -> Tensor:
         if x.device == device:
@@ -62,3 +77,11 @@ def move(
     moved = map_tensors(one, value)
     wait_stream(target, copy)
     return moved
+
+
+def _stream_of(
+    source: AnyStream | Mapping[torch.device, AnyStream], device: torch.device
+) -> AnyStream:
+    if isinstance(source, Mapping):
+        return source.get(device, CPU_STREAM)
+    return source

@@ -45,7 +45,7 @@ from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
 from torchgpipe.guards import RunGuards
 from torchgpipe.mailbox import Mailbox
-from torchgpipe.microbatch import device_of, flatten, map_tensors, per_tensor, unflatten
+from torchgpipe.microbatch import flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
@@ -54,6 +54,7 @@ from torchgpipe.stages import Stages
 from torchgpipe.steps import LossFn, one_number, untrained
 from torchgpipe.stream import (
     AnyStream,
+    caller_streams,
     current_stream,
     record_stream,
     use_device,
@@ -160,12 +161,8 @@ class StepRun:
         first = {r: min(s for s in stages.devices if table.placement[s] == r) for r in rank_device}
         self.compute = {r: stages.streams[s][0] for r, s in first.items()}
         self.copy = {r: stages.streams[s][1] for r, s in first.items()}
-        # Where the caller's tensors come from; a message from another process arrives
-        # ready on this one's device, so any local stream will do for it.
-        given = batches or targets
-        self.source = current_stream(
-            device_of(given[0]) if given else next(iter(rank_device.values()))
-        )
+        # The caller's streams, which the ranks' wait for first (stream.caller_streams).
+        self.source = caller_streams(rank_device.values(), [*batches[:1], *targets[:1]])
         self._home = next(iter(self.compute.values()))
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
@@ -195,6 +192,8 @@ class StepRun:
                 use_stream(self.compute[r]),
                 self.state.apply(grad_enabled=grad),
             ):
+                for stream in (self.compute[r], self.copy[r]):  # the caller's work first
+                    wait_stream(stream, self.source.get(device))
                 for position, action in enumerate(actions):
                     if self.post.halted:
                         return
@@ -248,8 +247,9 @@ class StepRun:
         """Action ``sFi``: stage ``s``'s forward of micro-batch ``i`` (and the loss, last)."""
         step, post, device = self.step, self.post, self.devices[s]
         r = self.table.placement[s]
+        source: AnyStream | dict[torch.device, AnyStream] = self.source
         if s == 0:
-            value, source = self.batches[i], self.source
+            value = self.batches[i]
         else:
             value, source = post.take(("F", s, i)), self._stream(s - 1)
         # The copy span starts once the value is here: waiting for it is idle time.

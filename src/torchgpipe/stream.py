@@ -17,17 +17,20 @@ streams and at 0.847 with kept ones, each a ratio timed round by round in its ow
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Final
 
 import torch
 from torch import Tensor
 
+from torchgpipe.microbatch import flatten
+
 __all__ = [
     "CPU_STREAM",
     "AnyStream",
     "PartitionStreams",
+    "caller_streams",
     "current_stream",
     "new_stream",
     "record_stream",
@@ -85,6 +88,20 @@ class PartitionStreams:
         return self._made()[j][1]
 
 
+def caller_streams(devices: Iterable[torch.device], values: Any) -> dict[torch.device, AnyStream]:
+    """The calling thread's current stream on each CUDA device in use.
+
+    ``devices``, and those of the tensors in ``values`` (the caller's inputs and
+    targets, which are read after their own device's stream). Taken on the caller's
+    thread when a run starts: the pipeline's streams wait for them before any work, so
+    that what the caller queued before the run (an optimizer's update, an init, a
+    ``load_state_dict``) runs before a cell reads it. The pool streams the pipeline
+    uses never wait for others by themselves.
+    """
+    found = {*devices, *(x.device for x in flatten(values)[0] if isinstance(x, Tensor))}
+    return {d: current_stream(d) for d in found if d.type == "cuda"}
+
+
 def current_stream(device: torch.device) -> AnyStream:
     """The stream the calling thread uses on ``device``."""
     if device.type != "cuda":
@@ -109,9 +126,12 @@ def use_stream(stream: AnyStream) -> Iterator[None]:
         yield
 
 
-def wait_stream(waiter: AnyStream, source: AnyStream) -> None:
-    """Make work queued later on ``waiter`` wait for the work queued so far on ``source``."""
-    if isinstance(waiter, CPUStreamType) or isinstance(source, CPUStreamType):
+def wait_stream(waiter: AnyStream, source: AnyStream | None) -> None:
+    """Make work queued later on ``waiter`` wait for the work queued so far on ``source``.
+
+    No-op where either is a CPU stream, or ``source`` is None (nothing to wait for).
+    """
+    if source is None or isinstance(waiter, CPUStreamType) or isinstance(source, CPUStreamType):
         return
     waiter.wait_stream(source)
 
