@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
@@ -381,3 +382,18 @@ def test_deferred_batch_norm_keeps_the_input_check_of_the_layer_it_replaces(
         model(x)
     # A deferred layer of its own has no class to follow: any batch of channels goes.
     DeferredBatchNorm(4)(torch.randn(8, 4, 3, 3))
+
+
+class _BatchNormXd(_BatchNorm):
+    """Built on _BatchNorm directly, with a check of its own (as mmengine's is)."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        return
+
+
+def test_deferred_batch_norm_of_a_class_built_on_the_base_takes_any_input_of_2_dims_up() -> None:
+    plain = nn.Sequential(_BatchNormXd(2))
+    model = GPipe(copy.deepcopy(plain), [1], chunks=1, deferred_batch_norm=True)
+    x = torch.randn(4, 2, 5, 5)  # 4-D, as 2-D and 3-D would be: the class says nothing
+    torch.testing.assert_close(model(x), plain(x))
+    torch.testing.assert_close(model[0].running_mean, plain[0].running_mean)

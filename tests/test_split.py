@@ -933,6 +933,29 @@ class _Convs(nn.Module):
         return self.classifier(self.features(x))
 
 
+class _Aliased(nn.Module):
+    """An in-place module on the only use of a value that shares memory with another."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.act, self.same = nn.ReLU(inplace=True), nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        v = h[:, :2] if self.how == "view" else self.same(h)  # h's memory, one use each
+        g = self.b(x)  # stage 1
+        r = self.act(v)  # changes h too, in the plain model
+        return self.c(g) + h + r.sum(1, keepdim=True)  # h read again in stage 2
+
+
+@pytest.mark.parametrize("how", ["view", "identity"])
+def test_split_refuses_an_in_place_change_of_another_values_memory(how: str) -> None:
+    with pytest.raises(SplitError, match=r"changed in place by act in stage 1"):
+        split(_Aliased(how), torch.randn(6, 4), at=["b", "c"])
+
+
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_an_in_place_module_on_a_value_nothing_else_reads_may_start_a_stage(
     checkpoint: str,

@@ -24,7 +24,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import Tensor, nn
 from torch.nn.functional import batch_norm
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgpipe.checkpoint import is_recomputing
@@ -188,10 +188,19 @@ class DeferredBatchNorm(_BatchNorm):
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             deferred.register_buffer(name, getattr(module, name))
         deferred.train(module.training)
-        # torch's class among its bases: a subclass's own check may read attributes
-        # of its own, which this layer does not have.
+        # The check of torch's class among its bases (BatchNorm2d's: 4-D input), if one
+        # has its own: a subclass's may read attributes of its own, which this layer
+        # lacks, and _NormBase's raises NotImplementedError (a class built on
+        # _BatchNorm directly, as mmengine's _BatchNormXd, gets the check for 2-D up).
         deferred._checks_as = next(
-            c for c in type(module).__mro__ if c.__module__.startswith("torch.nn.")
+            (
+                c
+                for c in type(module).__mro__
+                if c.__module__.startswith("torch.nn.")
+                and "_check_input_dim" in vars(c)
+                and c is not _NormBase
+            ),
+            None,
         )
         return deferred
 

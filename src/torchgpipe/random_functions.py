@@ -125,12 +125,13 @@ def _dropout(
         shift = noise.add(-1.0).mul_(_ALPHA * a).add_(_ALPHA * a * p)
         noise.mul_(a)
         return input.mul_(noise).add_(shift) if inplace else input * noise + shift
-    if input.device.type == "cuda":
-        # As CUDA's fused dropout: the scale applied in float, one rounding; a scale
-        # rounded to half or bfloat16 first would bias every kept value (-0.15% at 0.1).
+    if input.device.type == "cuda" and not (inplace or feature):
+        # As CUDA's fused dropout, which torch uses for this case alone: the scale
+        # applied in float, one rounding (the other cases divide the mask in the input's
+        # dtype, as below, on CUDA too).
         scale = 1.0 / (1.0 - p)
         return input.mul_(noise).mul_(scale) if inplace else input * noise * scale
-    noise.div_(1.0 - p)  # as the CPU's own dropout, to the bit
+    noise.div_(1.0 - p)  # as torch's unfused dropout, to the bit
     return input.mul_(noise) if inplace else input * noise
 
 

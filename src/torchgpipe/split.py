@@ -189,9 +189,10 @@ def _split(
             raise TypeError(f"at takes a list of submodule names, got {at!r}")
         through = ancestors(module, at)
         graph = trace_forward(module, through, concrete)
-        kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
+        run = value_kinds(module, graph, example_input, kind)
+        kinds = _fresh_constants(graph, run)
         cuts = cuts_at(module, graph, list(at))
-        return _build(module, graph, cuts, kind, names, kinds)
+        return _build(module, graph, cuts, kind, names, kinds, memory=run.memory)
     if isinstance(stages, bool) or not isinstance(stages, int):
         raise TypeError(f"stages must be a positive int, got {stages!r}")
     if stages < 1:
@@ -203,15 +204,17 @@ def _split(
             "(at=[...]), or split a copy of the model built with values"
         )
     graph = trace_into(module, stages, concrete)
-    kinds = _fresh_constants(graph, value_kinds(module, graph, example_input, kind))
+    run = value_kinds(module, graph, example_input, kind)
+    kinds = _fresh_constants(graph, run)
     starts = candidates(graph)
-    units = _build(module, graph, starts, kind, names, kinds, final=False)
+    units = _build(module, graph, starts, kind, names, kinds)
     from torchgpipe import balance as balancing
 
     solve = balancing.balance_by_time if by == "time" else balancing.balance_by_size
     counts = solve(stages, units, example_input)  # own generators: balance/profile.py
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
-    return _build(module, graph, [starts[end - 1] for end in ends], kind, names, kinds)
+    cuts = [starts[end - 1] for end in ends]
+    return _build(module, graph, cuts, kind, names, kinds, memory=run.memory)
 
 
 def _fresh_constants(graph: fx.Graph, run: ExampleRun) -> dict[fx.Node, Kind]:
@@ -241,12 +244,14 @@ def _build(
     names: tuple[str, ...],
     kinds: dict[fx.Node, Kind],
     *,
-    final: bool = True,
+    memory: dict[fx.Node, int] | None = None,
 ) -> nn.Sequential:
     """The stages of ``graph`` cut before the calls at ``cuts``.
 
-    Not ``final``: the pieces ``stages=k`` profiles, cut at every candidate; a change
-    in place across their cuts is refused only if the stages chosen keep it.
+    ``memory``: which memory each value was in the example run (``ExampleRun``), to
+    check changes in place across the cuts; None: the pieces ``stages=k`` profiles, cut
+    at every candidate, where a change across their cuts is refused only if the stages
+    chosen keep it.
     """
     compute = compute_nodes(graph)
     count = len(cuts) + 1
@@ -256,8 +261,8 @@ def _build(
     for node in inputs:
         stage_of[node] = 0
     output = next(node for node in graph.nodes if node.op == "output")
-    if final:
-        _check_in_place(module, compute, stage_of)
+    if memory is not None:
+        _check_in_place(module, compute, stage_of, memory)
 
     # Which earlier values each stage uses, and how each travels there.
     tensors = {node for node, (kind, _) in kinds.items() if kind == "tensor"}
@@ -418,23 +423,27 @@ def _changed_in_place(module: nn.Module, node: fx.Node) -> fx.Node | None:
 
 
 def _check_in_place(
-    module: nn.Module, compute: list[fx.Node], stage_of: dict[fx.Node, int]
+    module: nn.Module,
+    compute: list[fx.Node],
+    stage_of: dict[fx.Node, int],
+    memory: dict[fx.Node, int],
 ) -> None:
     """Refuse a value changed in place by a later stage than the one that makes it.
 
     A stage gets its own handle on a value from an earlier one (its input, a skip, a
     tensor received from another process): a change made there would not reach the
     stages that read the value as a skip, and the gradients would follow the value as
-    it was. A change nothing else sees (the value's one use) is fine: the pipeline
-    gives a stage inputs it may change, as it does for a partition that starts with
-    ``nn.ReLU(inplace=True)``.
+    it was. A change nothing else sees is fine (the value's one use, and no earlier
+    value in its memory: not a view of ``h``, nor ``h`` passed on by ``nn.Identity``):
+    the pipeline gives a stage inputs it may change, as it does for a partition that
+    starts with ``nn.ReLU(inplace=True)``.
     """
     problems = []
     for node in compute:
         value = _changed_in_place(module, node)
         if value is None or value.op == "get_attr" or stage_of[value] >= stage_of[node]:
             continue
-        if set(value.users) == {node}:
+        if set(value.users) == {node} and not _shares_memory(value, node, memory):
             continue  # read by nothing else (nn.ReLU(inplace=True) after a conv): unseen
         problems.append(
             f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
@@ -449,3 +458,17 @@ def _check_in_place(
             f"(h = h * 2 for h.mul_(2)), or move the split points so that the value is "
             f"made and changed in one stage"
         )
+
+
+def _shares_memory(value: fx.Node, change: fx.Node, memory: dict[fx.Node, int]) -> bool:
+    """Whether ``value``'s memory holds another value made before ``change``.
+
+    Views of ``value`` made from the change's result, after it, see the change in both
+    the plain model and the stages. A value missing from ``memory`` counts as shared.
+    """
+    if value not in memory:
+        return True
+    order = {node: k for k, node in enumerate(value.graph.nodes)}
+    return any(
+        memory[n] == memory[value] and order[n] < order[change] for n in memory if n is not value
+    )

@@ -364,6 +364,9 @@ class ExampleRun:
     """The nodes whose value was a tensor (and its device) or a device."""
     changed: frozenset[str]
     """The constants fx kept (``_tensor_constant*``) that the graph changes in place."""
+    memory: dict[fx.Node, int]
+    """For each tensor node, which memory its value is: values that are views of one
+    tensor, or that tensor itself (``nn.Identity``), share a number."""
 
 
 def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind) -> ExampleRun:
@@ -382,12 +385,17 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         args = tuple(example[p.target] for p in graph.nodes if p.op == "placeholder")
     kinds: dict[fx.Node, Kind] = {}
     constants: dict[str, tuple[Tensor, int, Tensor]] = {}  # as they were: version, value
+    memory: dict[fx.Node, int] = {}
+    bases: list[Tensor] = []  # alive through the run: their ids stay theirs
 
     class Record(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             value = super().run_node(n)
             if isinstance(value, Tensor):
                 kinds[n] = ("tensor", value.device)
+                base = value._base if value._base is not None else value
+                bases.append(base)
+                memory[n] = id(base)
                 target = str(n.target)
                 if n.op == "get_attr" and target.startswith("_tensor_constant"):
                     constants.setdefault(target, (value, value._version, value.clone()))
@@ -406,4 +414,4 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         with torch.no_grad():
             for target in changed:
                 constants[target][0].copy_(constants[target][2])
-    return ExampleRun(kinds, changed)
+    return ExampleRun(kinds, changed, memory)
