@@ -944,16 +944,66 @@ class _Aliased(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.a(x)
-        v = h[:, :2] if self.how == "view" else self.same(h)  # h's memory, one use each
+        if self.how == "view":
+            v = h[:, :2]  # h's memory, one use each
+        elif self.how == "identity":
+            v = self.same(h)
+        elif self.how == "detach":
+            v = h.detach()
+        else:
+            v = h.data  # fx makes it where it is used: in stage 1
         g = self.b(x)  # stage 1
         r = self.act(v)  # changes h too, in the plain model
         return self.c(g) + h + r.sum(1, keepdim=True)  # h read again in stage 2
 
 
-@pytest.mark.parametrize("how", ["view", "identity"])
+class _TupleAlias(nn.Module):
+    """A module that returns a tensor and a view of it; the tensor changed in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(2, 4)
+        self.both = _Both()
+
+    def forward(self, x: Tensor) -> Tensor:
+        pair = self.both(self.a(x))
+        g = self.b(x)  # stage 1
+        u = F.relu(pair[0], inplace=True)  # changes the view too, in the plain model
+        return self.c(pair[1]) + g + u  # the view read in stage 2
+
+
+class _Both(nn.Module):
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return h, h[:, :2]
+
+
+def test_split_refuses_an_in_place_change_seen_through_a_tuple() -> None:
+    with pytest.raises(SplitError, match=r"changed in place by relu in stage 1"):
+        split(_TupleAlias(), torch.randn(6, 4), at=["b", "c"])
+
+
+@pytest.mark.parametrize("how", ["view", "identity", "detach", "data"])
 def test_split_refuses_an_in_place_change_of_another_values_memory(how: str) -> None:
-    with pytest.raises(SplitError, match=r"changed in place by act in stage 1"):
+    with pytest.raises(SplitError, match=r"'a' made in stage 0 .*changed in place by act"):
         split(_Aliased(how), torch.randn(6, 4), at=["b", "c"])
+
+
+def test_an_in_place_change_of_memory_no_other_value_will_read_is_accepted() -> None:
+    class Passes(nn.Module):  # a norm turned off as nn.Identity, as timm's blocks do
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm = nn.Linear(4, 4), nn.Identity()
+            self.act, self.c = nn.ReLU(inplace=True), nn.Linear(4, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.c(self.act(self.norm(self.a(x))))
+
+    torch.manual_seed(0)
+    plain, x = Passes(), torch.randn(6, 4)
+    model = GPipe(split(copy.deepcopy(plain), x, at=["act"]), [1, 1], chunks=2)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    _assert_close(_pipe_grads(model), _grads(plain))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

@@ -48,6 +48,7 @@ from torchgpipe.split_capture import (
     Kind,
     ancestors,
     candidates,
+    changed_in_place,
     compute_nodes,
     cuts_at,
     trace_forward,
@@ -192,7 +193,7 @@ def _split(
         run = value_kinds(module, graph, example_input, kind)
         kinds = _fresh_constants(graph, run)
         cuts = cuts_at(module, graph, list(at))
-        return _build(module, graph, cuts, kind, names, kinds, memory=run.memory)
+        return _build(module, graph, cuts, kind, names, kinds, aliased=run.aliased)
     if isinstance(stages, bool) or not isinstance(stages, int):
         raise TypeError(f"stages must be a positive int, got {stages!r}")
     if stages < 1:
@@ -214,7 +215,7 @@ def _split(
     counts = solve(stages, units, example_input)  # own generators: balance/profile.py
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
     cuts = [starts[end - 1] for end in ends]
-    return _build(module, graph, cuts, kind, names, kinds, memory=run.memory)
+    return _build(module, graph, cuts, kind, names, kinds, aliased=run.aliased)
 
 
 def _fresh_constants(graph: fx.Graph, run: ExampleRun) -> dict[fx.Node, Kind]:
@@ -244,14 +245,14 @@ def _build(
     names: tuple[str, ...],
     kinds: dict[fx.Node, Kind],
     *,
-    memory: dict[fx.Node, int] | None = None,
+    aliased: dict[fx.Node, frozenset[fx.Node]] | None = None,
 ) -> nn.Sequential:
     """The stages of ``graph`` cut before the calls at ``cuts``.
 
-    ``memory``: which memory each value was in the example run (``ExampleRun``), to
-    check changes in place across the cuts; None: the pieces ``stages=k`` profiles, cut
-    at every candidate, where a change across their cuts is refused only if the stages
-    chosen keep it.
+    ``aliased``: the changes in place whose value shares its memory with another
+    (``ExampleRun``), to check changes in place across the cuts; None: the pieces
+    ``stages=k`` profiles, cut at every candidate, where a change across their cuts is
+    refused only if the stages chosen keep it.
     """
     compute = compute_nodes(graph)
     count = len(cuts) + 1
@@ -261,8 +262,8 @@ def _build(
     for node in inputs:
         stage_of[node] = 0
     output = next(node for node in graph.nodes if node.op == "output")
-    if memory is not None:
-        _check_in_place(module, compute, stage_of, memory)
+    if aliased is not None:
+        _check_in_place(module, compute, stage_of, aliased)
 
     # Which earlier values each stage uses, and how each travels there.
     tensors = {node for node, (kind, _) in kinds.items() if kind == "tensor"}
@@ -383,68 +384,39 @@ def _check_modules(module: nn.Module, compute: list[fx.Node], stage_of: dict[fx.
                 )
 
 
-_IN_PLACE_OPERATORS = {
-    getattr(operator, f"i{name}")
-    for name in [
-        *("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"),
-        *("and", "or", "xor", "lshift", "rshift"),
-    ]
-} | {operator.setitem}
-_FLAGS = {"requires_grad_", "share_memory_"}  # in place, but on no values
-
-
-def _changed_in_place(module: nn.Module, node: fx.Node) -> fx.Node | None:
-    """The value ``node`` changes in place, if it is an in-place operation on one.
-
-    An operation named so (``relu_``, ``+=``, ``inplace=True``), or a call of a module
-    that says it works in place (``nn.ReLU(inplace=True)``: torch's own set ``inplace``).
-    """
-    if isinstance(node.kwargs.get("out"), fx.Node):
-        return node.kwargs["out"]  # type: ignore[return-value]  # checked just above
-    if node.op == "call_module":
-        works_in_place = getattr(module.get_submodule(str(node.target)), "inplace", False)
-        target = node.args[0] if works_in_place is True and node.args else None
-        return target if isinstance(target, fx.Node) else None
-    if node.op == "call_method":
-        name = str(node.target)
-    elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith(
-        "torch"
-    ):
-        name = getattr(node.target, "__name__", "")
-    else:
-        name = ""
-    in_place = (
-        node.target in _IN_PLACE_OPERATORS
-        or (name.endswith("_") and not name.endswith("__") and name not in _FLAGS)
-        or node.kwargs.get("inplace") is True
-    )
-    target = node.args[0] if in_place and node.args else None
-    return target if isinstance(target, fx.Node) else None
-
-
 def _check_in_place(
     module: nn.Module,
     compute: list[fx.Node],
     stage_of: dict[fx.Node, int],
-    memory: dict[fx.Node, int],
+    aliased: dict[fx.Node, frozenset[fx.Node]],
 ) -> None:
     """Refuse a value changed in place by a later stage than the one that makes it.
 
     A stage gets its own handle on a value from an earlier one (its input, a skip, a
     tensor received from another process): a change made there would not reach the
     stages that read the value as a skip, and the gradients would follow the value as
-    it was. A change nothing else sees is fine (the value's one use, and no earlier
-    value in its memory: not a view of ``h``, nor ``h`` passed on by ``nn.Identity``):
-    the pipeline gives a stage inputs it may change, as it does for a partition that
-    starts with ``nn.ReLU(inplace=True)``.
+    it was. So is a change of memory an earlier stage's value still to be read shares
+    (a view of ``h``, ``h.detach()``, ``h`` passed on by ``nn.Identity``, in the
+    example run), wherever the changed value was made. A change nothing else sees is
+    fine (the value's one use): the pipeline gives a stage inputs it may change, as it
+    does for a partition that starts with ``nn.ReLU(inplace=True)``.
     """
     problems = []
     for node in compute:
-        value = _changed_in_place(module, node)
-        if value is None or value.op == "get_attr" or stage_of[value] >= stage_of[node]:
+        value = changed_in_place(module, node)
+        if value is None or value.op == "get_attr":
             continue
-        if set(value.users) == {node} and not _shares_memory(value, node, memory):
-            continue  # read by nothing else (nn.ReLU(inplace=True) after a conv): unseen
+        # The values sharing its memory, and it: one of an earlier stage that anything
+        # else reads (or that is a view of another, or viewed) makes the change seen.
+        shared = aliased.get(node, frozenset({value}))  # not in the run: assume the worst
+        earlier = [
+            m for m in shared if m.op != "get_attr" and stage_of.get(m, 0) < stage_of[node]
+        ]  # a buffer is the module's own, the same tensor in every stage
+        if stage_of[value] < stage_of[node] and set(value.users) != {node}:
+            earlier.append(value)  # read again elsewhere (nn.ReLU(inplace=True) after a
+        if not earlier:  # conv, its one use: unseen)
+            continue
+        value = min(earlier, key=lambda m: stage_of.get(m, 0))
         problems.append(
             f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
             f"changed in place by {getattr(node.target, '__name__', node.target)} in stage "
@@ -458,17 +430,3 @@ def _check_in_place(
             f"(h = h * 2 for h.mul_(2)), or move the split points so that the value is "
             f"made and changed in one stage"
         )
-
-
-def _shares_memory(value: fx.Node, change: fx.Node, memory: dict[fx.Node, int]) -> bool:
-    """Whether ``value``'s memory holds another value made before ``change``.
-
-    Views of ``value`` made from the change's result, after it, see the change in both
-    the plain model and the stages. A value missing from ``memory`` counts as shared.
-    """
-    if value not in memory:
-        return True
-    order = {node: k for k, node in enumerate(value.graph.nodes)}
-    return any(
-        memory[n] == memory[value] and order[n] < order[change] for n in memory if n is not value
-    )

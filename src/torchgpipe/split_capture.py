@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import operator
 import os
 import re
 import traceback
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
+from torch.utils import _pytree as pytree
 
 from torchgpipe.rng import own_generators
 from torchgpipe.split_refusals import (
@@ -52,6 +54,7 @@ __all__ = [
     "Kind",
     "ancestors",
     "candidates",
+    "changed_in_place",
     "compute_nodes",
     "cuts_at",
     "trace_forward",
@@ -364,9 +367,10 @@ class ExampleRun:
     """The nodes whose value was a tensor (and its device) or a device."""
     changed: frozenset[str]
     """The constants fx kept (``_tensor_constant*``) that the graph changes in place."""
-    memory: dict[fx.Node, int]
-    """For each tensor node, which memory its value is: values that are views of one
-    tensor, or that tensor itself (``nn.Identity``), share a number."""
+    aliased: dict[fx.Node, frozenset[fx.Node]]
+    """For each change in place (:func:`changed_in_place`), the other values still to
+    be read when it ran that shared the memory it changed: a view of it, it as a view
+    of another, the same tensor passed on (``nn.Identity``), its ``detach()``."""
 
 
 def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind) -> ExampleRun:
@@ -385,17 +389,22 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         args = tuple(example[p.target] for p in graph.nodes if p.op == "placeholder")
     kinds: dict[fx.Node, Kind] = {}
     constants: dict[str, tuple[Tensor, int, Tensor]] = {}  # as they were: version, value
-    memory: dict[fx.Node, int] = {}
-    bases: list[Tensor] = []  # alive through the run: their ids stay theirs
+    aliased: dict[fx.Node, frozenset[fx.Node]] = {}
 
     class Record(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
+            changed = changed_in_place(module, n)
+            if changed is not None and isinstance(self.env.get(changed), Tensor):
+                mine = _memory(self.env[changed])  # against the values alive now: to be read
+                aliased[n] = frozenset(
+                    m
+                    for m, v in self.env.items()
+                    if m is not changed
+                    and any(_is(x) and _memory(x) == mine for x in pytree.tree_leaves(v))
+                )
             value = super().run_node(n)
             if isinstance(value, Tensor):
                 kinds[n] = ("tensor", value.device)
-                base = value._base if value._base is not None else value
-                bases.append(base)
-                memory[n] = id(base)
                 target = str(n.target)
                 if n.op == "get_attr" and target.startswith("_tensor_constant"):
                     constants.setdefault(target, (value, value._version, value.clone()))
@@ -414,4 +423,53 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         with torch.no_grad():
             for target in changed:
                 constants[target][0].copy_(constants[target][2])
-    return ExampleRun(kinds, changed, memory)
+    return ExampleRun(kinds, changed, aliased)
+
+
+def _is(value: object) -> bool:
+    return isinstance(value, Tensor)
+
+
+def _memory(tensor: Tensor) -> int:
+    """Which memory ``tensor`` is in: its storage, or (meta, empty) its base's identity."""
+    pointer = 0 if tensor.is_meta else tensor.untyped_storage().data_ptr()
+    return pointer or id(tensor._base if tensor._base is not None else tensor)
+
+
+_IN_PLACE_OPERATORS = {
+    getattr(operator, f"i{name}")
+    for name in [
+        *("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"),
+        *("and", "or", "xor", "lshift", "rshift"),
+    ]
+} | {operator.setitem}
+_FLAGS = {"requires_grad_", "share_memory_"}  # in place, but on no values
+
+
+def changed_in_place(module: nn.Module, node: fx.Node) -> fx.Node | None:
+    """The value ``node`` changes in place, if it is an in-place operation on one.
+
+    An operation named so (``relu_``, ``+=``, ``inplace=True``), or a call of a module
+    that says it works in place (``nn.ReLU(inplace=True)``: torch's own set ``inplace``).
+    """
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        return node.kwargs["out"]  # type: ignore[return-value]  # checked just above
+    if node.op == "call_module":
+        works_in_place = getattr(module.get_submodule(str(node.target)), "inplace", False)
+        target = node.args[0] if works_in_place is True and node.args else None
+        return target if isinstance(target, fx.Node) else None
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith(
+        "torch"
+    ):
+        name = getattr(node.target, "__name__", "")
+    else:
+        name = ""
+    in_place = (
+        node.target in _IN_PLACE_OPERATORS
+        or (name.endswith("_") and not name.endswith("__") and name not in _FLAGS)
+        or node.kwargs.get("inplace") is True
+    )
+    target = node.args[0] if in_place and node.args else None
+    return target if isinstance(target, fx.Node) else None
