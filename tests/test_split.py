@@ -6,6 +6,7 @@ import copy
 import pickle
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -830,7 +831,7 @@ def test_split_refuses_an_in_place_module_on_an_earlier_stages_value() -> None:
             return self.c(g + self.act(h)) + h
 
     model, x = InPlace(), torch.randn(3, 4)
-    with pytest.raises(SplitError, match=r"'a' made in stage 0 .*changed in place by act"):
+    with pytest.raises(SplitError, match=r"made in stage 0 .*changed in place by act in stage 1"):
         split(model, x, at=["b"])
     stages = split(model, x, at=["c"])  # made and changed in one stage: fine
     torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
@@ -984,8 +985,55 @@ def test_split_refuses_an_in_place_change_seen_through_a_tuple() -> None:
 
 @pytest.mark.parametrize("how", ["view", "identity", "detach", "data"])
 def test_split_refuses_an_in_place_change_of_another_values_memory(how: str) -> None:
-    with pytest.raises(SplitError, match=r"'a' made in stage 0 .*changed in place by act"):
+    with pytest.raises(SplitError, match=r"made in stage 0 .*changed in place by act in stage 1"):
         split(_Aliased(how), torch.randn(6, 4), at=["b", "c"])
+
+
+@dataclass
+class _Views:
+    h: Tensor
+    v: Tensor
+
+
+class _MakesViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> _Views:
+        h = self.linear(x)
+        return _Views(h, h[:, :4])
+
+
+def test_split_refuses_a_change_seen_through_an_alias_made_later_or_in_a_dataclass() -> None:
+    class LaterAlias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.l1(x)
+            a = h[:, :6]
+            y = self.l2(x)  # stage 1
+            b = h[:, 2:]  # made in stage 1, h's last use; overlaps a
+            a.mul_(3)  # a's one use
+            return y * b.sum(1, keepdim=True)
+
+    class InDataclass(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.make, self.l2, self.l3 = _MakesViews(), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: Tensor) -> Tensor:
+            views = self.make(x)
+            y = self.l2(x)  # stage 1
+            views.v.mul_(3)
+            return self.l3(y) + views.h  # h read in stage 2
+
+    with pytest.raises(SplitError, match=r"made in stage 0 .*changed in place by mul_"):
+        split(LaterAlias(), torch.randn(4, 8), at=["l2"])
+    with pytest.raises(SplitError, match=r"made in stage 0 .*changed in place by mul_"):
+        split(InDataclass(), torch.randn(4, 8), at=["l2", "l3"])
 
 
 def test_an_in_place_change_of_memory_no_other_value_will_read_is_accepted() -> None:

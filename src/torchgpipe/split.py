@@ -245,7 +245,7 @@ def _build(
     names: tuple[str, ...],
     kinds: dict[fx.Node, Kind],
     *,
-    aliased: dict[fx.Node, frozenset[fx.Node]] | None = None,
+    aliased: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]]] | None = None,
 ) -> nn.Sequential:
     """The stages of ``graph`` cut before the calls at ``cuts``.
 
@@ -388,7 +388,7 @@ def _check_in_place(
     module: nn.Module,
     compute: list[fx.Node],
     stage_of: dict[fx.Node, int],
-    aliased: dict[fx.Node, frozenset[fx.Node]],
+    aliased: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]]],
 ) -> None:
     """Refuse a value changed in place by a later stage than the one that makes it.
 
@@ -406,17 +406,17 @@ def _check_in_place(
         value = changed_in_place(module, node)
         if value is None or value.op == "get_attr":
             continue
-        # The values sharing its memory, and it: one of an earlier stage that anything
-        # else reads (or that is a view of another, or viewed) makes the change seen.
-        shared = aliased.get(node, frozenset({value}))  # not in the run: assume the worst
-        earlier = [
-            m for m in shared if m.op != "get_attr" and stage_of.get(m, 0) < stage_of[node]
-        ]  # a buffer is the module's own, the same tensor in every stage
+        # Seen elsewhere: a value of an earlier stage read again, or memory an earlier
+        # stage made that another value still to be read holds (a view, detach()).
+        # nn.ReLU(inplace=True) on a conv's output, its one use, is seen by nothing.
+        first, others = aliased.get(node, (value, frozenset({value})))  # not run: the worst
+        if first.op == "get_attr":
+            continue  # a buffer is the module's own, the same tensor in every stage
         if stage_of[value] < stage_of[node] and set(value.users) != {node}:
-            earlier.append(value)  # read again elsewhere (nn.ReLU(inplace=True) after a
-        if not earlier:  # conv, its one use: unseen)
+            pass
+        elif not (others and stage_of.get(first, 0) < stage_of[node]):
             continue
-        value = min(earlier, key=lambda m: stage_of.get(m, 0))
+        value = first if stage_of.get(first, 0) < stage_of[value] else value
         problems.append(
             f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
             f"changed in place by {getattr(node.target, '__name__', node.target)} in stage "

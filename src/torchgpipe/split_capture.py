@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
+from torchgpipe.microbatch import flatten
 from torchgpipe.rng import own_generators
 from torchgpipe.split_refusals import (
     TORCH_DIR,
@@ -367,10 +368,11 @@ class ExampleRun:
     """The nodes whose value was a tensor (and its device) or a device."""
     changed: frozenset[str]
     """The constants fx kept (``_tensor_constant*``) that the graph changes in place."""
-    aliased: dict[fx.Node, frozenset[fx.Node]]
-    """For each change in place (:func:`changed_in_place`), the other values still to
-    be read when it ran that shared the memory it changed: a view of it, it as a view
-    of another, the same tensor passed on (``nn.Identity``), its ``detach()``."""
+    aliased: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]]]
+    """For each change in place (:func:`changed_in_place`): the value that first held
+    the memory it changed, and the other values still to be read when it ran that held
+    that memory too (a view of it, it as a view of another, the same tensor passed on
+    by ``nn.Identity``, its ``detach()``)."""
 
 
 def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind) -> ExampleRun:
@@ -389,20 +391,24 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         args = tuple(example[p.target] for p in graph.nodes if p.op == "placeholder")
     kinds: dict[fx.Node, Kind] = {}
     constants: dict[str, tuple[Tensor, int, Tensor]] = {}  # as they were: version, value
-    aliased: dict[fx.Node, frozenset[fx.Node]] = {}
+    aliased: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]]] = {}
+    holders: dict[int, list[fx.Node]] = {}  # a memory: the values that held it, in order
+    origin: dict[int, fx.Node] = {}  # a memory: the value that first held it, while held
 
     class Record(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             changed = changed_in_place(module, n)
             if changed is not None and isinstance(self.env.get(changed), Tensor):
                 mine = _memory(self.env[changed])  # against the values alive now: to be read
-                aliased[n] = frozenset(
-                    m
-                    for m, v in self.env.items()
-                    if m is not changed
-                    and any(_is(x) and _memory(x) == mine for x in pytree.tree_leaves(v))
-                )
+                alive = frozenset(m for m in holders.get(mine, ()) if m in self.env)
+                aliased[n] = (origin.get(mine, changed), alive - {changed})
             value = super().run_node(n)
+            for memory in {_memory(x) for x in _tensors(value)}:
+                held = holders.setdefault(memory, [])
+                if not any(m in self.env for m in held):  # fresh memory (or reused)
+                    held.clear()
+                    origin[memory] = n
+                held.append(n)
             if isinstance(value, Tensor):
                 kinds[n] = ("tensor", value.device)
                 target = str(n.target)
@@ -426,13 +432,21 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
     return ExampleRun(kinds, changed, aliased)
 
 
-def _is(value: object) -> bool:
-    return isinstance(value, Tensor)
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors in ``value``: as the pipeline sees them (dataclasses too), or pytree's."""
+    try:
+        leaves = flatten(value)[0]
+    except TypeError:  # an object the pipeline would refuse to carry anyway
+        leaves = pytree.tree_leaves(value)
+    return [x for x in leaves if isinstance(x, Tensor)]
 
 
 def _memory(tensor: Tensor) -> int:
-    """Which memory ``tensor`` is in: its storage, or (meta, empty) its base's identity."""
-    pointer = 0 if tensor.is_meta else tensor.untyped_storage().data_ptr()
+    """Which memory ``tensor`` is in: its storage, or (meta, empty, sparse) its base's id."""
+    try:
+        pointer = 0 if tensor.is_meta else tensor.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # sparse and others without a storage
+        pointer = 0
     return pointer or id(tensor._base if tensor._base is not None else tensor)
 
 
