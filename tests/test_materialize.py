@@ -834,3 +834,33 @@ def test_a_parent_module_cannot_move_or_wipe_a_gpipe() -> None:
     assert not any(p.is_meta for p in model.parameters())
     assert parent.to(torch.float64) is parent  # a dtype change still reaches it
     assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+class _Scale(nn.Module):
+    """A weight with no reset of its own: its parent's fills it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class _FillsChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = _Scale()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.scale.weight, 2.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.scale(x)
+
+
+def test_a_parents_reset_may_fill_a_child_that_has_none() -> None:
+    with torch.device("meta"):
+        layers = nn.Sequential(_FillsChild(), nn.Identity())
+    model = GPipe(layers, [1, 1])
+    torch.testing.assert_close(model[0].scale.weight.detach(), torch.full((4,), 2.0))

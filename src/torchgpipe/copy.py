@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgpipe.microbatch import map_tensors
+from torchgpipe.microbatch import flatten, map_tensors
 from torchgpipe.stream import (
     CPU_STREAM,
     AnyStream,
@@ -61,8 +61,11 @@ def move(
 
         return map_tensors(to_cpu, value)
 
-    for stream in source.values() if isinstance(source, Mapping) else [source]:
-        wait_stream(copy, stream)
+    if isinstance(source, Mapping):  # the caller's: its stream on ``device`` was waited
+        for other in {x.device for x in flatten(value)[0] if isinstance(x, Tensor)} - {device}:
+            wait_stream(copy, source.get(other))  # for when the run started
+    else:
+        wait_stream(copy, source)
 
     def one(x: Tensor) -> Tensor:
         if x.device == device:

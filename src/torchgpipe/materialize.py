@@ -309,6 +309,11 @@ def _check_fillable(
     for name, layer in layers:
         prefix = key_prefix(name, layer)
         saved = {} if state_dict is None else layer.state_dict(prefix=prefix, keep_vars=True)
+        # Modules with a reset, by path: a parent's may fill its children (every reset
+        # runs, and what each should fill is checked once they ran: resets.py).
+        resets = {
+            path for path, m in layer.named_modules(prefix=prefix.removesuffix(".")) if reset_of(m)
+        }
         for tensor, holders in _by_tensor(layer, prefix.removesuffix(".")).items():
             key = holders[0][0]
             if isinstance(tensor, nn.Parameter) and first.get(id(tensor)) not in (None, id(layer)):
@@ -331,7 +336,7 @@ def _check_fillable(
                 legacy.setdefault(f"{path} ({type(module).__name__}", []).append(hook)
             if hooks:
                 continue
-            if any(reset_of(module) for _, module, _ in holders):
+            if any(_under(path, resets) for _, _, path in holders):
                 watched[id(tensor)] = (id(layer), tensor)
             else:
                 kind = type(holders[0][1]).__name__
@@ -377,6 +382,12 @@ def _by_tensor(layer: nn.Module, path: str) -> dict[Tensor, list[tuple[str, nn.M
         for n, tensor in own_tensors(module):
             found.setdefault(id(tensor), (tensor, []))[1].append((join(sub, n), module, sub))
     return {tensor: holders for tensor, holders in found.values()}
+
+
+def _under(path: str, resets: set[str]) -> bool:
+    """Whether the module at ``path``, or a module above it, is in ``resets``."""
+    parts = path.split(".") if path else []
+    return any(".".join(parts[:k]) in resets for k in range(len(parts) + 1))
 
 
 def _counts_batches(holders: list[tuple[str, nn.Module, str]]) -> bool:
