@@ -250,6 +250,47 @@ def test_a_failed_step_leaves_the_transfers_matched_and_the_next_step_works() ->
     rules.check()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_callers_graph_gets_its_gradients_only_from_a_step_that_ended_well(
+    fails: bool,
+) -> None:
+    # The last rank fails after its last action (its output does not gather), when
+    # the first rank already holds every gradient of its input.
+    class Aux(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            return (x, x.mean()) if fails else x
+
+    def loss(output: Any, target: Tensor) -> Tensor:
+        return _mse(output[0], target) + output[1] if fails else _mse(output, target)
+
+    rules = NCCLRules(2)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Aux()) for _ in range(2)]
+    embeddings = [nn.Linear(4, 4) for _ in range(2)]
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [1, 2], transport=transport, chunks=4)
+        embedding = embeddings[transport.rank]
+        try:
+            ScheduleZeroBubble(stage, loss).step(
+                embedding(x) if stage.is_first else None, y if stage.is_last else None
+            )
+        except Exception as error:
+            return error, embedding.weight.grad
+        return None, embedding.weight.grad
+
+    (first, grad), (last, _) = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    if fails:
+        assert isinstance(first, RemoteError)
+        assert isinstance(last, ValueError)
+        assert grad is None  # as in one process: a failed step leaves the caller's graph
+    else:
+        assert first is None
+        assert last is None
+        assert grad is not None
+    rules.check()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_forward_only_obeys_nccl_rules(schedule: str) -> None:
     rules = NCCLRules(4)

@@ -461,6 +461,69 @@ def test_rng_generators_given_positionally_are_kept() -> None:
     assert torch.equal(first, other)
 
 
+class OwnGenerator(nn.Module):
+    """Drops what its own generator says (a layer seeded apart from the process)."""
+
+    def __init__(self, positional: bool = False) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(3)
+        self.positional = positional
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.positional:
+            keep = torch.poisson(torch.full_like(x, 0.7), self.generator) > 0
+        else:
+            keep = torch.rand(x.shape, generator=self.generator) > 0.5
+        return x * keep
+
+
+def own_generator_net(positional: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), OwnGenerator(positional), nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("positional", [False, True])
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("path", ["model(x)", "Schedule1F1B", "ScheduleZeroBubble"])
+def test_rng_a_layers_own_generator_is_replayed_and_advanced_once(
+    path: str, checkpoint: str, positional: bool
+) -> None:
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    plain = own_generator_net(positional)
+    for _ in range(2):  # the second step draws on from where the first left it
+        plain.zero_grad()
+        _mse(plain(x), y).backward()
+
+    model = GPipe(own_generator_net(positional), [2, 2], chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    for _ in range(2):
+        model.zero_grad()
+        if path == "model(x)":
+            _mse(model(x), y).backward()
+        else:
+            {"Schedule1F1B": Schedule1F1B, "ScheduleZeroBubble": ScheduleZeroBubble}[path](
+                model, _mse
+            ).step(x, y)
+    for got, expected in zip(_grads(model), _grads(plain), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(model[1].generator.get_state(), plain[1].generator.get_state())
+
+
+def test_rng_a_recomputation_drawing_from_a_generator_the_forward_did_not_use_fails() -> None:
+    class Sneaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.generator = torch.Generator().manual_seed(3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            if is_recomputing():
+                return x * torch.rand(x.shape, generator=self.generator)
+            return x
+
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), Sneaky()), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match="generator of its own, which its forward did not"):
+        model(torch.randn(4, 4)).sum().backward()
+
+
 def test_rng_tensors_given_by_keyword() -> None:
     first, second = _twice(lambda: torch.multinomial(num_samples=3, input=torch.ones(10)))
     assert torch.equal(first, second)

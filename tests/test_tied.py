@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
-from torchgpipe.distributed import PipelineStage, RemoteError, Transport
+from torchgpipe.distributed import LocalTransport, PipelineStage, RemoteError, Transport
 from torchgpipe.tied import loaded_value, tied_state_dict
 
 VOCAB, WIDTH = 11, 6
@@ -472,3 +472,103 @@ def test_gloo_processes_train_a_split_transformer_with_its_tied_head() -> None:
     state = {**first, **last}
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _sparse_language_model(head_sparse: bool = False) -> nn.Sequential:
+    """A sparse embedding tied to a dense output head (or to a second sparse embedding)."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, WIDTH, sparse=True)
+    if head_sparse:
+        again = nn.Embedding(VOCAB, WIDTH, sparse=True)
+        again.weight = embedding.weight
+
+        class Again(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embedding = again
+
+            def forward(self, x: Tensor) -> Tensor:  # logits from the ids' rows again
+                return x @ self.embedding(torch.arange(VOCAB)).t()
+
+        head: nn.Module = Again()
+    else:
+        head = nn.Linear(WIDTH, VOCAB, bias=False)
+        head.weight = embedding.weight  # type: ignore[assignment]
+    return nn.Sequential(embedding, Mean(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), head)
+
+
+@pytest.mark.parametrize("head_sparse", [False, True])
+@pytest.mark.parametrize("schedule", [None, Schedule1F1B])
+def test_a_sparse_embeddings_tie_sums_as_autograd_does(
+    schedule: type | None, head_sparse: bool
+) -> None:
+    plain = _sparse_language_model(head_sparse)
+    ids, target = _data(6)
+    F.cross_entropy(plain(ids), target).backward()
+    expected = plain[0].weight.grad
+    assert expected is not None
+
+    pipe = GPipe(_sparse_language_model(head_sparse), [2, 3], chunks=4)
+    if schedule is None:
+        F.cross_entropy(pipe(ids), target).backward()
+    else:
+        schedule(pipe, F.cross_entropy).step(ids, target)
+    head = pipe[4].get_parameter("embedding.weight" if head_sparse else "weight")
+    for copy_ in (pipe[0].weight, head):
+        assert copy_.grad is not None
+        assert copy_.grad.is_sparse == expected.is_sparse  # dense where a use is dense
+        torch.testing.assert_close(copy_.grad.to_dense(), expected.to_dense(), rtol=1e-5, atol=1e-6)
+
+
+def test_processes_sum_a_sparse_embeddings_tie_under_nccl_rules() -> None:
+    plain = _sparse_language_model()
+    ids, target = _data(5)
+    F.cross_entropy(plain(ids), target).backward()
+    expected = plain[0].weight.grad
+    assert expected is not None
+    rules = NCCLRules(2)
+    models = [_sparse_language_model() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        Schedule1F1B(stage, F.cross_entropy).step(
+            ids if stage.is_first else None, target if stage.is_last else None
+        )
+        return {n: p.grad for n, p in stage.named_parameters()}
+
+    first, last = run_threads(rank, 2, timeout=20.0, observe=rules.group)
+    for grad in (first["0.weight"], last["4.weight"]):
+        torch.testing.assert_close(grad.to_dense(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_lost_while_ties_are_summed_is_named_by_its_peers() -> None:
+    models = [_language_model() for _ in range(3)]
+    ids, target = _data(5)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 2, 1], transport=transport, chunks=4)
+        if stage.rank == 2:  # holds the head: the tie's second holder
+            local = transport
+            assert isinstance(local, LocalTransport)
+
+            def die() -> None:
+                local.close()
+                raise RuntimeError("gone")
+
+            stage.reduce_tied = die  # type: ignore[method-assign]
+        try:
+            Schedule1F1B(stage, F.cross_entropy).step(
+                ids if stage.is_first else None, target if stage.is_last else None
+            )
+        except Exception as error:
+            return error
+        return None
+
+    owner, between, holder = run_threads(rank, 3, timeout=20.0)
+    assert isinstance(holder, RuntimeError)
+    assert str(holder) == "gone"
+    assert isinstance(owner, RemoteError), repr(owner)
+    assert owner.rank == 2
+    assert owner.stages == (2,)
+    assert "rank 2 (stages [2]) died or cannot be reached while the tied" in str(owner)
+    assert between is None  # holds no copy: its step ended well

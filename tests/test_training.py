@@ -248,8 +248,14 @@ def test_each_stage_runs_its_backward_on_its_own_thread() -> None:
     seen: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
 
     def watch(stage: int) -> nn.Module:
+        # A hook on the output, not on a parameter: a parameter's hooks run once, after
+        # the step (test_grad_hooks.py).
+        def hook(_: nn.Module, __: Any, y: Tensor) -> None:
+            if y.requires_grad:  # not in a checkpointed forward: in its recomputation
+                y.register_hook(lambda _: seen[stage].add(threading.current_thread().name))
+
         layer = nn.Linear(4, 4)
-        layer.weight.register_hook(lambda _: seen[stage].add(threading.current_thread().name))
+        layer.register_forward_hook(hook)
         return layer
 
     model = GPipe(nn.Sequential(watch(0), watch(1), watch(2)), [1, 1, 1], chunks=2)
@@ -395,6 +401,15 @@ def test_bad_arguments_are_refused_up_front() -> None:
     table = PipelineSchedule(model, _mse, Schedule.parse("0F0 0B0\n1F0 1B0\n2F0 2B0\n3F0 3B0"))
     with pytest.raises(ValueError, match="for 1 micro-batches but the batch splits into 4"):
         table.step(torch.randn(8, 2), torch.randn(8, 2))
+    # The advice fits the cause: chunks, or a batch too small for chunks.
+    with pytest.raises(ValueError, match=r"splits into 4 \(chunks=4\).* use chunks=1$"):
+        table.step(torch.randn(8, 2), torch.randn(8, 2))
+    three = PipelineSchedule(model, _mse, one_f_one_b(4, 3))
+    with pytest.raises(ValueError, match=r"use a batch of at least 3 samples$"):
+        three.step(torch.randn(2, 2), torch.randn(2, 2))
+    six = PipelineSchedule(model, _mse, one_f_one_b(4, 6))
+    with pytest.raises(ValueError, match=r"use chunks=6 and a batch of at least 6 samples$"):
+        six.step(torch.randn(2, 2), torch.randn(2, 2))
     with pytest.raises(TypeError, match=r"needs both in one process"):
         Schedule1F1B(model, _mse).step(torch.randn(8, 2))
 

@@ -15,6 +15,7 @@ from torchgpipe import pipeline
 from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
+from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import (
     Init,
@@ -314,8 +315,10 @@ class GPipe(PlacedModule, StageHolder):
     def run_step(self, steps: TableSteps, input: Any, target: Any) -> StepResult:
         """One step of ``steps``, each rank on a thread of this process."""
         self._ties.begin()
-        result = pipeline.step(self, steps, input, target)
-        self._ties.reduce()  # the tied weights' copies get the sum of their gradients
+        # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
+        with hooks_once(self.parameters()):
+            result = pipeline.step(self, steps, input, target)
+            self._ties.reduce()  # the tied weights' copies get the sum of their gradients
         return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:

@@ -26,7 +26,7 @@ gradients do not pass through it in a plain ``loss.backward()``: otherwise the e
 would skip the node when ``backward(inputs=[a parameter])`` or ``torch.autograd.grad``
 asks for a parameter alone. There the node's backward sets every ``.grad`` aside while
 the workers run, and hands the gradients they leave to the engine, which then
-accumulates, captures or drops each as it would for the plain model (:class:`_Aside`).
+accumulates, captures or drops each as it would for the plain model (``grad_hooks.py``).
 
 Where a partition is on a GPU, the cells are built into the caller's graph instead
 (``connected``), and PyTorch's engine runs the backward: it already runs each GPU's
@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from torchgpipe.executor import Step, StepRun
+from torchgpipe.grad_hooks import Aside, hooked
 from torchgpipe.microbatch import flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages
@@ -260,20 +261,20 @@ class _Backward:
         if torch.autograd._is_checkpoint_valid():
             # A plain backward(): neither inputs= nor autograd.grad. The workers
             # accumulate into .grad, and the engine gets None for the parameters, but
-            # for hooked ones: it would call their hooks with None (see _Aside).
-            hooked = [p for p in self.params if _hooked(p)]
-            if not hooked:
+            # for hooked ones: it would call their hooks with None (see Aside).
+            with_hooks = [p for p in self.params if hooked(p)]
+            if not with_hooks:
                 return [None] * len(self.params) + self._stages(run, grads, None)
-            aside = _Aside(hooked)
+            aside = Aside(with_hooks)
             got = self._stages(run, grads, aside)
-            mine = dict(zip(map(id, hooked), aside.take(), strict=True))
+            mine = dict(zip(map(id, with_hooks), aside.take(), strict=True))
             aside.put_back()
             return [mine.get(id(p)) for p in self.params] + got
         # inputs= or autograd.grad: the engine does with each gradient as it would with
         # the plain model's (its hooks, then it accumulates, captures or drops it).
         self._check_computed()
         self._check_ties()
-        aside = _Aside(self.params)
+        aside = Aside(self.params)
         got = self._stages(run, grads, aside)
         new = aside.take()
         # Every .grad back at once (the engine adds to those it accumulates into), so a
@@ -330,7 +331,7 @@ class _Backward:
             )
 
     def _stages(
-        self, run: StepRun, grads: Sequence[Tensor | None], aside: _Aside | None
+        self, run: StepRun, grads: Sequence[Tensor | None], aside: Aside | None
     ) -> list[Tensor | None]:
         """Hand the outputs' gradients to the last stage; run every ``B``; give the input's."""
         n, step = len(run.table.ranks), run.step
@@ -358,73 +359,6 @@ class _Backward:
             for name, p in partition.named_parameters()
             if id(p) in ids
         )
-
-
-_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
-
-
-def _hooked(p: Tensor) -> bool:
-    """Whether ``p`` has a hook that the engine would call through the node."""
-    return bool(p._backward_hooks or p._post_accumulate_grad_hooks)
-
-
-class _Aside:
-    """The ``.grad`` and hooks of parameters, set aside while the stages run their backward.
-
-    The stages' threads then leave in ``.grad`` the gradient of this backward alone, and
-    call no hook of these parameters: the node hands that gradient to the engine, which
-    calls the hooks once and accumulates (or captures) it as for the plain model. Torch
-    has no public way to silence a tensor's hooks for a while; each kind is kept in a
-    dict on the tensor, which the engine reads at each call: those dicts are emptied,
-    then refilled before the node returns. A hooked parameter the stages left no
-    gradient gets zeros: given None, the engine would call its hooks with None (given
-    zeros, it calls them once, with whatever else this backward adds to it).
-    """
-
-    def __init__(self, params: list[Tensor]) -> None:
-        self.params = params
-        self.grads = [p.grad for p in params]
-        self.hooks = [_Silenced(p) for p in params]
-        for p in params:
-            p.grad = None
-
-    def take(self) -> list[Tensor | None]:
-        """What the stages left in each ``.grad`` (zeros for hooked ones); the hooks back."""
-        new = [p.grad for p in self.params]
-        for k, (p, hooks) in enumerate(zip(self.params, self.hooks, strict=True)):
-            if new[k] is None and hooks:
-                new[k] = torch.zeros_like(p)
-            hooks.restore()
-        return new
-
-    def put_back(self) -> None:
-        """Every ``.grad`` as it was."""
-        for p, grad in zip(self.params, self.grads, strict=True):
-            p.grad = grad
-
-    def abandon(self) -> None:
-        """Every ``.grad`` and hook as it was (the stages' backward failed)."""
-        self.put_back()
-        for hooks in self.hooks:
-            hooks.restore()
-
-
-class _Silenced:
-    """A parameter's hooks, taken out of their dicts until :meth:`restore`."""
-
-    def __init__(self, p: Tensor) -> None:
-        dicts = [d for d in (getattr(p, name, None) for name in _HOOKS) if d]
-        self.saved: list[tuple[dict[Any, Any], list[Any]]] = [(d, list(d.items())) for d in dicts]
-        for d in dicts:
-            d.clear()
-
-    def __bool__(self) -> bool:
-        return bool(self.saved)
-
-    def restore(self) -> None:
-        saved, self.saved = self.saved, []
-        for d, items in saved:
-            d.update(items)
 
 
 def _fate(p: Tensor) -> Literal["accumulate", "capture", "drop"]:

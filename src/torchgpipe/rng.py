@@ -26,10 +26,15 @@ C++ code with no generator argument (multi-head attention's dropout, the recurre
 layers' dropout between layers) run with a dispatch mode on for their own operators
 only (:class:`_RandomOperators`).
 
+A call that brings a generator of its own draws from it, as in the unwrapped model; the
+forward notes the generator's state first, and the recomputation draws from a new
+generator in that state: the same numbers, and the caller's generator advanced once.
+
 Not covered, so drawing from the default generators without these guarantees: random
 draws of custom C++ or Triton kernels, random ``torch.ops.aten`` operators called
 directly or from TorchScript (below the function mode), cuDNN's recurrent dropout on
-CUDA (its state is seeded inside cuDNN), and ``torch.utils.checkpoint`` inside a partition, whose
+CUDA (its state is seeded inside cuDNN), Python's ``random`` and NumPy's generators,
+and ``torch.utils.checkpoint`` inside a partition, whose
 recomputation restores the default generator rather than the cell's (use the
 pipeline's own checkpointing). On CUDA, Dropout in a cell runs as ``bernoulli_`` and a
 multiply rather than the fused kernel, and keeps its mask in the input's dtype.
@@ -88,10 +93,14 @@ def random_functions() -> list[str]:
 class _CellGenerators(TorchFunctionMode):
     """Hands the cell's own generator to every random function called on this thread."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, given: list[Tensor] | None = None) -> None:
         super().__init__()
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        # The state of each generator a call brought along, in call order: recorded by
+        # the forward, replayed by the recomputation (``given`` is the forward's list).
+        self._record: list[Tensor] | None = [] if given is None else None
+        self._replay = iter(given) if given is not None else None
 
     def generator(self, device: torch.device | str | int | None) -> torch.Generator | None:
         """The cell's generator for ``device``, made (and seeded) on first use."""
@@ -124,10 +133,41 @@ class _CellGenerators(TorchFunctionMode):
             kwargs.get("generator") is not None
             or any(isinstance(a, torch.Generator) for a in args)  # given one, positionally
         ):
-            return func(*args, **kwargs)
+            return self._given(func, args, kwargs)
         if "generator" in kwargs:  # generator=None, as torch.nn.init passes it on
             kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
         return handler(self, func, args, kwargs)
+
+    def _given(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call with a generator of the caller's own (a layer's ``self.generator``).
+
+        The forward draws from it, as the unwrapped model does, and notes its state
+        first; the recomputation draws from a new generator in that state, so it draws
+        what the forward drew and leaves the caller's generator where the forward left it.
+        """
+        given = kwargs.get("generator")
+        if not isinstance(given, torch.Generator):
+            given = next((a for a in args if isinstance(a, torch.Generator)), None)
+        if given is None:  # not a generator: the function says what it takes
+            return func(*args, **kwargs)
+        if self._record is not None:
+            self._record.append(given.get_state())
+            return func(*args, **kwargs)
+        assert self._replay is not None
+        state = next(self._replay, None)
+        if state is None:  # the recomputation draws more than the forward did
+            raise RuntimeError(
+                f"torchgpipe: the recomputation of a checkpointed cell called "
+                f"{getattr(func, '__name__', func)} with a generator of its own, which "
+                f"its forward did not: a checkpointed layer must make the same random "
+                f"calls each time it runs (use checkpoint='never' for this partition's "
+                f"layers, or draw the same calls in both)"
+            )
+        twin = torch.Generator(device=given.device)
+        twin.set_state(state)
+        args = tuple(twin if a is given else a for a in args)
+        kwargs = {k: twin if v is given else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 class _RandomOperators(TorchDispatchMode):
@@ -199,7 +239,9 @@ class CellRandomness:
 
     def replay(self) -> _CellGenerators:
         """Enter around the recomputation: it draws the numbers the forward drew."""
-        return _CellGenerators(self.seed)
+        forward = self._forward
+        given = forward._record if forward is not None else None
+        return _CellGenerators(self.seed, given if given is not None else [])
 
 
 def _resolve(device: torch.device | str | int | None) -> torch.device:

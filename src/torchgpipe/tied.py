@@ -259,10 +259,14 @@ class Ties:
         """Give every copy the sum of the gradients all its group's uses added since.
 
         ``across`` sums over the other processes that hold a group (every process of
-        the group calls this, ``across`` included, for each such group in order).
+        the group calls this, ``across`` included, for each such group in order). All
+        the sums this process can make alone come first: what could fail here (a
+        gradient of an unexpected kind) fails before any transfer, which another
+        process would otherwise wait on.
         """
         with self._lock:
             pending, self._pending = self._pending, {}
+        sums: list[tuple[int, Tensor | None, Tensor | None]] = []
         with torch.no_grad():
             for g, (owner, *copies) in enumerate(self.groups):
                 ranks = self.ranks[g]
@@ -272,14 +276,19 @@ class Ties:
                 total = owner.grad
                 for part in parts[1:]:
                     if part is not None:
-                        part = part.to(owner.device)
-                        total = part if total is None else total.add_(part)
+                        total = _add(total, part.to(owner.device))
+                mine = None
                 if ranks is not None and across is not None:
                     mine = torch.zeros_like(owner)
                     for part in parts:
                         if part is not None:
-                            mine += part.to(owner.device)
-                    here = total if total is not None else torch.zeros_like(owner)
+                            mine = _add(mine, part.to(owner.device))
+                sums.append((g, total, mine))
+            for g, total, mine in sums:
+                owner, *copies = self.groups[g]
+                ranks = self.ranks[g]
+                if ranks is not None and across is not None and mine is not None:
+                    here = torch.zeros_like(owner) if total is None else _dense(total)
                     # Frozen here too: the transfers still go, so that a rank that
                     # disagrees cannot leave another waiting; the sum is dropped.
                     total = across(ranks, here, mine)
@@ -287,7 +296,7 @@ class Ties:
                     continue
                 owner.grad = total
                 for copy in copies:
-                    if copy.grad is None:
+                    if copy.grad is None or copy.grad.layout != total.layout:
                         copy.grad = total.to(copy.device, copy=True)
                     else:
                         copy.grad.copy_(total)
@@ -371,7 +380,7 @@ class Ties:
             if seen is None:
                 self._pending[key] = grad.detach().clone()  # the engine may keep ``grad`` as .grad
             else:
-                seen.add_(grad.detach())
+                self._pending[key] = _add(seen, grad.detach())
 
     def __getstate__(self) -> dict[str, Any]:
         return {"slots": self.slots, "ranks": self.ranks, "names": self.names, "flags": self._flags}
@@ -397,7 +406,13 @@ def tie_groups(params: Iterable[Tensor]) -> list[tuple[Tensor, ...]]:
 
 
 class _Record:
-    """A tensor hook: passes the gradient on, and tells the ties about it."""
+    """A tensor hook: passes the gradient on, and tells the ties about it.
+
+    It only adds up what it is told, so it may see a gradient in shares
+    (``grad_hooks.hooks_once``).
+    """
+
+    torchgpipe_sums_shares = True  # grad_hooks.SUMS_SHARES
 
     def __init__(self, ties: Ties, key: tuple[int, int]) -> None:
         self.ties, self.key = ties, key
@@ -421,6 +436,23 @@ class _ReduceAtEnd(torch.autograd.Function):
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(ctx.ties.reduce)
         return (None, *grads)
+
+
+def _add(total: Tensor | None, part: Tensor) -> Tensor:
+    """``total + part``, in place where it can be; sparse where both are, as autograd does.
+
+    A sparse embedding's gradient and a dense head's add up to a dense one.
+    """
+    if total is None:
+        return part
+    if total.is_sparse and not part.is_sparse:
+        return part + total
+    return total.add_(part)
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """``grad`` as a strided tensor (what goes over the wire)."""
+    return grad.to_dense() if grad.is_sparse else grad
 
 
 def _wants_grad(x: Any) -> bool:

@@ -122,11 +122,18 @@ class PipelineSchedule(TableSteps):
                 f"the schedule has {table.stages} stages but the balance {n} partitions; "
                 f"each partition is one stage"
             )
-        if table.micro_batches != m:
+        k, chunks = table.micro_batches, self.pipe.chunks
+        if k != m:
+            # m is chunks, or the batch size where the batch is smaller than chunks.
+            fix = (
+                f"a batch of at least {k} samples"
+                if m < chunks and k <= chunks
+                else f"chunks={k}" + (f" and a batch of at least {k} samples" if k > m else "")
+            )
             raise ValueError(
-                f"the schedule is for {table.micro_batches} micro-batches but the batch "
-                f"splits into {m} (chunks={self.pipe.chunks}); pass a function of the "
-                f"number of micro-batches, or a batch of at least {table.micro_batches}"
+                f"the schedule is for {k} micro-batches but the batch splits into {m} "
+                f"(chunks={chunks}); pass a function of the number of micro-batches "
+                f"(such as lambda m: one_f_one_b(n, m)), or use {fix}"
             )
         table.validate()
         self.pipe.check_table(table)

@@ -46,10 +46,12 @@ import torch
 from torch import Tensor
 
 from torchgpipe.distributed.checks import mismatch
-from torchgpipe.distributed.exchange import Exchange, Key, describe
+from torchgpipe.distributed.exchange import Exchange, Key, RemoteError, describe
 from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
+from torchgpipe.distributed.transport import TransportError
 from torchgpipe.executor import Step, StepRun
+from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
 from torchgpipe.microbatch import flatten, gather, scatter
 from torchgpipe.rng import draw_seed
@@ -81,9 +83,31 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
         RemoteError: on the other ranks, the failure of the rank where it started, or
             the loss of a process.
     """
-    ran = _run(stage, steps, input, target, forward_only=False)
-    stage.reduce_tied()  # every rank's step ended well: every holder of a tie takes part
+    # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
+    with hooks_once(stage.parameters()):
+        ran = _run(stage, steps, input, target, forward_only=False)
+        try:  # every rank's step ended well: every holder of a tie takes part
+            stage.reduce_tied()
+        except TransportError as error:
+            raise _lost_in_ties(stage, error) from error
+        # Only now the caller's graph (a layer before the pipeline, a target that wants
+        # a gradient) gets its gradients: a step that failed on any rank leaves it as is.
+        assert ran.run is not None
+        ran.run.backward_upstream()
     return _result(stage, steps, ran)
+
+
+def _lost_in_ties(stage: PipelineStage, error: TransportError) -> RemoteError:
+    """A process lost while the tied weights' gradients were summed with it."""
+    peer, world = error.peer, stage.world_size
+    stages = tuple(s for s in range(len(stage.balance)) if s % world == peer)
+    return RemoteError(
+        f"rank {peer} (stages {list(stages)}) died or cannot be reached while the tied "
+        f"weights' gradients were summed, after a step that ended well on every rank; "
+        f"see its own output for the cause. The transport said: {error}",
+        rank=peer,
+        stages=stages,
+    )
 
 
 def run_forward(stage: PipelineStage, steps: TableSteps, input: Any) -> Any:
@@ -106,6 +130,7 @@ class _Ran:
     sizes: list[int]
     m: int
     output: Any  # the micro-batches' outputs gathered, on the last rank; None elsewhere
+    run: StepRun | None  # what hands the input's gradients back (None: nothing ran here)
 
 
 def _run(
@@ -124,6 +149,7 @@ def _run(
     m: int | None = None
     sizes: list[int] = []
     failure: tuple[BaseException, Action | None] | None = None
+    ran_here: StepRun | None = None
     try:
         m, sizes, table, batches, targets, seed = _start(
             stage, steps, exchange, input, target, forward_only=forward_only, shapes=shapes
@@ -155,7 +181,7 @@ def _run(
         if real:
             failure = real[0]
         elif not exchange.halted:
-            run.backward_upstream()
+            ran_here = run
             if stage.is_last:
                 output = gather(step.outputs)
     except Stopped:
@@ -196,7 +222,7 @@ def _run(
         raise remote
     assert step is not None  # no failure: the step ran
     assert m is not None
-    return _Ran(exchange, step, sizes, m, output)
+    return _Ran(exchange, step, sizes, m, output, ran_here)
 
 
 def _start(

@@ -1,0 +1,210 @@
+"""Parameters' hooks run once per backward, with its whole gradient, in every schedule.
+
+A hook that clips its gradient sees the batch's gradient, not a micro-batch's, and a
+post-accumulate hook (an optimizer stepped in backward) runs once per step, as with
+the plain model's ``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from distributed_helpers import run_threads
+from nccl_rules import NCCLRules
+from test_tied import _data, _language_model
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from torchgpipe import (
+    GPipe,
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+)
+from torchgpipe.distributed import PipelineStage, Transport
+from torchgpipe.grad_hooks import hooks_once
+
+SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zero-bubble": ScheduleZeroBubble,
+    "interleaved": ScheduleInterleaved1F1B,
+}
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 3, generator=generator)
+
+
+class _Counted:
+    """Hooks on a model: one clipping its gradient, one after accumulation; their calls."""
+
+    def __init__(self, model: nn.Module, clipped: str, accumulated: str) -> None:
+        self.clip_calls: list[Tensor] = []
+        self.post_calls: list[Tensor] = []
+        parameters = dict(model.named_parameters())
+        parameters[clipped].register_hook(self._clip)
+        parameters[accumulated].register_post_accumulate_grad_hook(self._post)
+
+    def _clip(self, grad: Tensor) -> Tensor:
+        self.clip_calls.append(grad.clone())
+        return grad.clamp(-0.01, 0.01)
+
+    def _post(self, p: Tensor) -> None:
+        assert p.grad is not None
+        self.post_calls.append(p.grad.clone())
+
+
+def _assert_grads(got: nn.Module, expected: nn.Module) -> None:
+    for (name, a), (_, b) in zip(got.named_parameters(), expected.named_parameters(), strict=True):
+        assert a.grad is not None, name
+        assert b.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_step_runs_each_hook_once_with_the_whole_gradient(schedule: str, checkpoint: str) -> None:
+    x, y = _batch()
+    plain = _model()
+    plain_hooks = _Counted(plain, "2.weight", "0.weight")
+    for _ in range(2):  # the second step accumulates onto the first's .grad
+        F.mse_loss(plain(x), y).backward()
+
+    pipe = GPipe(_model(), [2, 1, 1, 1], chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    hooks = _Counted(pipe, "2.weight", "0.weight")
+    driver = SCHEDULES[schedule](pipe, F.mse_loss)
+    for _ in range(2):
+        driver.step(x, y)
+
+    assert len(hooks.clip_calls) == len(plain_hooks.clip_calls) == 2
+    assert len(hooks.post_calls) == len(plain_hooks.post_calls) == 2
+    for got, expected in zip(hooks.clip_calls, plain_hooks.clip_calls, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(hooks.post_calls, plain_hooks.post_calls, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    _assert_grads(pipe, plain)
+
+
+def test_a_step_that_never_reaches_a_parameter_calls_none_of_its_hooks() -> None:
+    pipe = GPipe(_model(), [2, 3], chunks=2)
+    hooks = _Counted(pipe, "0.weight", "0.weight")
+
+    def cut(output: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(output.detach() * pipe[4].weight.sum(), target)
+
+    Schedule1F1B(pipe, cut).step(*_batch())
+    assert hooks.clip_calls == []
+    assert hooks.post_calls == []
+    assert pipe[0].weight.grad is None
+    assert pipe[4].weight.grad is not None
+
+
+def test_a_failed_step_leaves_every_grad_and_hook_as_it_was() -> None:
+    pipe = GPipe(_model(), [2, 3], chunks=2)
+    hooks = _Counted(pipe, "2.weight", "0.weight")
+    x, y = _batch()
+    ScheduleGPipe(pipe, F.mse_loss).step(x, y)
+    before = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+
+    def failing(output: Tensor, target: Tensor) -> Tensor:
+        loss = F.mse_loss(output, target)
+        if failing.calls == 1:  # type: ignore[attr-defined]
+            raise RuntimeError("the loss of the second micro-batch fails")
+        failing.calls += 1  # type: ignore[attr-defined]
+        return loss
+
+    failing.calls = 0  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="second micro-batch"):
+        ScheduleGPipe(pipe, failing).step(x, y)
+    assert len(hooks.clip_calls) == 1
+    assert len(hooks.post_calls) == 1
+    torch.testing.assert_close(pipe[2].weight.grad, before["2.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(pipe[0].weight.grad, before["0.weight"], rtol=0, atol=0)
+
+    ScheduleGPipe(pipe, F.mse_loss).step(x, y)  # the hooks are back, and run once
+    assert len(hooks.clip_calls) == 2
+    assert len(hooks.post_calls) == 2
+
+
+def test_hooks_once_keeps_the_order_of_hooks_and_the_ones_added_meanwhile() -> None:
+    p = nn.Parameter(torch.ones(2))
+    order: list[str] = []
+    p.register_hook(lambda g: order.append("first"))
+    p.register_hook(lambda g: order.append("second"))
+    with hooks_once([p]):
+        p.grad = torch.ones(2)
+        p.register_hook(lambda g: order.append("third"))
+    assert order == ["first", "second", "third"]
+    torch.testing.assert_close(p.grad, torch.ones(2))
+    order.clear()
+    (p * 2).sum().backward()
+    assert order == ["first", "second", "third"]
+
+
+def test_a_tied_weights_hooks_see_the_sum_of_all_its_uses() -> None:
+    ids, target = _data(3)
+    plain = _language_model()
+    seen: list[Tensor] = []
+    plain[0].weight.register_hook(lambda g: seen.append(g.clone()))
+    F.cross_entropy(plain(ids), target).backward()
+
+    pipe = GPipe(copy.deepcopy(_language_model()), [2, 3], chunks=4)
+    calls: dict[str, list[Tensor]] = {"0.weight": [], "4.weight": []}
+    for name in calls:
+        pipe.get_parameter(name).register_hook(lambda g, name=name: calls[name].append(g.clone()))
+    Schedule1F1B(pipe, F.cross_entropy).step(ids, target)
+    for name, got in calls.items():
+        assert len(got) == 1, name
+        torch.testing.assert_close(got[0], seen[0], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(pipe[0].weight.grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(pipe[0].weight.grad, pipe[4].weight.grad)
+
+
+def _clip_every_weight(model: nn.Module) -> list[list[Tensor]]:
+    """A clipping hook on each weight; the gradients each is called with."""
+    calls: list[list[Tensor]] = []
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
+            seen: list[Tensor] = []
+            calls.append(seen)
+            p.register_hook(lambda g, seen=seen: (seen.append(g), g.clamp(-0.01, 0.01))[1])
+    return calls
+
+
+@pytest.mark.parametrize(("world", "balance"), [(2, [2, 3]), (4, [1, 1, 1, 2])])
+def test_processes_run_each_hook_once_under_nccl_rules(world: int, balance: list[int]) -> None:
+    x, y = _batch()
+    plain = _model()
+    _clip_every_weight(plain)
+    F.mse_loss(plain(x), y).backward()
+
+    rules = NCCLRules(world)
+    models = [_model() for _ in range(world)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], balance, transport=transport, chunks=4)
+        calls = _clip_every_weight(stage)
+        Schedule1F1B(stage, F.mse_loss).step(x if stage.is_first else None, y)
+        grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+        return grads, [len(seen) for seen in calls]
+
+    out = run_threads(rank, world, timeout=60.0, observe=rules.group)
+    grads = {name: g for got, _ in out for name, g in got.items()}
+    assert sorted(grads) == sorted(name for name, _ in plain.named_parameters())
+    for name, p in plain.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert [count for _, counts in out for count in counts] == [1, 1, 1]
