@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torchgpipe import GPipe
+from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
 from torchgpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from torchgpipe.microbatch import scatter
 
@@ -160,7 +160,7 @@ def test_a_failed_forward_leaves_no_partial_statistics() -> None:
     # The failed call's micro-batches updated the statistics (the mini-batch was seen),
     # and nothing of it leaks into the next mini-batch's average.
     assert int(deferred.num_batches_tracked) in (1, 2)
-    assert deferred._seen == 0
+    assert not deferred._moments
 
 
 def test_deferred_batch_norm_must_be_a_bool() -> None:
@@ -397,3 +397,118 @@ def test_deferred_batch_norm_of_a_class_built_on_the_base_takes_any_input_of_2_d
     x = torch.randn(4, 2, 5, 5)  # 4-D, as 2-D and 3-D would be: the class says nothing
     torch.testing.assert_close(model(x), plain(x))
     torch.testing.assert_close(model[0].running_mean, plain[0].running_mean)
+
+
+# In the models below a batch-norm layer's input never depends on another's output, which
+# the pipeline normalizes per micro-batch: the plain model's running statistics are then
+# what the deferred layers must track.
+
+
+class _Twice(nn.Module):
+    """One batch-norm layer applied twice (a block used at two depths)."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4, momentum=momentum)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn(x) + self.bn(x * 10 + 5)
+
+
+class _TwoNames(nn.Module):
+    """One batch-norm layer registered under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn_a = self.bn_b = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn_a(x) + self.bn_b(x * 2 + 1)
+
+
+class _Holder(nn.Module):
+    def __init__(self, bn: nn.Module) -> None:
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 3 + 1 + 0 * self.bn(x)
+
+
+def _assert_same_running_stats(model: nn.Module, plain: nn.Module) -> None:
+    for (name, m), (_, p) in zip(model.named_modules(), plain.named_modules(), strict=True):
+        if isinstance(p, _BatchNorm):
+            assert isinstance(m, DeferredBatchNorm), name
+            torch.testing.assert_close(m.running_mean, p.running_mean, msg=name)
+            torch.testing.assert_close(m.running_var, p.running_var, msg=name)
+            assert int(m.num_batches_tracked) == int(p.num_batches_tracked), name
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_layer_called_twice_per_micro_batch_tracks_each_call(
+    chunks: int, momentum: float | None, checkpoint: str
+) -> None:
+    # Each call of the plain layer updates from its own input over the whole batch: the
+    # deferred layer merged its first and second calls together before the fix.
+    plain = nn.Sequential(nn.Identity(), _Twice(momentum)).double()
+    model = GPipe(
+        copy.deepcopy(plain), [1, 1], chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=True
+    )
+    for _ in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+        model(x).square().sum().backward()
+        plain(x)
+    _assert_same_running_stats(model, plain)
+    assert int(plain[1].bn.num_batches_tracked) == 4  # twice per step
+
+
+def test_convert_replaces_a_layer_under_every_name() -> None:
+    plain = nn.Sequential(nn.Linear(4, 4), _TwoNames()).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=4, deferred_batch_norm=True)
+    block = model[1]
+    # One deferred layer for the one layer: both names, and the identity, kept.
+    assert type(block.bn_a) is DeferredBatchNorm
+    assert block.bn_a is block.bn_b
+    x = torch.randn(16, 4, dtype=torch.float64)
+    model(x)
+    plain(x)
+    _assert_same_running_stats(model, plain)
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+
+def test_a_layer_in_two_layers_of_one_partition_tracks_each_call() -> None:
+    bn = nn.BatchNorm1d(4, momentum=None).double()
+    plain = nn.Sequential(_Holder(bn), _Holder(bn))
+    model = GPipe(copy.deepcopy(plain), [2], chunks=2, deferred_batch_norm=True)
+    assert model[0].bn is model[1].bn
+    x = torch.randn(8, 4, dtype=torch.float64)
+    model(x)
+    plain(x)
+    _assert_same_running_stats(model, plain)
+
+
+@pytest.mark.parametrize("schedule", [Schedule1F1B, ScheduleZeroBubble])
+def test_a_schedules_step_tracks_each_call_of_a_layer(schedule: type) -> None:
+    plain = nn.Sequential(nn.Linear(4, 4), _Twice(momentum=None), nn.Linear(4, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=4, deferred_batch_norm=True)
+    driver = schedule(model, lambda y, t: (y - t).square().mean())
+    for _ in range(2):
+        x, t = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+        driver.step(x, t)
+        plain(x)
+    _assert_same_running_stats(model, plain)
+
+
+def test_a_layer_on_its_own_counts_each_call_as_a_micro_batch() -> None:
+    # As in torchgpipe 0.0.7: outside a pipeline no call says where a micro-batch starts.
+    layer = DeferredBatchNorm(4, chunks=2, momentum=None).double()
+    plain = nn.BatchNorm1d(4, momentum=None).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for piece in x.chunk(2):
+        layer(piece)
+    plain(x)
+    torch.testing.assert_close(layer.running_mean, plain.running_mean)
+    torch.testing.assert_close(layer.running_var, plain.running_var)
+    assert int(layer.num_batches_tracked) == 1

@@ -10,6 +10,24 @@ the running statistics once, after the last micro-batch of the mini-batch, from 
 mean and variance of the whole mini-batch: what plain ``BatchNorm`` tracks when it sees
 the mini-batch at once. Recomputation in backward neither merges nor updates.
 
+A layer may be called more than once per micro-batch (a block applied twice, one layer
+registered under two names). Plain ``BatchNorm`` then updates its running statistics
+once per call, from that call's input over the mini-batch; so the deferred layer keeps
+the statistics of its j-th call of each micro-batch apart from those of its other calls,
+and updates once per call, in the order of the calls. It knows where a micro-batch
+starts from the pipeline: every call of a partition in a cell runs inside
+:func:`cell_call`, which gives the thread a new token::
+
+    cell (0, s):  cell_call  bn(x) bn(y)   j = 0, 1
+    cell (1, s):  cell_call  bn(x) bn(y)   j = 0, 1, the last: update from the merged
+                                           j = 0, then from the merged j = 1
+
+A layer called outside a pipeline (on its own, as in torchgpipe 0.0.7) counts each
+call as a micro-batch. Where the micro-batches call a layer unequally often, the calls
+of the last one update the running statistics. Where a call's input depends on an
+earlier normalization, it differs from the plain model's as that normalization does:
+each micro-batch is normalized with its own statistics.
+
 :func:`freeze_running_stats` serves plain batch norm under checkpointing: the
 recomputation of a cell would update the running statistics a second time, so the
 pipeline puts back what they were before it.
@@ -17,6 +35,7 @@ pipeline puts back what they were before it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
@@ -33,15 +52,21 @@ __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "freeze_running_s
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
+# What a layer has merged of its j-th calls: samples per channel, mean, and the sum of
+# squared deviations from the mean.
+Moments = tuple[Tensor, Tensor, Tensor]
+
 
 class DeferredBatchNorm(_BatchNorm):
     """Batch norm that updates its running statistics once per mini-batch.
 
     A mini-batch is ``chunks`` micro-batches in a row, in training mode: the running
     statistics are updated after the last of them, as plain ``BatchNorm`` would update
-    them seeing the mini-batch at once. ``GPipe(..., deferred_batch_norm=True)`` sets the
-    number itself, calling :meth:`expect` before each mini-batch (without that flag, a
-    layer of yours inside GPipe keeps its own ``chunks``). Otherwise it follows
+    them seeing the mini-batch at once (once per call, for a layer called several times
+    in a micro-batch of a converted module: see the module's docstring).
+    ``GPipe(..., deferred_batch_norm=True)`` sets the number itself, calling
+    :meth:`expect` before each mini-batch (without that flag, a layer of yours inside
+    GPipe keeps its own ``chunks``). Otherwise it follows
     ``BatchNorm``'s rules as they stand at each call: ``track_running_stats`` and the
     running statistics may be changed or set to None, and evaluation uses the running
     statistics, or the batch's where there are none. Example, on its own::
@@ -73,10 +98,10 @@ class DeferredBatchNorm(_BatchNorm):
                 f"pass the number of micro-batches by keyword: "
                 f"DeferredBatchNorm({self.num_features}, chunks=...)"
             )
-        self._seen = 0
-        self._count: Tensor | None = None  # samples per channel merged so far
-        self._mean: Tensor | None = None
-        self._m2: Tensor | None = None  # sum of squared deviations from the mean
+        self._cell: object | None = None  # the cell_call() token of the latest call
+        self._begun = 0  # the micro-batches of the mini-batch begun
+        self._calls = 0  # the calls in the current one
+        self._moments: dict[int, Moments] = {}  # what the j-th calls merged, by j
         # torch's class of the layer this one replaces (from_batch_norm), whose check of
         # the input's dimensions this one keeps: BatchNorm2d takes only 4-D input, say.
         self._checks_as: type[_BatchNorm] | None = None
@@ -99,8 +124,7 @@ class DeferredBatchNorm(_BatchNorm):
             ValueError: ``chunks`` is not positive.
         """
         self.chunks = _check_chunks(chunks)
-        self._seen = 0
-        self._count = self._mean = self._m2 = None
+        self._cell, self._begun, self._calls, self._moments = None, 0, 0, {}
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` as ``BatchNorm`` would; in training mode, merge its statistics.
@@ -134,24 +158,20 @@ class DeferredBatchNorm(_BatchNorm):
         return output
 
     def _merge(self, x: Tensor) -> None:
-        dims = [0, *range(2, x.dim())]
-        # In float64 whatever the input: a float32 mean of data around 1e4 is off by
-        # 1e-3, and the merge's squared differences of means would carry that error.
-        stats = x.to(torch.float64)
-        count = torch.tensor(x.numel() / x.size(1), dtype=stats.dtype, device=x.device)
-        mean = stats.mean(dims)
-        m2 = stats.var(dims, unbiased=False) * count
-        if self._count is None or self._mean is None or self._m2 is None:
-            self._count, self._mean, self._m2 = count, mean, m2
-        else:  # Chan et al.'s pairwise merge of (count, mean, squared deviations)
-            total = self._count + count
-            delta = mean - self._mean
-            self._mean = self._mean + delta * (count / total)
-            self._m2 = self._m2 + m2 + delta.square() * (self._count * count / total)
-            self._count = total
-        self._seen += 1
-        if self._seen == self.chunks:
-            self._commit(self._count, self._mean, self._m2)
+        cell = getattr(_cells, "token", None)
+        if cell is None or cell is not self._cell:  # a micro-batch begins
+            self._cell = cell
+            if self._begun >= self.chunks:  # on its own: no expect() between mini-batches
+                self._begun, self._moments = 0, {}
+            self._begun += 1
+            self._calls = 0
+        j = self._calls
+        self._calls += 1
+        moments = _merged(self._moments.pop(j, None), x)
+        if self._begun == self.chunks:  # the last micro-batch: the j-th calls are complete
+            self._commit(*moments)
+        else:
+            self._moments[j] = moments
 
     def _commit(self, count: Tensor, mean: Tensor, m2: Tensor) -> None:
         """Track the mini-batch's statistics as ``BatchNorm`` tracks a batch's.
@@ -171,7 +191,6 @@ class DeferredBatchNorm(_BatchNorm):
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
             if self.running_var is not None:
                 self.running_var.lerp_(variance.to(self.running_var.dtype), factor)
-        self.expect(self.chunks)
 
     @classmethod
     def from_batch_norm(cls, module: _BatchNorm) -> DeferredBatchNorm:
@@ -246,6 +265,45 @@ class DeferredBatchNorm(_BatchNorm):
         return f"{base}, chunks={self.chunks}"
 
 
+def _merged(moments: Moments | None, x: Tensor) -> Moments:
+    """``moments`` with the statistics of ``x`` merged in (Chan et al.'s pairwise merge)."""
+    dims = [0, *range(2, x.dim())]
+    # In float64 whatever the input: a float32 mean of data around 1e4 is off by 1e-3,
+    # and the merge's squared differences of means would carry that error.
+    stats = x.to(torch.float64)
+    count = torch.tensor(x.numel() / x.size(1), dtype=stats.dtype, device=x.device)
+    mean = stats.mean(dims)
+    m2 = stats.var(dims, unbiased=False) * count
+    if moments is None:
+        return count, mean, m2
+    count_before, mean_before, m2_before = moments
+    total = count_before + count
+    delta = mean - mean_before
+    return (
+        total,
+        mean_before + delta * (count / total),
+        m2_before + m2 + delta.square() * (count_before * count / total),
+    )
+
+
+# Per thread: the token of the cell whose partition runs (cell_call), if any.
+_cells = threading.local()
+
+
+@contextmanager
+def cell_call() -> Iterator[None]:
+    """Around a partition's call in a cell: one micro-batch's calls of deferred layers.
+
+    See the module's docstring.
+    """
+    outer = getattr(_cells, "token", None)
+    _cells.token = object()
+    try:
+        yield
+    finally:
+        _cells.token = outer
+
+
 def _check_chunks(chunks: int) -> int:
     # Imported here, as GPipe's own check: gpipe.py imports this module.
     from torchgpipe.gpipe import check_chunks
@@ -257,7 +315,11 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
     """Replace, in place, every batch-norm layer inside ``module`` with a deferred one.
 
     Parameters and buffers are shared with the layers replaced, so ``state_dict()``
-    keys and values stay as they were. Returns the deferred layers.
+    keys and values stay as they were. A layer under several names is replaced by one
+    deferred layer under all of them. Returns the deferred layers, each once.
+
+    In a pipeline, a layer called several times per micro-batch tracks each call apart
+    (see the module's docstring); called on its own, each call is a micro-batch.
 
     Layers that do not track running statistics are replaced too (torchgpipe 0.0.7
     left them alone): a deferred layer follows ``BatchNorm``'s rules as they stand at
@@ -281,13 +343,16 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
             f"on a sample batch before converting them to DeferredBatchNorm (as GPipe's "
             f"deferred_batch_norm=True does)"
         )
-    converted: list[DeferredBatchNorm] = []
+    # Per layer replaced (kept alive, so that its id stays its own): its deferred layer,
+    # one for every name it has (named_children() would skip all names but the first).
+    replaced: dict[int, tuple[_BatchNorm, DeferredBatchNorm]] = {}
     for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):
             if isinstance(child, _BatchNorm) and not isinstance(child, DeferredBatchNorm):
-                deferred = DeferredBatchNorm.from_batch_norm(child)
-                setattr(parent, name, deferred)
-                converted.append(deferred)
+                if id(child) not in replaced:
+                    replaced[id(child)] = (child, DeferredBatchNorm.from_batch_norm(child))
+                setattr(parent, name, replaced[id(child)][1])
+    converted = [deferred for _, deferred in replaced.values()]
     converted.extend(
         m for m in module.modules() if isinstance(m, DeferredBatchNorm) and m not in converted
     )

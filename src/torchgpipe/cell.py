@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from torchgpipe.batchnorm import cell_call
 from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.guards import Restore
@@ -182,13 +183,14 @@ def call_stage(
     ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
     stashes them (``outbound`` is then not None).
     """
-    if outbound is None:
-        if pops:  # pops, but stashes nothing: still under a tracker
-            output, _ = run_cell(partition, (), packed)
-            return output, {}
-        return partition(packed), {}
-    output, skips = run_cell(partition, outbound, packed)
-    return output, dict(skips)
+    with cell_call():  # deferred batch norm counts its calls per cell
+        if outbound is None:
+            if pops:  # pops, but stashes nothing: still under a tracker
+                output, _ = run_cell(partition, (), packed)
+                return output, {}
+            return partition(packed), {}
+        output, skips = run_cell(partition, outbound, packed)
+        return output, dict(skips)
 
 
 def connected_forward(
