@@ -6,6 +6,7 @@ import copy
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from distributed_helpers import run_threads
@@ -93,14 +94,46 @@ def test_arguments_as_torchs_clip_takes_them() -> None:
         torch.testing.assert_close(ours.grad, theirs.grad)
 
 
+def _trained_pair() -> tuple[GPipe, nn.Module]:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2)
+    x = torch.randn(8, 4)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    return model, plain
+
+
+def test_an_infinite_max_norm_gives_the_norm_and_clips_nothing() -> None:
+    # torch's clip takes max_norm=inf (to log the norm); ours refused it before the fix.
+    model, plain = _trained_pair()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    total = model.clip_grad_norm_(math.inf)
+    torch.testing.assert_close(total, nn.utils.clip_grad_norm_(plain.parameters(), math.inf))
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_numpy_numbers_as_torchs_clip_takes_them() -> None:
+    model, plain = _trained_pair()
+    total = model.clip_grad_norm_(np.float32(0.1), np.int64(1))  # type: ignore[arg-type]
+    expected = nn.utils.clip_grad_norm_(plain.parameters(), np.float32(0.1), np.int64(1))  # type: ignore[arg-type]
+    torch.testing.assert_close(total, expected)
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 @pytest.mark.parametrize(
     ("max_norm", "norm_type", "error", "match"),
     [
-        ("1", 2.0, TypeError, "max_norm must be a number"),
-        (-1.0, 2.0, ValueError, "max_norm must be a finite number >= 0"),
-        (math.nan, 2.0, ValueError, "max_norm must be a finite number"),
+        ("1", 2.0, TypeError, "max_norm must be a real number, got '1' of type str"),
+        (-1.0, 2.0, ValueError, r"max_norm must be a number >= 0 \(math.inf .*got -1.0"),
+        (math.nan, 2.0, ValueError, "max_norm must be a number >= 0.*got nan"),
         (1.0, 0.0, ValueError, "norm_type must be positive"),
-        (1.0, True, TypeError, "norm_type must be a number"),
+        (1.0, True, TypeError, "norm_type must be a real number, got True of type bool"),
+        (np.bool_(True), 2.0, TypeError, "max_norm must be a real number, got np.True_"),
+        (torch.tensor(True), 2.0, TypeError, "max_norm must be a real number"),
+        (1.0, 1j, TypeError, "norm_type must be a real number, got 1j of type complex"),
     ],
 )
 def test_bad_arguments_are_refused(

@@ -1,3 +1,4 @@
+import dataclasses
 from collections import Counter, OrderedDict, defaultdict, namedtuple
 from dataclasses import dataclass, field
 
@@ -5,7 +6,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
+from torchgpipe import GPipe
 from torchgpipe.microbatch import flatten, gather, leaf_paths, map_tensors, scatter, unflatten
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -303,3 +306,90 @@ def test_scatter_then_gather_is_identity(shape: object, batch: int, chunks: int)
     batches = scatter(built, chunks)
     assert len(batches) == min(chunks, batch)
     assert _equal(gather(batches), built)
+
+
+class ModelOutput(OrderedDict):  # type: ignore[type-arg]
+    """What transformers' ModelOutput does: items mirrored in fields, update() refused."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def update(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"You cannot use ``update`` on a {type(self).__name__} instance.")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in self.keys() and value is not None:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+    def __setitem__(self, key: str, value: object) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@dataclass
+class EncoderOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    attentions: torch.Tensor | None = None
+
+
+def test_dict_that_is_a_dataclass_is_rebuilt_item_by_item() -> None:
+    # Rebuilt by update() before the fix, which ModelOutput refuses.
+    h, a = torch.arange(8.0).view(4, 2), torch.ones(4, 3)
+    value = EncoderOutput(last_hidden_state=h, attentions=a)
+    leaves, spec = flatten(value)
+    assert len(leaves) == 2  # the items: the fields mirror them
+    rebuilt = unflatten([h * 2, a * 2], spec)
+    assert type(rebuilt) is EncoderOutput
+    assert list(rebuilt) == ["last_hidden_state", "attentions"]
+    assert torch.equal(rebuilt["last_hidden_state"], h * 2)
+    assert rebuilt.last_hidden_state is rebuilt["last_hidden_state"]
+    assert rebuilt.attentions is rebuilt["attentions"]
+    assert rebuilt.hidden_states is None
+    assert value.last_hidden_state is h  # the value taken apart is left as it was
+    gathered = gather(scatter(value, chunks=2))
+    assert type(gathered) is EncoderOutput
+    assert _equal(gathered, value)
+    assert torch.equal(gathered.attentions, a)
+
+
+def test_dict_that_is_a_dataclass_passes_between_partitions() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> EncoderOutput:
+            return EncoderOutput(last_hidden_state=self.linear(x))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 2)
+
+        def forward(self, output: EncoderOutput) -> EncoderOutput:
+            assert output.last_hidden_state is not None
+            return EncoderOutput(self.linear(output.last_hidden_state), output["last_hidden_state"])
+
+    plain = nn.Sequential(Encoder(), Head())
+    x = torch.randn(8, 4)
+    expected = plain(x)
+    output = GPipe(plain, [1, 1], chunks=2)(x)
+    assert type(output) is EncoderOutput
+    assert list(output) == list(expected)
+    for name in ("last_hidden_state", "hidden_states"):
+        torch.testing.assert_close(output[name], expected[name])
+        assert getattr(output, name) is output[name]
+    assert output.attentions is None
+
+
+def test_dict_subclasses_are_filled_in_order_with_values_as_they_are() -> None:
+    ordered = OrderedDict([("b", torch.ones(2)), ("a", torch.zeros(2))])
+    ordered.move_to_end("b")
+    counts = Counter({"x": torch.ones(2), "y": -torch.ones(2)})  # negative counts kept
+    for value in (ordered, counts):
+        leaves, spec = flatten(value)
+        assert _equal(unflatten(leaves, spec), value)

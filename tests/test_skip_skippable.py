@@ -110,6 +110,25 @@ def test_isolate_only_some_names() -> None:
         layer.isolate("ns")  # type: ignore[arg-type]
 
 
+def test_isolate_only_one_name_as_a_string() -> None:
+    # A string was taken for its letters before the fix: "no skip named ['a', 'l', ...]".
+    @skippable(stash=["alice", "bob"])
+    class Two(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("alice", x)
+            yield stash("bob", x)
+            return x
+
+    ns = Namespace("mine")
+    layer = Two().isolate(ns, only="alice")
+    assert layer.stash_keys() == (SkipKey(ns, "alice"), SkipKey(GLOBAL_NAMESPACE, "bob"))
+    with pytest.raises(ValueError, match=r"Two has no skip named \['carol'\]"):
+        layer.isolate(ns, only="carol")
+    for bad in (3, [b"bob"], ["bob", None]):
+        with pytest.raises(TypeError, match=r"only takes a skip name or an iterable of names"):
+            layer.isolate(ns, only=bad)  # type: ignore[arg-type]
+
+
 def test_none_is_a_skip_value() -> None:
     @skippable(stash=["maybe"])
     class StashNone(nn.Module):

@@ -3,6 +3,7 @@
 import copy
 import gc
 import json
+import sys
 import time
 import weakref
 from typing import Any
@@ -210,6 +211,22 @@ def test_timeline_picture(tmp_path) -> None:  # type: ignore[no-untyped-def]
         model(torch.randn(8, 4)).sum().backward()
     path = tmp_path / "timeline.png"
     trace.draw(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_picture_leaves_the_backend_and_pyplot_alone(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The bug: draw() called matplotlib.use("Agg"), which switched a notebook's or an
+    # application's backend, and drew through pyplot's global figures.
+    matplotlib = pytest.importorskip("matplotlib")
+    model = _model("except_last")
+    with model.trace() as trace:
+        model(torch.randn(8, 4)).sum().backward()
+    switched: list[object] = []
+    monkeypatch.setattr(matplotlib, "use", lambda *args, **kwargs: switched.append(args))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # importing it fails
+    path = tmp_path / "timeline.png"
+    trace.draw(path)
+    assert switched == []
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -30,18 +30,21 @@ _STYLE = {
 def draw_timeline(trace: Trace, path: Path, *, title: str | None = None) -> None:
     """Partitions as rows, time across, each micro-batch in a colour of its own."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A figure of its own on an Agg canvas, not pyplot's: the process's backend and
+        # pyplot's current figures stay as the caller had them.
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as error:
         raise ImportError("drawing a timeline needs matplotlib: pip install matplotlib") from error
 
     begin = min(e.start for e in trace.events)
     span_ms = (max(e.end for e in trace.events) - begin) * 1e3
-    colours = plt.get_cmap("tab20")
-    figure, axes = plt.subplots(figsize=(12, 1 + 0.6 * trace.n))
+    colours = colormaps["tab20"]
+    figure = Figure(figsize=(12, 1 + 0.6 * trace.n))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
     for e in trace.events:
         style = _STYLE[e.kind]
         left, width = (e.start - begin) * 1e3, e.duration * 1e3
@@ -82,4 +85,3 @@ def draw_timeline(trace: Trace, path: Path, *, title: str | None = None) -> None
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)

@@ -20,6 +20,7 @@ the last bits.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -31,30 +32,46 @@ __all__ = ["clip_grad_norm", "counted_once", "norm_part"]
 def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, float]:
     """``max_norm`` and ``norm_type`` as floats, refused when they mean nothing.
 
+    ``max_norm=math.inf`` clips nothing: the call only returns the total norm, as
+    torch's clip does (a non-finite norm still scales the gradients by NaN there).
+
     Raises:
-        TypeError: either is not a real number.
-        ValueError: ``max_norm`` is negative or not finite, ``norm_type`` not positive.
+        TypeError: either is not a real number (a bool is not one).
+        ValueError: ``max_norm`` is negative or NaN, ``norm_type`` not positive.
     """
-    numbers = []
+    floats = []
     for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        # As torch's clip takes them: a number, a one-element tensor, 'inf' as a string.
+        # As torch's clip takes them: a real number (NumPy's too), a one-element tensor,
+        # 'inf' as a string.
         fits = (
-            isinstance(value, int | float)
+            isinstance(value, numbers.Real)
             or (isinstance(value, str) and value.lower() in ("inf", "infinity"))
-            or (isinstance(value, Tensor) and value.numel() == 1)
+            or (isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex())
         )
         try:
-            if isinstance(value, bool) or not fits:
+            if _is_bool(value) or not fits:
                 raise TypeError
-            numbers.append(float(value))
+            floats.append(float(value))
         except (TypeError, ValueError):
-            raise TypeError(f"{name} must be a number, got {value!r}") from None
-    limit, order = numbers
-    if not math.isfinite(limit) or limit < 0:
-        raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+            raise TypeError(
+                f"{name} must be a real number, got {value!r} of type {type(value).__name__}"
+            ) from None
+    limit, order = floats
+    if not limit >= 0:  # NaN too
+        raise ValueError(
+            f"max_norm must be a number >= 0 (math.inf to clip nothing and get the norm), "
+            f"got {max_norm!r}"
+        )
     if not order > 0:
         raise ValueError(f"norm_type must be positive (2.0, or math.inf), got {norm_type!r}")
     return limit, order
+
+
+def _is_bool(value: object) -> bool:
+    """A bool, or a tensor of one: ``float()`` takes them, but they are no norm."""
+    if isinstance(value, Tensor):
+        return value.dtype == torch.bool
+    return isinstance(value, bool)  # NumPy's bool is no numbers.Real: refused anyway
 
 
 def counted_once(

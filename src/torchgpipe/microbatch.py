@@ -49,7 +49,9 @@ class Spec:
     ``keys`` are a dict's keys or a dataclass's field names, in order. ``template`` is an
     emptied shallow copy of a list or dict of a subclass, which keeps what the subclass
     holds besides its items (the factory of a ``defaultdict``, say) and whose constructor
-    may not take the items; of a dataclass instance, a shallow copy with every field set
+    may not take the items (a dict that is a dataclass too, as transformers'
+    ``ModelOutput``, is a dict, its fields mirroring the items emptied); of a dataclass
+    instance, a shallow copy with every field set
     to None, filled in place, so that neither ``__init__`` (which may not take every
     field) nor ``__post_init__`` runs again, and a frozen one is rebuilt too.
     """
@@ -195,6 +197,14 @@ def _template(value: list[Any] | dict[Any, Any], base: type) -> Any:
         return None
     template = copy.copy(value)
     template.clear()
+    if dataclasses.is_dataclass(value):
+        # A dict that is a dataclass too (transformers' ModelOutput) mirrors its items in
+        # its fields: the template keeps none of them, and refuses tensors in the others.
+        for f in dataclasses.fields(value):
+            mirrored = f.name in value and getattr(value, f.name, None) is value[f.name]
+            if mirrored:
+                object.__setattr__(template, f.name, None)
+        _check_opaque(template, value)
     return template
 
 
@@ -227,10 +237,8 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return rebuilt
     if spec.template is not None:  # a subclass of list or dict: fill a copy of the template
         rebuilt = copy.copy(spec.template)
-        # The subclass's own update and extend: OrderedDict keeps its order only so; an
-        # empty Counter updated from a mapping takes the values as they are.
         if spec.kind == "dict":
-            rebuilt.update(dict(zip(spec.keys, children, strict=True)))
+            _fill_dict(rebuilt, spec.keys, children)
         else:
             rebuilt.extend(children)
         return rebuilt
@@ -239,6 +247,22 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
     if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple
         return spec.cls(*children)
     return spec.cls(children)
+
+
+def _fill_dict(rebuilt: Any, keys: tuple[Any, ...], values: list[Any]) -> None:
+    """Set the items of an emptied dict of a subclass, one key at a time, in order.
+
+    Key by key, not ``update()``: a subclass may refuse ``update()`` (transformers'
+    ``ModelOutput`` does); in order, as an ``OrderedDict`` must be; and values as they
+    are, as a ``Counter`` takes them. The fields of a dataclass mirroring its items,
+    emptied in the template, get their items back where ``__setitem__`` did not set them.
+    """
+    for key, value in zip(keys, values, strict=True):
+        rebuilt[key] = value
+    fields = dataclasses.fields(rebuilt) if dataclasses.is_dataclass(rebuilt) else ()
+    for f in fields:
+        if f.name in rebuilt and getattr(rebuilt, f.name, None) is None:
+            object.__setattr__(rebuilt, f.name, rebuilt[f.name])
 
 
 def leaf_paths(spec: Spec, root: str) -> list[str]:

@@ -194,19 +194,21 @@ class Skippable(nn.Module):
         state = self.__getstate__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return (_rebuild, made, state)
 
-    def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
+    def isolate(self, ns: Namespace, *, only: str | Iterable[str] | None = None) -> Skippable:
         """Put this module's skip names (or the names in ``only``) into namespace ``ns``.
 
+        ``only`` is one name or several: ``only="h"`` and ``only=["h"]`` are alike.
         Returns the module itself, so that it can be used inline in a Sequential.
 
         Raises:
-            TypeError: ``ns`` is not a :class:`Namespace`.
+            TypeError: ``ns`` is not a :class:`Namespace`, or ``only`` is not a name or an
+                iterable of names.
             ValueError: a name in ``only`` is not one this module stashes or pops.
         """
         if not isinstance(ns, Namespace):
             raise TypeError(f"isolate() takes a Namespace, got {ns!r}; create one: Namespace()")
         declared = (*self.stash_names, *self.pop_names)
-        names = declared if only is None else tuple(only)
+        names = declared if only is None else _only_names(only, declared)
         unknown = [name for name in names if name not in declared]
         if unknown:
             raise ValueError(
@@ -323,6 +325,22 @@ and a token of its own (the class, in this process: :data:`_MADE`)."""
 
 _MADE: weakref.WeakValueDictionary[str, type[Skippable]] = weakref.WeakValueDictionary()
 """Each class :func:`skippable` made, by its token, as long as it lives."""
+
+
+def _only_names(only: str | Iterable[str], declared: tuple[str, ...]) -> tuple[str, ...]:
+    """``isolate``'s ``only`` as a tuple of names: a string is one name, not its letters."""
+    if isinstance(only, str):
+        return (only,)
+    try:
+        names = tuple(only)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise TypeError(
+            f"isolate()'s only takes a skip name or an iterable of names, got {only!r}; "
+            f"the names this module declares are {list(declared)}"
+        )
+    return names
 
 
 def _reachable(cls: type) -> bool:
