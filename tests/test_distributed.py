@@ -519,6 +519,58 @@ def test_data_parallel_replicas_of_each_stage_match_the_plain_model() -> None:
             torch.testing.assert_close(value, plain.state_dict()[name], msg=name)
 
 
+class _ThreeHeads(nn.Module):
+    """``used`` on every replica, ``partial`` on rank 0 only, ``unused`` on none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.partial, self.unused = nn.Linear(2, 1), nn.Linear(2, 1), nn.Linear(2, 1)
+
+    def forward(self, x: Tensor, rank: int) -> Tensor:
+        y: Tensor = self.used(x)
+        return y + self.partial(x) if rank == 0 else y
+
+
+def _reduce_rank(rank: int, world: int) -> dict[tuple[str, str], Any]:
+    pair = dist.new_group([0, 1])  # every process makes it; rank 2 is not in it
+    out: dict[tuple[str, str], Any] = {}
+    for op in ("mean", "sum"):
+        torch.manual_seed(0)
+        net = _ThreeHeads()
+        net(torch.full((1, 2), rank + 1.0), rank).sum().backward()
+        out[op, "own"] = _grads(net)
+        out[op, "error"] = _outcome(functools.partial(all_reduce_gradients, net, pair, op=op))
+        out[op, "reduced"] = {name: p.grad for name, p in net.named_parameters()}
+    return out
+
+
+def test_all_reduce_gradients_leaves_none_where_no_replica_has_a_gradient() -> None:
+    # Regression: a parameter no replica used got a zero gradient (the plain model
+    # leaves None, and AdamW's weight decay then moved it); and a process outside the
+    # group flipped the sign of its gradients (its group size read -1).
+    results = spawn(_reduce_rank, 3, timeout=30.0)
+    for op, divide in [("mean", 2.0), ("sum", 1.0)]:
+        mine = [results[r][op, "own"] for r in range(3)]
+        for rank in (0, 1):
+            assert results[rank][op, "error"]["type"] is None
+            got = results[rank][op, "reduced"]
+            for name in ("used.weight", "used.bias"):
+                torch.testing.assert_close(got[name], (mine[0][name] + mine[1][name]) / divide)
+            for name in ("partial.weight", "partial.bias"):  # rank 1 counts zero
+                torch.testing.assert_close(got[name], mine[0][name] / divide)
+            assert [got["unused.weight"], got["unused.bias"]] == [None, None]
+        outside = results[2][op, "error"]
+        assert outside["type"] == "ValueError", outside
+        assert outside["text"].startswith(
+            "this process (global rank 2) is not in the group given to all_reduce_gradients; "
+            "pass the group of this stage's replicas that includes this process"
+        )
+        left = results[2][op, "reduced"]  # as they were
+        assert {name for name, grad in left.items() if grad is not None} == set(mine[2])
+        for name, grad in mine[2].items():
+            torch.testing.assert_close(left[name], grad)
+
+
 def _meta_trace_and_forward_only_rank(rank: int, world: int) -> dict[str, Any]:
     plain = mlp()  # every process seeds alike: the same plain model
     with torch.device("meta"):

@@ -9,6 +9,7 @@ process, so threads building them at once would draw each other's numbers.
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -125,9 +126,7 @@ def _stages(world: int, balance: list[int], **options: Any) -> list[PipelineStag
     ("change", "error", "match"),
     [
         ({"module": nn.Linear(4, 4)}, TypeError, "takes an nn.Sequential, got Linear"),
-        ({"balance": [3, 3, 2]}, ValueError, "the balance has 3 partitions for 2 processes"),
         ({"balance": [4, 3]}, BalanceError, "balance sums to 7"),
-        ({"rank": 1}, ValueError, "rank=1 was given, but this process is rank 0"),
         ({"device": "meta"}, ValueError, "device 'meta' is the meta device"),
         ({"chunks": 0}, ValueError, "chunks must be a positive number"),
         ({"chunks": 2.5}, TypeError, "chunks must be an int"),
@@ -147,6 +146,43 @@ def test_stage_rejects_bad_arguments_before_talking_to_peers(
         PipelineStage(
             arguments.pop("module"), arguments.pop("balance"), transport=transport, **arguments
         )
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ([{}, {"balance": [8]}], r"the balance has 1 partitions for 2 processes; give every "),
+        ([{}, {"rank": 0}], r"rank=0 was given, but this process is rank 1 of the pipeline's 2"),
+        ([{"balance": [3, 3, 2]}] * 2, r"the balance has 3 partitions for 2 processes"),
+    ],
+)
+def test_stage_refuses_a_balance_or_rank_it_cannot_take_and_tells_the_others(
+    options: list[dict[str, Any]], match: str
+) -> None:
+    # Regression: these were refused before the start's exchange. A rank given them
+    # alone raised at once, while the others waited for its fingerprint until their
+    # transports timed out, then said it had died. Now it tells them as it fails.
+    models = [mlp() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        r = transport.rank
+        arguments: dict[str, Any] = {"balance": [4, 4], "chunks": 2, **options[r]}
+        start = time.monotonic()
+        failed = _outcome(lambda: PipelineStage(models[r], transport=transport, **arguments))
+        return failed, time.monotonic() - start
+
+    (zero, seconds0), (one, seconds1) = run_threads(rank, 2, timeout=20.0)  # 10 s each
+    assert type(one) is ValueError, repr(one)
+    assert re.match(match, str(one)), str(one)
+    if options[0]:  # refused by rank 0 too, alike
+        assert type(zero) is ValueError, repr(zero)
+        assert str(zero) == str(one)
+    else:
+        assert isinstance(zero, RemoteError), repr(zero)
+        assert zero.rank == 1
+        assert str(zero).startswith(f"rank 1 (stages {list(zero.stages)}) raised ValueError: ")
+        assert str(one) in str(zero)
+    assert max(seconds0, seconds1) < 5.0  # told by rank 1, not found by a timeout
 
 
 def test_stage_reports_a_peer_that_never_starts_as_a_remote_error() -> None:

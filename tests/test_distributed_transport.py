@@ -14,10 +14,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_threads, spawn
+from distributed_helpers import mlp, run_threads, spawn
 from torch import Tensor
 
-from torchgpipe.distributed import LocalTransport, ProcessGroupTransport, TransportError
+from torchgpipe.distributed import (
+    LocalTransport,
+    PipelineStage,
+    ProcessGroupTransport,
+    TransportError,
+)
 from torchgpipe.distributed.transport import Transfer, pack, packed_size, unpack
 
 # LocalTransport
@@ -358,3 +363,39 @@ def test_process_group_transport_transfers_a_group_both_ways_and_takes_a_side_gr
     torch.testing.assert_close(results[0]["received"][0], torch.arange(5.0) * 2)
     assert results[0]["side"] == ("side", 1)
     assert results[1]["side"] == ("side", 0)
+
+
+def _outside_rank(rank: int, world: int) -> dict[str, Any]:
+    pair = dist.new_group([0, 1])  # every process makes it; rank 2 is not in it
+    out: dict[str, Any] = {}
+    if rank == 2:
+        for case, arguments in [("group", {"group": pair}), ("side_group", {"side_group": pair})]:
+            try:
+                ProcessGroupTransport(**arguments)
+            except ValueError as error:
+                out[case] = str(error)
+        try:  # a stage builds its transport first: the same error
+            PipelineStage(mlp(), [4, 4], group=pair)
+        except ValueError as error:
+            out["stage"] = str(error)
+    else:
+        transport = ProcessGroupTransport(pair)  # its members are unaffected
+        out["rank"] = (transport.rank, transport.world_size)
+    return out
+
+
+@pytest.mark.distributed
+def test_process_group_transport_refuses_a_group_this_process_is_not_in() -> None:
+    # Regression: a process outside the group failed deep inside torch.distributed with
+    # "Invalid process group specified", naming neither the process nor the fix.
+    results = spawn(_outside_rank, 3, timeout=30.0)
+    assert results[0] == {"rank": (0, 2)}
+    assert results[1] == {"rank": (1, 2)}
+    for case in ("group", "side_group"):
+        text = results[2][case]
+        assert text.startswith(
+            f"this process (global rank 2) is not in the process group given as {case}=; "
+            f"pass a group that includes it"
+        ), text
+        assert f"or leave {case} out" in text
+    assert results[2]["stage"] == results[2]["group"]

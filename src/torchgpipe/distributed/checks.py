@@ -9,7 +9,8 @@ each layer's type and tensor shapes, and the model's ties: which names hold one 
 (``model[2].weight = model[0].weight``), since ties decide which transfers a step makes.
 
 The same exchange carries a failure of a rank's own start (:func:`start_together`): a
-state dict without a key of its layers, a layer that cannot be moved to its device.
+``rank=`` or a balance that only it was given and cannot take (:func:`check_placement`),
+a state dict without a key of its layers, a layer that cannot be moved to its device.
 Such a failure may happen on one rank alone, after the others have built their
 transports and wait for its fingerprint; it goes to them in its ``end`` in place of the
 fingerprint, so they raise a :class:`~torchgpipe.distributed.RemoteError` that names it
@@ -38,7 +39,15 @@ from torch import nn
 from torchgpipe.distributed.exchange import Exchange, describe
 from torchgpipe.mailbox import Stopped
 
-__all__ = ["check_rank", "differences", "fingerprint", "mismatch", "other_calls", "start_together"]
+__all__ = [
+    "check_placement",
+    "check_rank",
+    "differences",
+    "fingerprint",
+    "mismatch",
+    "other_calls",
+    "start_together",
+]
 
 
 def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,6 +152,29 @@ def _tie_difference(base: list[str], other: list[str], rank: int) -> str:
     if only_other:
         parts.append(f"on rank {rank} but not on rank 0: {', '.join(only_other)}")
     return f"the model's tied tensors differ, {'; '.join(parts)}"
+
+
+def check_placement(given: int | None, rank: int, world_size: int, partitions: int) -> None:
+    """Refuse a ``rank=`` other than this process's, or partitions the ranks cannot share.
+
+    A process may be given these alone, so ``PipelineStage`` checks them as part of its
+    own start, whose failure every other process hears of (:func:`start_together`).
+
+    Raises:
+        ValueError: ``given`` is neither None nor ``rank``; or ``partitions`` is not a
+            multiple of ``world_size``.
+    """
+    if given is not None and given != rank:
+        raise ValueError(
+            f"rank={given} was given, but this process is rank {rank} of the "
+            f"pipeline's {world_size}; pass rank=None, or the group's rank"
+        )
+    if partitions % world_size:
+        raise ValueError(
+            f"the balance has {partitions} partitions for {world_size} processes; give "
+            f"every process the same number of stages: {world_size} partitions, "
+            f"or a multiple of it for interleaving"
+        )
 
 
 def check_rank(dst: object, world_size: int, what: str) -> int:

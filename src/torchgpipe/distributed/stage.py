@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm
 from torchgpipe.devices import Device, PlacedModule, as_device
-from torchgpipe.distributed.checks import check_rank, fingerprint, start_together
+from torchgpipe.distributed.checks import check_placement, check_rank, fingerprint, start_together
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
@@ -107,12 +107,14 @@ class PipelineStage(PlacedModule, StageHolder):
             so anything may change.
 
     Raises:
-        TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``, or a
-            balance that does not give every process the same number of stages.
+        TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``; a
+            ``group`` that this process is not in.
         RuntimeError: ``torch.distributed`` is not initialized (and no transport given).
-        ValueError: the processes were given different models or arguments; or
-            ``state_dict`` or ``init`` cannot fill this process's layers (raised once
-            the other processes have been told, see ``RemoteError``).
+        ValueError: the processes were given different models or arguments; or, raised
+            once the other processes have been told (see ``RemoteError``): a balance
+            that does not give every process the same number of stages, a ``rank``
+            that is not this process's, a ``state_dict`` or ``init`` that cannot fill
+            this process's layers.
         RemoteError: another process failed to start (named, with its error) or died.
     """
 
@@ -173,29 +175,20 @@ class PipelineStage(PlacedModule, StageHolder):
         self.device = transport.device
         self.rank = transport.rank
         self.world_size = transport.world_size
-        if rank is not None and rank != self.rank:
-            raise ValueError(
-                f"rank={rank} was given, but this process is rank {self.rank} of the "
-                f"pipeline's {self.world_size}; pass rank=None, or the group's rank"
-            )
         n = len(self.balance)
-        if n % self.world_size:
-            raise ValueError(
-                f"the balance has {n} partitions for {self.world_size} processes; give "
-                f"every process the same number of stages: {self.world_size} partitions, "
-                f"or a multiple of it for interleaving"
-            )
         self.virtual_stages = n // self.world_size
         self.stages = tuple(range(self.rank, n, self.world_size))
         """The stages this process runs."""
 
         self._pool: WorkerPool | None = None
         self._tracer: Trace | None = None  # set by trace()
-        # What follows may fail here alone (a state dict without a key of these layers),
-        # while the others wait for this process's fingerprint: they must hear of it.
+        # What follows may fail here alone (a rank= or a balance that only this process
+        # was given, a state dict without a key of these layers), while the others wait
+        # for this process's fingerprint: they must hear of it.
         outcome: dict[str, Any] | Exception
         undo = Undo(module, loaded=module if state_dict is not None else ())  # see below
         try:
+            check_placement(rank, self.rank, self.world_size, n)
             outcome = self._build(module, init=init, state_dict=state_dict)
         except Exception as error:
             outcome = error
@@ -331,6 +324,11 @@ class PipelineStage(PlacedModule, StageHolder):
 
         self._ties.begin()
         return run_step(self, steps, input, target)
+
+    @property
+    def tie_groups(self) -> list[list[Tensor]]:
+        """This process's copies of each weight tied across stages, owner first."""
+        return self._ties.groups
 
     def reduce_tied(self) -> None:
         """Sum the tied weights' gradients over their copies, here and in other processes.

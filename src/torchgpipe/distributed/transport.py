@@ -168,8 +168,9 @@ class ProcessGroupTransport(Transport):
 
     Raises:
         RuntimeError: ``torch.distributed`` is not available or not initialized.
-        ValueError: NCCL with a device that is not a CUDA device; a side group that is
-            not gloo or not of the same size.
+        ValueError: this process is not in ``group`` (or ``side_group``); NCCL with a
+            device that is not a CUDA device; a side group that is not gloo or not of
+            the same size.
     """
 
     def __init__(
@@ -190,6 +191,7 @@ class ProcessGroupTransport(Transport):
         self._dist = dist
         self.group = group if group is not None else dist.group.WORLD
         assert self.group is not None  # initialized above
+        _check_member(self.group, "group")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
@@ -230,6 +232,7 @@ class ProcessGroupTransport(Transport):
             if self.backend == "gloo":
                 return self.group
             return dist.new_group(self._global, backend="gloo", use_local_synchronization=True)
+        _check_member(given, "side_group")
         backend = str(dist.get_backend(given))
         if backend != "gloo" or dist.get_world_size(given) != self.world_size:
             raise ValueError(
@@ -329,6 +332,19 @@ class ProcessGroupTransport(Transport):
             raise TransportError(
                 f"rank {self.rank} could not {op} {direction} rank {peer}: {error}", peer
             ) from error
+
+
+def _check_member(group: Any, name: str) -> None:
+    """Refuse a process group this process is not in, before torch fails on it obscurely."""
+    import torch.distributed as dist
+
+    if dist.get_rank(group) < 0:  # what torch.distributed answers to a non-member
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not in the process group "
+            f"given as {name}=; pass a group that includes it, the one of its own "
+            f"pipeline (every process calls new_group() for each group, but only the "
+            f"group's members may pass what it returns), or leave {name} out"
+        )
 
 
 class _Work:
