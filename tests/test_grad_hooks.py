@@ -173,6 +173,28 @@ def test_a_tied_weights_hooks_see_the_sum_of_all_its_uses() -> None:
     assert torch.equal(pipe[0].weight.grad, pipe[4].weight.grad)
 
 
+@pytest.mark.parametrize("hooked", ["0.weight", "4.weight"])
+def test_a_hook_on_one_copy_of_a_tied_weight_acts_on_the_weight(hooked: str) -> None:
+    def clip(grad: Tensor) -> Tensor:
+        return grad.clamp(-0.01, 0.01)
+
+    plain = _language_model()
+    plain[0].weight.register_hook(clip)  # one tensor: both names
+    pipe = GPipe(copy.deepcopy(_language_model()), [2, 3], chunks=4)
+    pipe.get_parameter(hooked).register_hook(clip)
+    driver = Schedule1F1B(pipe, F.cross_entropy)
+    for k in range(2):  # the second step accumulates onto the first
+        ids, target = _data(10 + k)
+        F.cross_entropy(plain(ids), target).backward()
+        driver.step(ids, target)
+    expected = plain[0].weight.grad
+    assert expected is not None
+    for name in ("0.weight", "4.weight"):
+        got = pipe.get_parameter(name).grad
+        assert got is not None
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _clip_every_weight(model: nn.Module) -> list[list[Tensor]]:
     """A clipping hook on each weight; the gradients each is called with."""
     calls: list[list[Tensor]] = []
@@ -208,3 +230,29 @@ def test_processes_run_each_hook_once_under_nccl_rules(world: int, balance: list
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert [count for _, counts in out for count in counts] == [1, 1, 1]
+
+
+def test_processes_run_a_tied_weights_hooks_once_on_its_whole_gradient() -> None:
+    def clip(grad: Tensor) -> Tensor:
+        return grad.clamp(-0.01, 0.01)
+
+    plain = _language_model()
+    plain[0].weight.register_hook(clip)
+    models = [_language_model() for _ in range(2)]
+    rules = NCCLRules(2)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        name = "0.weight" if stage.is_first else "4.weight"
+        stage.get_parameter(name).register_hook(clip)  # alike on every holder
+        driver = Schedule1F1B(stage, F.cross_entropy)
+        for k in range(2):
+            ids, target = _data(10 + k)
+            driver.step(ids if stage.is_first else None, target if stage.is_last else None)
+        return stage.get_parameter(name).grad
+
+    for k in range(2):
+        ids, target = _data(10 + k)
+        F.cross_entropy(plain(ids), target).backward()
+    for grad in run_threads(rank, 2, timeout=30.0, observe=rules.group):
+        torch.testing.assert_close(grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)

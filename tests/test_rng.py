@@ -508,20 +508,52 @@ def test_rng_a_layers_own_generator_is_replayed_and_advanced_once(
     assert torch.equal(model[1].generator.get_state(), plain[1].generator.get_state())
 
 
-def test_rng_a_recomputation_drawing_from_a_generator_the_forward_did_not_use_fails() -> None:
-    class Sneaky(nn.Module):
-        def __init__(self) -> None:
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_rng_a_loss_drawing_from_its_own_generator_works_in_every_mode(checkpoint: str) -> None:
+    # A checkpointed last cell computes its loss in its recomputation only: the loss's
+    # draws go to its generator then, in the same order as without checkpointing.
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    results = []
+    for mode in ("never", checkpoint):
+        generator = torch.Generator().manual_seed(5)
+
+        def noisy(output: Tensor, target: Tensor, generator: torch.Generator = generator) -> Tensor:
+            return _mse(output + 0.1 * torch.randn(output.shape, generator=generator), target)
+
+        model = GPipe(own_generator_net(), [2, 2], chunks=4, checkpoint=mode)  # type: ignore[arg-type]
+        loss = Schedule1F1B(model, noisy).step(x, y).loss
+        results.append((loss, _grads(model), generator.get_state()))
+    (loss, grads, state), (other_loss, other_grads, other_state) = results
+    torch.testing.assert_close(loss, other_loss, rtol=0, atol=0)
+    for got, expected in zip(grads, other_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.equal(state, other_state)
+
+
+def test_rng_layers_of_several_partitions_sharing_a_generator_replay_their_draws() -> None:
+    generator = torch.Generator().manual_seed(7)
+    drawn: dict[tuple[int, float, bool], Tensor] = {}
+    lock = threading.Lock()
+
+    class Shared(nn.Module):
+        def __init__(self, index: int) -> None:
             super().__init__()
-            self.generator = torch.Generator().manual_seed(3)
+            self.index = index
+            self.scale = nn.Parameter(torch.ones(()))
 
         def forward(self, x: Tensor) -> Tensor:
-            if is_recomputing():
-                return x * torch.rand(x.shape, generator=self.generator)
-            return x
+            noise = torch.rand(64, 256, generator=generator)  # big: the draws overlap
+            with lock:
+                drawn[(self.index, round(x.sum().item(), 3), is_recomputing())] = noise
+            return x * self.scale + noise[: x.shape[0], : x.shape[1]]
 
-    model = GPipe(nn.Sequential(nn.Linear(4, 4), Sneaky()), [1, 1], chunks=2)
-    with pytest.raises(RuntimeError, match="generator of its own, which its forward did not"):
-        model(torch.randn(4, 4)).sum().backward()
+    model = GPipe(nn.Sequential(*(Shared(k) for k in range(3))), [1, 1, 1], chunks=8)
+    model(torch.randn(16, 4)).sum().backward()
+    forwards = {key[:2]: noise for key, noise in drawn.items() if not key[2]}
+    replays = {key[:2]: noise for key, noise in drawn.items() if key[2]}
+    assert len(replays) == 3 * 7  # every cell but the last micro-batch's ('except_last')
+    for key, noise in replays.items():
+        assert torch.equal(noise, forwards[key]), key
 
 
 def test_rng_tensors_given_by_keyword() -> None:

@@ -404,9 +404,14 @@ def test_bad_arguments_are_refused_up_front() -> None:
     # The advice fits the cause: chunks, or a batch too small for chunks.
     with pytest.raises(ValueError, match=r"splits into 4 \(chunks=4\).* use chunks=1$"):
         table.step(torch.randn(8, 2), torch.randn(8, 2))
+    four = PipelineSchedule(model, _mse, one_f_one_b(4, 4))
+    with pytest.raises(ValueError, match=r"use a batch of at least 4 samples$"):
+        four.step(torch.randn(2, 2), torch.randn(2, 2))
     three = PipelineSchedule(model, _mse, one_f_one_b(4, 3))
-    with pytest.raises(ValueError, match=r"use a batch of at least 3 samples$"):
+    with pytest.raises(ValueError, match=r"use chunks=3 and a batch of at least 3 samples$"):
         three.step(torch.randn(2, 2), torch.randn(2, 2))
+    with pytest.raises(ValueError, match=r"use chunks=3$"):
+        three.step(torch.randn(5, 2), torch.randn(5, 2))
     six = PipelineSchedule(model, _mse, one_f_one_b(4, 6))
     with pytest.raises(ValueError, match=r"use chunks=6 and a batch of at least 6 samples$"):
         six.step(torch.randn(2, 2), torch.randn(2, 2))

@@ -316,7 +316,7 @@ class GPipe(PlacedModule, StageHolder):
         """One step of ``steps``, each rank on a thread of this process."""
         self._ties.begin()
         # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
-        with hooks_once(self.parameters()):
+        with hooks_once(self.parameters(), self._ties.groups):
             result = pipeline.step(self, steps, input, target)
             self._ties.reduce()  # the tied weights' copies get the sum of their gradients
         return result

@@ -6,20 +6,26 @@ parameter's hooks (``register_hook``, ``register_post_accumulate_grad_hook``) on
 share: a hook that clips, quantises or adds noise would see a micro-batch's gradient,
 not the batch's, and an optimizer stepped from a post-accumulate hook would step ``m``
 times. So while the stages run, the ``.grad`` and the hooks of hooked parameters are set
-aside (:class:`Aside`); afterwards their gradient goes to the engine once, which calls
-the hooks and accumulates as it would for the unwrapped model.
+aside (:class:`Aside`); afterwards their hooks run once on the whole gradient, which is
+then accumulated, as the unwrapped model's backward would.
 
 ``model(x)`` does it in the backward of the node between the caller's graph and the
-stages' (``pipeline.py``); a schedule's step around the whole step (:func:`hooks_once`).
+stages' (``pipeline.py``), handing the gradient to the engine; a schedule's step around
+the whole step (:func:`hooks_once`), calling the hooks in the engine's order itself.
 The library's own hooks that only add up what they see (``tied.py`` notes each copy's
 share of a tied weight's gradient, marked :data:`SUMS_SHARES`) stay on through a
 step: the ties are summed before the user's hooks run, which then see the whole
-gradient of the weight, as the unwrapped model's single tensor's hooks do.
+gradient of the weight, as the unwrapped model's single tensor's hooks do; the
+copies of a tied weight are one weight there, whose hooks run once in all.
+
+Not covered: hooks on a parameter's gradient-accumulation node
+(``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as Horovod registers
+them) run once per micro-batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -42,38 +48,65 @@ def hooked(p: Tensor, which: Which = "all") -> bool:
 
 
 @contextmanager
-def hooks_once(params: Iterable[Tensor]) -> Iterator[None]:
+def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) -> Iterator[None]:
     """Around a schedule's step: the hooks of ``params`` run once, with the step's gradient.
 
-    A parameter the step gave no gradient has its hooks not called, as in a plain
-    backward that does not reach it. If the block raises, every ``.grad`` and hook of
-    a hooked parameter is as it was before it.
+    ``ties`` holds the groups of copies of tied weights (``Ties.groups``), which the
+    block sums before it ends: their copies are one weight, whose hooks (those of
+    every copy, in the group's order) run once on the summed gradient, and each copy
+    then accumulates the same result. A parameter the step gave no gradient has its
+    hooks not called, as in a plain backward that does not reach it. If the block
+    raises, every ``.grad`` and hook of a hooked parameter is as it was before it.
     """
-    watched = [p for p in params if p.requires_grad and p.is_leaf and hooked(p, "user")]
-    if not watched:
+    groups: list[list[Tensor]] = []
+    seen: set[int] = set()
+    tied = {id(p): list(group) for group in ties for p in group}
+    for p in params:
+        if id(p) in seen or not (p.requires_grad and p.is_leaf):
+            continue
+        group = tied.get(id(p), [p])
+        seen.update(map(id, group))
+        if any(hooked(q, "user") for q in group):
+            groups.append([q for q in group if q.requires_grad and q.is_leaf])
+    if not groups:
         yield
         return
-    aside = Aside(watched, "user")
+    aside = Aside([p for group in groups for p in group], "user")
     try:
         yield
     except BaseException:
         aside.abandon()
         raise
-    reached = [p.grad is not None for p in watched]
-    grads = aside.take()
+    new = dict(zip(map(id, aside.params), [p.grad for p in aside.params], strict=True))
+    aside.take()  # the hooks back
     aside.put_back()
-    pairs = [(p, g) for p, g, r in zip(watched, grads, reached, strict=True) if r]
-    if not pairs:
-        return
-    # A leaf as a root: the engine runs its hooks, accumulates, then runs its
-    # post-accumulate hooks, as at the end of the unwrapped model's backward. The
-    # library's own hooks saw these gradients already, share by share.
-    library = [_Silenced(p, "library") for p, _ in pairs]
-    try:
-        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
-    finally:
-        for hooks in library:
-            hooks.restore()
+    # The engine's order for a leaf, by hand (the engine would run the library's own
+    # hooks again, which saw these gradients share by share): the tensor hooks, each
+    # given what the one before returned; the gradient accumulated; the
+    # post-accumulate hooks.
+    with torch.no_grad():
+        for group in groups:
+            grad = next((new[id(p)] for p in group if new[id(p)] is not None), None)
+            if grad is None:
+                continue
+            for p in group:
+                for hook in [h for h in (p._backward_hooks or {}).values() if _kind(h, "user")]:
+                    changed = hook(grad)
+                    grad = grad if changed is None else changed
+            for p in group:
+                p.grad = _accumulated(p.grad, grad)
+            for p in group:
+                for hook in list((p._post_accumulate_grad_hooks or {}).values()):
+                    hook(p)
+
+
+def _accumulated(old: Tensor | None, grad: Tensor) -> Tensor:
+    """``old + grad``, as the engine accumulates (into ``old`` where it can)."""
+    if old is None:
+        return grad.detach().clone()
+    if old.is_sparse and not grad.is_sparse:
+        return grad + old
+    return old.add_(grad)
 
 
 class Aside:

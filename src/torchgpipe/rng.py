@@ -42,6 +42,7 @@ multiply rather than the fused kernel, and keeps its mask in the input's dtype.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -54,6 +55,10 @@ from torchgpipe.random_functions import HANDLERS, NAMES, native_dropout
 __all__ = ["CellRandomness", "cell_seed", "draw_seed", "own_generators", "random_functions"]
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+
+# Held while a cell notes a generator's state and draws from it: layers of two
+# partitions may share one generator, and a draw between the two would shift it.
+_GIVEN = threading.RLock()
 
 
 def draw_seed() -> int:
@@ -144,25 +149,22 @@ class _CellGenerators(TorchFunctionMode):
         The forward draws from it, as the unwrapped model does, and notes its state
         first; the recomputation draws from a new generator in that state, so it draws
         what the forward drew and leaves the caller's generator where the forward left it.
+        Layers of several partitions sharing one generator draw from it in the order
+        their cells run, which the threads' timing decides, as it would for any threads.
         """
         given = kwargs.get("generator")
         if not isinstance(given, torch.Generator):
             given = next((a for a in args if isinstance(a, torch.Generator)), None)
         if given is None:  # not a generator: the function says what it takes
             return func(*args, **kwargs)
-        if self._record is not None:
-            self._record.append(given.get_state())
-            return func(*args, **kwargs)
-        assert self._replay is not None
-        state = next(self._replay, None)
-        if state is None:  # the recomputation draws more than the forward did
-            raise RuntimeError(
-                f"torchgpipe: the recomputation of a checkpointed cell called "
-                f"{getattr(func, '__name__', func)} with a generator of its own, which "
-                f"its forward did not: a checkpointed layer must make the same random "
-                f"calls each time it runs (use checkpoint='never' for this partition's "
-                f"layers, or draw the same calls in both)"
-            )
+        state = next(self._replay, None) if self._replay is not None else None
+        if state is None:
+            # The forward; or, past the forward's calls, what runs in the recomputation
+            # only (a checkpointed last cell's loss): it draws from the generator itself.
+            with _GIVEN:  # no other worker draws from it between the two
+                if self._record is not None:
+                    self._record.append(given.get_state())
+                return func(*args, **kwargs)
         twin = torch.Generator(device=given.device)
         twin.set_state(state)
         args = tuple(twin if a is given else a for a in args)

@@ -127,7 +127,7 @@ class PipelineSchedule(TableSteps):
             # m is chunks, or the batch size where the batch is smaller than chunks.
             fix = (
                 f"a batch of at least {k} samples"
-                if m < chunks and k <= chunks
+                if k == chunks
                 else f"chunks={k}" + (f" and a batch of at least {k} samples" if k > m else "")
             )
             raise ValueError(

@@ -84,7 +84,7 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
             the loss of a process.
     """
     # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
-    with hooks_once(stage.parameters()):
+    with hooks_once(stage.parameters(), stage.tie_groups):
         ran = _run(stage, steps, input, target, forward_only=False)
         try:  # every rank's step ended well: every holder of a tie takes part
             stage.reduce_tied()
