@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,13 @@ def test_an_infinite_max_norm_gives_the_norm_and_clips_nothing() -> None:
     torch.testing.assert_close(total, nn.utils.clip_grad_norm_(plain.parameters(), math.inf))
     after = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_tensor_max_norm_that_wants_a_gradient_is_read_without_a_warning() -> None:
+    model, _ = _trained_pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.clip_grad_norm_(torch.tensor(0.1, requires_grad=True))
 
 
 def test_numpy_numbers_as_torchs_clip_takes_them() -> None:

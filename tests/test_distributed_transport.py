@@ -399,3 +399,23 @@ def test_process_group_transport_refuses_a_group_this_process_is_not_in() -> Non
         ), text
         assert f"or leave {case} out" in text
     assert results[2]["stage"] == results[2]["group"]
+
+
+def test_a_peer_lost_after_its_end_came_is_not_the_cause_of_a_failure() -> None:
+    # A rank that ended its step may exit at once; a rank still draining then finds it
+    # unreachable. The cause to report is the rank that died in the step (rank 1), not
+    # the lower rank that ended well and left (rank 0).
+    from torchgpipe.distributed.exchange import Exchange
+
+    exchange = Exchange.__new__(Exchange)  # only the bookkeeping remote_failure reads
+    exchange.rank = 2
+    exchange.stages = {0: (0,), 1: (1,), 2: (2,)}
+    exchange.tag = "start"
+    exchange.halted = True
+    status = {"failed": True, "error": None, "lost": {1: "died"}, "tag": "start"}
+    exchange.ends = {0: (status, [])}
+    exchange.lost = {0: "closed its transport", 1: "died or cannot be reached"}
+    failure = exchange.remote_failure()
+    assert failure is not None
+    assert failure.rank == 1
+    assert "rank 1 (stages [1]) died or cannot be reached" in str(failure)

@@ -173,26 +173,50 @@ def test_a_tied_weights_hooks_see_the_sum_of_all_its_uses() -> None:
     assert torch.equal(pipe[0].weight.grad, pipe[4].weight.grad)
 
 
-@pytest.mark.parametrize("hooked", ["0.weight", "4.weight"])
-def test_a_hook_on_one_copy_of_a_tied_weight_acts_on_the_weight(hooked: str) -> None:
-    def clip(grad: Tensor) -> Tensor:
-        return grad.clamp(-0.01, 0.01)
+def test_a_hook_on_every_parameter_acts_once_on_a_tied_weight() -> None:
+    def halve(grad: Tensor) -> Tensor:
+        return grad * 0.5
 
     plain = _language_model()
-    plain[0].weight.register_hook(clip)  # one tensor: both names
+    for p in plain.parameters():  # the tied weight once
+        p.register_hook(halve)
     pipe = GPipe(copy.deepcopy(_language_model()), [2, 3], chunks=4)
-    pipe.get_parameter(hooked).register_hook(clip)
+    for p in pipe.parameters():  # each copy
+        p.register_hook(halve)
     driver = Schedule1F1B(pipe, F.cross_entropy)
     for k in range(2):  # the second step accumulates onto the first
         ids, target = _data(10 + k)
         F.cross_entropy(plain(ids), target).backward()
         driver.step(ids, target)
-    expected = plain[0].weight.grad
-    assert expected is not None
-    for name in ("0.weight", "4.weight"):
-        got = pipe.get_parameter(name).grad
-        assert got is not None
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, expected[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("hooked", ["0.weight", "4.weight"])
+def test_a_hook_on_one_copy_of_a_tied_weight_is_refused_with_nothing_kept(hooked: str) -> None:
+    pipe = GPipe(copy.deepcopy(_language_model()), [2, 3], chunks=4)
+    pipe.get_parameter(hooked).register_hook(lambda grad: grad.clamp(-0.01, 0.01))
+    with pytest.raises(RuntimeError, match="register the hook on every copy"):
+        Schedule1F1B(pipe, F.cross_entropy).step(*_data(10))
+    assert pipe[0].weight.grad is None
+    assert pipe[4].weight.grad is None
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [(lambda g: g.double(), "dtype"), (lambda g: g.sum(0), "shape")],
+)
+def test_a_hook_that_changes_its_gradients_kind_is_refused(
+    change: Callable[[Tensor], Tensor], what: str
+) -> None:
+    pipe = GPipe(_model(), [2, 3], chunks=2)
+    pipe[2].weight.grad = torch.zeros_like(pipe[2].weight)
+    pipe[2].weight.register_hook(change)
+    with pytest.raises(RuntimeError, match=f"changed the {what} of its gradient"):
+        ScheduleGPipe(pipe, F.mse_loss).step(*_batch())
+    assert torch.equal(pipe[2].weight.grad, torch.zeros_like(pipe[2].weight))
 
 
 def _clip_every_weight(model: nn.Module) -> list[list[Tensor]]:

@@ -393,3 +393,14 @@ def test_dict_subclasses_are_filled_in_order_with_values_as_they_are() -> None:
     for value in (ordered, counts):
         leaves, spec = flatten(value)
         assert _equal(unflatten(leaves, spec), value)
+
+
+def test_a_dict_dataclass_field_that_is_not_an_item_is_refused_by_name() -> None:
+    @dataclass
+    class Batch(dict):  # type: ignore[type-arg]
+        ids: torch.Tensor | None = None
+
+    batch = Batch(ids=torch.arange(4))
+    batch["x"] = torch.ones(4)
+    with pytest.raises(TypeError, match="'ids' hold tensors but are not among its items"):
+        scatter(batch, 2)

@@ -128,6 +128,13 @@ def test_isolate_only_one_name_as_a_string() -> None:
         with pytest.raises(TypeError, match=r"only takes a skip name or an iterable of names"):
             layer.isolate(ns, only=bad)  # type: ignore[arg-type]
 
+    def names():  # type: ignore[no-untyped-def]
+        yield "bob"
+        raise TypeError("a bug of the caller's")
+
+    with pytest.raises(TypeError, match="a bug of the caller's"):  # not taken for a bad type
+        layer.isolate(ns, only=names())
+
 
 def test_none_is_a_skip_value() -> None:
     @skippable(stash=["maybe"])

@@ -51,7 +51,7 @@ def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, floa
         try:
             if _is_bool(value) or not fits:
                 raise TypeError
-            floats.append(float(value))
+            floats.append(float(value.detach() if isinstance(value, Tensor) else value))
         except (TypeError, ValueError):
             raise TypeError(
                 f"{name} must be a real number, got {value!r} of type {type(value).__name__}"

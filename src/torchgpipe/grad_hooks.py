@@ -15,8 +15,9 @@ the whole step (:func:`hooks_once`), calling the hooks in the engine's order its
 The library's own hooks that only add up what they see (``tied.py`` notes each copy's
 share of a tied weight's gradient, marked :data:`SUMS_SHARES`) stay on through a
 step: the ties are summed before the user's hooks run, which then see the whole
-gradient of the weight, as the unwrapped model's single tensor's hooks do; the
-copies of a tied weight are one weight there, whose hooks run once in all.
+gradient of the weight, as the unwrapped model's single tensor's hooks do; each copy
+runs its own hooks, and the copies must come out equal (a hook on every copy, or on
+none).
 
 Not covered: hooks on a parameter's gradient-accumulation node
 (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as Horovod registers
@@ -52,11 +53,17 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
     """Around a schedule's step: the hooks of ``params`` run once, with the step's gradient.
 
     ``ties`` holds the groups of copies of tied weights (``Ties.groups``), which the
-    block sums before it ends: their copies are one weight, whose hooks (those of
-    every copy, in the group's order) run once on the summed gradient, and each copy
-    then accumulates the same result. A parameter the step gave no gradient has its
+    block sums before it ends: each copy then holds the weight's whole gradient, runs
+    its own hooks on it, and must come out with what the others came out with (the
+    copies are one weight: register a hook on every copy, as a loop over
+    ``parameters()`` does, or on none). A parameter the step gave no gradient has its
     hooks not called, as in a plain backward that does not reach it. If the block
     raises, every ``.grad`` and hook of a hooked parameter is as it was before it.
+
+    Raises:
+        RuntimeError: a hook returned a gradient of another shape, dtype, device or
+            layout, or the copies of a tied weight came out of their hooks different;
+            no ``.grad`` has changed then.
     """
     groups: list[list[Tensor]] = []
     seen: set[int] = set()
@@ -77,27 +84,63 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
     except BaseException:
         aside.abandon()
         raise
-    new = dict(zip(map(id, aside.params), [p.grad for p in aside.params], strict=True))
+    new = [p.grad for p in aside.params]
     aside.take()  # the hooks back
     aside.put_back()
     # The engine's order for a leaf, by hand (the engine would run the library's own
     # hooks again, which saw these gradients share by share): the tensor hooks, each
     # given what the one before returned; the gradient accumulated; the
-    # post-accumulate hooks.
+    # post-accumulate hooks. Every hook's result is checked before any .grad changes.
     with torch.no_grad():
+        results = {id(p): _hooked_grad(p, grad) for p, grad in zip(aside.params, new, strict=True)}
         for group in groups:
-            grad = next((new[id(p)] for p in group if new[id(p)] is not None), None)
-            if grad is None:
-                continue
-            for p in group:
-                for hook in [h for h in (p._backward_hooks or {}).values() if _kind(h, "user")]:
-                    changed = hook(grad)
-                    grad = grad if changed is None else changed
-            for p in group:
+            _check_copies(group, [results[id(p)] for p in group])
+        for p in aside.params:
+            grad = results[id(p)]
+            if grad is not None:
                 p.grad = _accumulated(p.grad, grad)
-            for p in group:
+        for p in aside.params:
+            if results[id(p)] is not None:
                 for hook in list((p._post_accumulate_grad_hooks or {}).values()):
                     hook(p)
+
+
+def _hooked_grad(p: Tensor, grad: Tensor | None) -> Tensor | None:
+    """``grad`` through the user's tensor hooks of ``p``, in order; None stays None."""
+    if grad is None:
+        return None
+    for hook in [h for h in (p._backward_hooks or {}).values() if _kind(h, "user")]:
+        changed = hook(grad)
+        if changed is None:
+            continue
+        for what in ("shape", "dtype", "device", "layout"):
+            if getattr(changed, what) != getattr(grad, what):
+                raise RuntimeError(
+                    f"torchgpipe: a hook of a parameter of shape {list(p.shape)} changed "
+                    f"the {what} of its gradient ({getattr(grad, what)} to "
+                    f"{getattr(changed, what)}); a hook must return a gradient like the "
+                    f"one it was given, or None. The hooked parameters kept no gradient "
+                    f"of this step"
+                )
+        grad = changed
+    return grad
+
+
+def _check_copies(group: list[Tensor], grads: list[Tensor | None]) -> None:
+    """Refuse copies of a tied weight that came out of their hooks different."""
+    present = [g for g in grads if g is not None]
+    if len(present) < 2:
+        return
+    first = present[0]
+    if all(torch.equal(g.to(first.device), first) for g in present[1:]):
+        return
+    raise RuntimeError(
+        f"torchgpipe: the {len(group)} copies of a tied weight of shape "
+        f"{list(group[0].shape)} came out of their hooks with different gradients: a "
+        f"hook is on some of the copies only (or draws at random). The copies are one "
+        f"weight: register the hook on every copy (as a loop over model.parameters() "
+        f"does) or on none. The hooked parameters kept no gradient of this step"
+    )
 
 
 def _accumulated(old: Tensor | None, grad: Tensor) -> Tensor:

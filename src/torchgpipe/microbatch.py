@@ -164,6 +164,10 @@ def _opaque_error(value: Any, name: str, opaque: _OpaqueLeaf) -> TypeError:
     kind = ("dataclass " if opaque.dataclass_ else "") + type(opaque.leaf).__name__
     where = ", ".join(repr(a) for a in opaque.attributes)
     fields = " but are not fields" if opaque.dataclass_ else ""
+    if opaque.dataclass_ and isinstance(opaque.leaf, dict):
+        fields = (
+            " but are not among its items (of a dict that is a dataclass, only the items are split)"
+        )
     return TypeError(
         f"{path} is a {kind}, whose attributes {where} hold tensors{fields}; the pipeline "
         f"splits into micro-batches and cuts between partitions only the tensors in "

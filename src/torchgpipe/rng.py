@@ -157,14 +157,22 @@ class _CellGenerators(TorchFunctionMode):
             given = next((a for a in args if isinstance(a, torch.Generator)), None)
         if given is None:  # not a generator: the function says what it takes
             return func(*args, **kwargs)
-        state = next(self._replay, None) if self._replay is not None else None
-        if state is None:
-            # The forward; or, past the forward's calls, what runs in the recomputation
-            # only (a checkpointed last cell's loss): it draws from the generator itself.
+        if self._record is not None:
             with _GIVEN:  # no other worker draws from it between the two
-                if self._record is not None:
-                    self._record.append(given.get_state())
+                self._record.append(given.get_state())
                 return func(*args, **kwargs)
+        assert self._replay is not None
+        state = next(self._replay, None)
+        if state is None:  # the recomputation draws more than the forward did
+            raise RuntimeError(
+                f"torchgpipe: the recomputation of a checkpointed cell called "
+                f"{getattr(func, '__name__', func)} with a generator of its own more "
+                f"often than the cell's forward did: a layer that draws only when "
+                f"recomputing, or a schedule's loss_fn drawing from a generator of its "
+                f"own (a checkpointed last cell computes its loss in its recomputation "
+                f"only). Draw the same in both, let the loss draw from torch's default "
+                f"generator (the cell's then), or use checkpoint='never'"
+            )
         twin = torch.Generator(device=given.device)
         twin.set_state(state)
         args = tuple(twin if a is given else a for a in args)

@@ -332,9 +332,11 @@ def _only_names(only: str | Iterable[str], declared: tuple[str, ...]) -> tuple[s
     if isinstance(only, str):
         return (only,)
     try:
-        names = tuple(only)
+        iterator = iter(only)
     except TypeError:
         names = None
+    else:
+        names = tuple(iterator)  # an error the iterable raises itself goes through
     if names is None or not all(isinstance(name, str) for name in names):
         raise TypeError(
             f"isolate()'s only takes a skip name or an iterable of names, got {only!r}; "
