@@ -419,3 +419,21 @@ def test_a_peer_lost_after_its_end_came_is_not_the_cause_of_a_failure() -> None:
     assert failure is not None
     assert failure.rank == 1
     assert "rank 1 (stages [1]) died or cannot be reached" in str(failure)
+
+
+def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
+    # Rank 0 sent its end, then died while its last transfers were under way: the
+    # others' step halted for that loss alone, which names it.
+    from torchgpipe.distributed.exchange import Exchange
+
+    exchange = Exchange.__new__(Exchange)
+    exchange.rank = 1
+    exchange.stages = {0: (0,), 1: (1,), 2: (2,)}
+    exchange.tag = "start"
+    exchange.halted = True
+    status = {"failed": False, "error": None, "lost": {}, "tag": "start"}
+    exchange.ends = {0: (status, [])}
+    exchange.lost = {0: "died or cannot be reached"}
+    failure = exchange.remote_failure()
+    assert failure is not None
+    assert failure.rank == 0

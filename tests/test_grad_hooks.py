@@ -8,6 +8,7 @@ the plain model's ``loss.backward()``.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -280,3 +281,73 @@ def test_processes_run_a_tied_weights_hooks_once_on_its_whole_gradient() -> None
         F.cross_entropy(plain(ids), target).backward()
     for grad in run_threads(rank, 2, timeout=30.0, observe=rules.group):
         torch.testing.assert_close(grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_overflow_on_a_hooked_tied_weight_reaches_the_optimizer() -> None:
+    # NaN and inf are no sign of a hook on some copies only: a GradScaler skips the step.
+    pipe = GPipe(copy.deepcopy(_language_model()), [2, 3], chunks=4)
+    for p in pipe.parameters():
+        p.register_hook(lambda grad: None)  # observes only
+    ids, target = _data(10)
+    Schedule1F1B(pipe, lambda y, t: F.cross_entropy(y, t) * math.inf).step(ids, target)
+    for name in ("0.weight", "4.weight"):
+        grad = pipe.get_parameter(name).grad
+        assert grad is not None
+        assert not torch.isfinite(grad).all(), name
+
+
+def test_hooks_on_tied_sparse_embeddings_run_on_the_whole_gradient() -> None:
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        first, second = nn.Embedding(10, 4, sparse=True), nn.Embedding(10, 4, sparse=True)
+        second.weight = first.weight
+        return nn.Sequential(first, nn.Tanh(), Lookup(second))
+
+    class Lookup(nn.Module):
+        def __init__(self, embedding: nn.Embedding) -> None:
+            super().__init__()
+            self.embedding = embedding
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x.sum(-1) + self.embedding(torch.arange(3)).sum()
+
+    ids, target = torch.randint(0, 10, (8, 5)), torch.randn(8, 5)
+    plain = model()
+    for p in plain.parameters():
+        p.register_hook(lambda grad: grad * 0.5)
+    F.mse_loss(plain(ids), target).backward()
+    pipe = GPipe(model(), [1, 2], chunks=4)
+    for p in pipe.parameters():
+        p.register_hook(lambda grad: grad * 0.5)
+    Schedule1F1B(pipe, F.mse_loss).step(ids, target)
+    expected = plain[0].weight.grad
+    assert expected is not None
+    for p in (pipe[0].weight, pipe[2].embedding.weight):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad.to_dense(), expected.to_dense())
+
+
+def test_a_hook_removed_during_a_step_stays_removed() -> None:
+    pipe = GPipe(_model(), [2, 3], chunks=4)
+    calls: list[int] = []
+    handle = pipe[2].weight.register_hook(lambda grad: calls.append(1))
+
+    def remove(*_: Any) -> None:
+        handle.remove()
+
+    pipe[0].register_forward_pre_hook(remove)
+    driver = ScheduleGPipe(pipe, F.mse_loss)
+    for _ in range(2):
+        driver.step(*_batch())
+    assert calls == []
+    assert not pipe[2].weight._backward_hooks
+
+
+def test_a_first_gradient_is_the_stages_tensor_or_laid_out_as_the_parameter() -> None:
+    pipe = GPipe(_model(), [2, 3], chunks=2)
+    pipe[0].weight.register_hook(lambda grad: grad.t().contiguous().t())  # another layout
+    pipe[2].weight.register_hook(lambda grad: None)
+    ScheduleGPipe(pipe, F.mse_loss).step(*_batch())
+    for p in (pipe[0].weight, pipe[2].weight):
+        assert p.grad is not None
+        assert p.grad.stride() == p.stride()

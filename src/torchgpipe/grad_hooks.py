@@ -19,9 +19,10 @@ gradient of the weight, as the unwrapped model's single tensor's hooks do; each 
 runs its own hooks, and the copies must come out equal (a hook on every copy, or on
 none).
 
-Not covered: hooks on a parameter's gradient-accumulation node
-(``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as Horovod registers
-them) run once per micro-batch.
+Not covered, so run once per micro-batch: hooks on a parameter's gradient-accumulation
+node (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as Horovod registers
+them), hooks on the parameters of a schedule's ``loss_fn``, and hooks registered on a
+parameter during a step.
 """
 
 from __future__ import annotations
@@ -60,10 +61,14 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
     hooks not called, as in a plain backward that does not reach it. If the block
     raises, every ``.grad`` and hook of a hooked parameter is as it was before it.
 
+    Across processes each process compares the copies it holds only: register a tied
+    weight's hooks alike in every process that holds a copy.
+
     Raises:
         RuntimeError: a hook returned a gradient of another shape, dtype, device or
             layout, or the copies of a tied weight came out of their hooks different;
-            no ``.grad`` has changed then.
+            the hooked parameters' ``.grad`` are then as before the step (the others
+            keep what the step added).
     """
     groups: list[list[Tensor]] = []
     seen: set[int] = set()
@@ -95,9 +100,13 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
         results = {id(p): _hooked_grad(p, grad) for p, grad in zip(aside.params, new, strict=True)}
         for group in groups:
             _check_copies(group, [results[id(p)] for p in group])
-        for p in aside.params:
+        for p, original in zip(aside.params, new, strict=True):
             grad = results[id(p)]
-            if grad is not None:
+            if grad is None:
+                continue
+            if p.grad is None:  # the engine's way: the stages' tensor, or a copy like p
+                p.grad = grad if grad is original else _like(p, grad)
+            else:
                 p.grad = _accumulated(p.grad, grad)
         for p in aside.params:
             if results[id(p)] is not None:
@@ -131,8 +140,13 @@ def _check_copies(group: list[Tensor], grads: list[Tensor | None]) -> None:
     present = [g for g in grads if g is not None]
     if len(present) < 2:
         return
-    first = present[0]
-    if all(torch.equal(g.to(first.device), first) for g in present[1:]):
+    first = _dense(present[0])
+    # NaN and inf compare equal to themselves: an overflow is the optimizer's to see
+    # (a GradScaler skips the step), not a sign of a hook on some copies only.
+    if all(
+        torch.allclose(_dense(g).to(first.device), first, rtol=0, atol=0, equal_nan=True)
+        for g in present[1:]
+    ):
         return
     raise RuntimeError(
         f"torchgpipe: the {len(group)} copies of a tied weight of shape "
@@ -143,10 +157,22 @@ def _check_copies(group: list[Tensor], grads: list[Tensor | None]) -> None:
     )
 
 
-def _accumulated(old: Tensor | None, grad: Tensor) -> Tensor:
+def _dense(grad: Tensor) -> Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def _like(p: Tensor, grad: Tensor) -> Tensor:
+    """A copy of ``grad`` laid out as ``p`` is, as the engine gives a first ``.grad``."""
+    if grad.is_sparse:
+        return grad.clone()
+    if p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last):
+        out = torch.empty_strided(p.shape, p.stride(), dtype=grad.dtype, device=grad.device)
+        return out.copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def _accumulated(old: Tensor, grad: Tensor) -> Tensor:
     """``old + grad``, as the engine accumulates (into ``old`` where it can)."""
-    if old is None:
-        return grad.detach().clone()
     if old.is_sparse and not grad.is_sparse:
         return grad + old
     return old.add_(grad)
@@ -159,10 +185,11 @@ class Aside:
     call no hook of these parameters: the caller hands that gradient to the engine, which
     calls the hooks once and accumulates (or captures) it as for the plain model. Torch
     has no public way to silence a tensor's hooks for a while; each kind is kept in a
-    dict on the tensor, which the engine reads at each call: those dicts are emptied,
-    then refilled. A hooked parameter the stages left no gradient gets zeros from
-    :meth:`take`: given None, the engine would call its hooks with None (given zeros,
-    it calls them once, with whatever else this backward adds to it).
+    dict on the tensor, which the engine reads at each call: each hook there is swapped
+    for one that does nothing, then put back. A hooked parameter the stages left no
+    gradient gets zeros from :meth:`take`: given None, the engine would call its hooks
+    with None (given zeros, it calls them once, with whatever else this backward adds
+    to it).
     """
 
     def __init__(self, params: list[Tensor], which: Which = "all") -> None:
@@ -194,29 +221,32 @@ class Aside:
 
 
 class _Silenced:
-    """A parameter's hooks (of ``which`` kind), out of their dicts until :meth:`restore`.
+    """A parameter's hooks (of ``which`` kind), silent until :meth:`restore`.
 
-    Restored, each dict holds its hooks in the order they were registered.
+    Each stays under its key, replaced by a hook that does nothing: a hook whose handle
+    is removed meanwhile stays removed, and the order of the hooks is kept.
     """
 
     def __init__(self, p: Tensor, which: Which = "all") -> None:
-        self.saved: list[tuple[dict[Any, Any], list[Any]]] = []
+        self.saved: list[tuple[dict[Any, Any], Any, Any]] = []
         for d in _dicts(p):
-            if any(_kind(hook, which) for hook in d.values()):
-                self.saved.append((d, list(d.items())))
-                for key in [k for k, hook in d.items() if _kind(hook, which)]:
-                    del d[key]
+            for key, hook in list(d.items()):
+                if _kind(hook, which):
+                    self.saved.append((d, key, hook))
+                    d[key] = _silent
 
     def __bool__(self) -> bool:
         return bool(self.saved)
 
     def restore(self) -> None:
         saved, self.saved = self.saved, []
-        for d, items in saved:
-            kept = dict(d)  # registered meanwhile, or never taken out
-            d.clear()
-            d.update(items)
-            d.update(kept)
+        for d, key, hook in saved:
+            if d.get(key) is _silent:
+                d[key] = hook
+
+
+def _silent(*args: Any) -> None:
+    """What a silenced hook does: nothing (a tensor hook returning None keeps the grad)."""
 
 
 def _dicts(p: Tensor) -> list[dict[Any, Any]]:

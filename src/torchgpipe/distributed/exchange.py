@@ -447,8 +447,8 @@ class Exchange(Mailbox):
         for status, _ in self.ends.values():
             for peer, reason in status["lost"].items():
                 lost.setdefault(int(peer), reason)
-        lost = {p: r for p, r in lost.items() if p != self.rank and p not in self.ends}
-        if lost:  # (a peer whose end came, lost after it, ended its step: no cause)
+        lost.pop(self.rank, None)  # a peer lost after its end came: the cause if none else
+        if lost := {p: r for p, r in lost.items() if p not in self.ends} or lost:
             peer = min(lost)
             return RemoteError(
                 f"rank {peer} (stages {list(self.stages[peer])}) {lost[peer]}",
