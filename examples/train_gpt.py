@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from torchgpipe import GPipe, Schedule1F1B, split
+from torchgpipe import GPipe, Schedule1F1B, SplitError, split
 
 WORDS = [
     *("the", "a", "pipe", "stage", "cell", "runs", "sends", "waits"),
@@ -126,11 +126,14 @@ def main() -> None:
     example = data[:context].expand(batch, context)
 
     plain = copy.deepcopy(model)
-    pipe = GPipe(
-        split(copy.deepcopy(model), example, stages=args.stages),
-        [1] * args.stages,
-        chunks=args.chunks,
-    )
+    try:
+        pipe = GPipe(
+            split(copy.deepcopy(model), example, stages=args.stages),
+            [1] * args.stages,
+            chunks=args.chunks,
+        )
+    except SplitError as error:  # too many stages for the model, say
+        parser.error(f"--stages {args.stages}: {error}")
     stepped = GPipe(
         split(copy.deepcopy(model), example, stages=args.stages),
         [1] * args.stages,

@@ -60,6 +60,11 @@ def test_demo_rejects_bad_sizes(capsys):
         demo.parse_args(["--quick", "--partitions", "9"])
     assert "more than the model's 5 layers" in capsys.readouterr().err
 
+    # Refused before any training, not at the end when the picture is drawn.
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--quick", "--timeline", "/no/such/folder/t.png"])
+    assert "no folder '/no/such/folder' to draw it in" in capsys.readouterr().err
+
 
 def test_demo_options_override_the_preset():
     config = demo.parse_args(["--quick", "--steps", "3", "--checkpoint", "always"])
@@ -165,6 +170,12 @@ def test_gpt_example_trains_split_stages_like_the_plain_model():
     assert float(rows[-1][0]) < float(rows[0][0])
     assert "tied copies equal after training: True" in out
     assert "state dict loads into the plain model: True" in out
+
+
+def test_gpt_example_refuses_more_stages_than_the_model_has():
+    done = start_python("examples/train_gpt.py", "--stages", "50", "--steps", "1")
+    assert done.returncode == 2, done.stderr
+    assert "--stages 50: cannot cut GPT into 50 stages" in done.stderr
 
 
 def test_gpt_example_finds_the_tied_weights_in_any_stage():

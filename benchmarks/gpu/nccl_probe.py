@@ -11,6 +11,7 @@ Run from the repository root on a machine with a GPU::
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import socket
@@ -40,6 +41,9 @@ def rank(r: int, port: int) -> None:
 
 def main() -> None:
     """Start both ranks and wait for them."""
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("nccl_probe.py needs a CUDA device (and torch built with NCCL)")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -125,6 +126,9 @@ def parse_args(argv: Sequence[str] | None) -> Config:
             f"--partitions {config.partitions} is more than the model's {config.layers + 1} "
             f"layers; pass at most {config.layers + 1}, or more --layers"
         )
+    folder = os.path.dirname(os.path.abspath(config.timeline)) if config.timeline else ""
+    if folder and not os.path.isdir(folder):
+        parser.error(f"--timeline {config.timeline!r}: no folder {folder!r} to draw it in")
     return config
 
 
