@@ -351,3 +351,42 @@ def test_a_first_gradient_is_the_stages_tensor_or_laid_out_as_the_parameter() ->
     for p in (pipe[0].weight, pipe[2].weight):
         assert p.grad is not None
         assert p.grad.stride() == p.stride()
+
+
+def test_a_hooked_gradient_keeps_the_layout_of_a_parameter_laid_out_otherwise() -> None:
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3).t())  # shape (3, 4), strides (1, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x @ self.w
+
+    conv = nn.Conv3d(2, 3, 2).to(memory_format=torch.channels_last_3d)
+    pipe = GPipe(nn.Sequential(conv, nn.Flatten(), Transposed()), [1, 2], chunks=2)
+    for p in pipe.parameters():
+        p.register_hook(lambda grad: grad * 2)
+    ScheduleGPipe(pipe, F.mse_loss).step(torch.randn(4, 2, 2, 2, 2), torch.randn(4, 4))
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None
+        assert p.grad.stride() == p.stride(), name
+
+
+def test_a_gpipe_inside_a_steps_partition_leaves_an_unreached_parameter_alone() -> None:
+    class Cut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.lin(x).detach()  # lin never gets a gradient
+
+    inner = GPipe(nn.Sequential(Cut(), nn.Tanh()), [1, 1], chunks=2)
+    outer = GPipe(nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 3)), [1, 1, 1], chunks=2)
+    called: list[str] = []
+    for name, p in outer.named_parameters():
+        p.register_hook(lambda grad, name=name: called.append(name))
+    ScheduleGPipe(outer, F.mse_loss).step(*_batch())
+    lin = inner[0].lin
+    assert lin.weight.grad is None
+    assert sorted(called) == ["0.bias", "0.weight", "2.bias", "2.weight"]

@@ -46,7 +46,7 @@ Which = Literal["all", "user", "library"]
 
 def hooked(p: Tensor, which: Which = "all") -> bool:
     """Whether ``p`` has a hook (of ``which`` kind) that the engine calls on its gradient."""
-    return any(_kind(hook, which) for d in _dicts(p) for hook in d.values())
+    return any(hook is not _silent and _kind(hook, which) for d in _dicts(p) for hook in d.values())
 
 
 @contextmanager
@@ -165,10 +165,8 @@ def _like(p: Tensor, grad: Tensor) -> Tensor:
     """A copy of ``grad`` laid out as ``p`` is, as the engine gives a first ``.grad``."""
     if grad.is_sparse:
         return grad.clone()
-    if p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last):
-        out = torch.empty_strided(p.shape, p.stride(), dtype=grad.dtype, device=grad.device)
-        return out.copy_(grad)
-    return grad.clone(memory_format=torch.contiguous_format)
+    # preserve_format keeps p's strides where p is dense and does not overlap itself.
+    return torch.empty_like(p, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 def _accumulated(old: Tensor, grad: Tensor) -> Tensor:
@@ -231,7 +229,7 @@ class _Silenced:
         self.saved: list[tuple[dict[Any, Any], Any, Any]] = []
         for d in _dicts(p):
             for key, hook in list(d.items()):
-                if _kind(hook, which):
+                if hook is not _silent and _kind(hook, which):  # silenced already: no hook
                     self.saved.append((d, key, hook))
                     d[key] = _silent
 
