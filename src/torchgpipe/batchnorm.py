@@ -16,10 +16,10 @@ once per call, from that call's input over the mini-batch; so the deferred layer
 the statistics of its j-th call of each micro-batch apart from those of its other calls,
 and updates once per call, in the order of the calls. It knows where a micro-batch
 starts from the pipeline: every call of a partition in a cell runs inside
-:func:`cell_call`, which gives the thread a new token::
+:func:`enter_cell`, which gives the thread a new token::
 
-    cell (0, s):  cell_call  bn(x) bn(y)   j = 0, 1
-    cell (1, s):  cell_call  bn(x) bn(y)   j = 0, 1, the last: update from the merged
+    cell (0, s):  enter_cell  bn(x) bn(y)   j = 0, 1
+    cell (1, s):  enter_cell  bn(x) bn(y)   j = 0, 1, the last: update from the merged
                                            j = 0, then from the merged j = 1
 
 A layer called outside a pipeline (on its own, as in torchgpipe 0.0.7) counts each
@@ -98,7 +98,7 @@ class DeferredBatchNorm(_BatchNorm):
                 f"pass the number of micro-batches by keyword: "
                 f"DeferredBatchNorm({self.num_features}, chunks=...)"
             )
-        self._cell: object | None = None  # the cell_call() token of the latest call
+        self._cell: object | None = None  # the enter_cell() token of the latest call
         self._begun = 0  # the micro-batches of the mini-batch begun
         self._calls = 0  # the calls in the current one
         self._moments: dict[int, Moments] = {}  # what the j-th calls merged, by j
@@ -286,22 +286,24 @@ def _merged(moments: Moments | None, x: Tensor) -> Moments:
     )
 
 
-# Per thread: the token of the cell whose partition runs (cell_call), if any.
+# Per thread: the token of the cell whose partition runs (enter_cell), if any.
 _cells = threading.local()
 
 
-@contextmanager
-def cell_call() -> Iterator[None]:
-    """Around a partition's call in a cell: one micro-batch's calls of deferred layers.
+def enter_cell() -> object | None:
+    """Before a partition's call in a cell: one micro-batch's calls of deferred layers.
 
-    See the module's docstring.
+    See the module's docstring. Returns what :func:`leave_cell` takes. Two plain calls
+    rather than a context manager: this runs once per cell.
     """
     outer = getattr(_cells, "token", None)
     _cells.token = object()
-    try:
-        yield
-    finally:
-        _cells.token = outer
+    return outer
+
+
+def leave_cell(outer: object | None) -> None:
+    """After a partition's call in a cell (it may have raised)."""
+    _cells.token = outer
 
 
 def _check_chunks(chunks: int) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from torchgpipe.batchnorm import cell_call
+from torchgpipe.batchnorm import enter_cell, leave_cell
 from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.guards import Restore
@@ -183,7 +183,8 @@ def call_stage(
     ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
     stashes them (``outbound`` is then not None).
     """
-    with cell_call():  # deferred batch norm counts its calls per cell
+    outer = enter_cell()  # deferred batch norm counts its calls per cell
+    try:
         if outbound is None:
             if pops:  # pops, but stashes nothing: still under a tracker
                 output, _ = run_cell(partition, (), packed)
@@ -191,6 +192,8 @@ def call_stage(
             return partition(packed), {}
         output, skips = run_cell(partition, outbound, packed)
         return output, dict(skips)
+    finally:
+        leave_cell(outer)
 
 
 def connected_forward(
