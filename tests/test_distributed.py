@@ -562,8 +562,8 @@ def test_all_reduce_gradients_leaves_none_where_no_replica_has_a_gradient() -> N
         outside = results[2][op, "error"]
         assert outside["type"] == "ValueError", outside
         assert outside["text"].startswith(
-            "this process (global rank 2) is not in the group given to all_reduce_gradients; "
-            "pass the group of this stage's replicas that includes this process"
+            "this process (global rank 2) is not in the process group given as group=; "
+            "pass a group that includes it, the group of this stage's replicas"
         )
         left = results[2][op, "reduced"]  # as they were
         assert {name for name, grad in left.items() if grad is not None} == set(mine[2])

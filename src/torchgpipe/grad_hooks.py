@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["SUMS_SHARES", "Aside", "hooked", "hooks_once"]
+__all__ = ["SUMS_SHARES", "Aside", "dense", "hooked", "hooks_once", "summed"]
 
 _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
@@ -90,7 +90,7 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
         aside.abandon()
         raise
     new = [p.grad for p in aside.params]
-    aside.take()  # the hooks back
+    aside.restore_hooks()
     aside.put_back()
     # The engine's order for a leaf, by hand (the engine would run the library's own
     # hooks again, which saw these gradients share by share): the tensor hooks, each
@@ -107,7 +107,7 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
             if p.grad is None:  # the engine's way: the stages' tensor, or a copy like p
                 p.grad = grad if grad is original else _like(p, grad)
             else:
-                p.grad = _accumulated(p.grad, grad)
+                p.grad = summed(p.grad, grad)
         for p in aside.params:
             if results[id(p)] is not None:
                 for hook in list((p._post_accumulate_grad_hooks or {}).values()):
@@ -140,11 +140,11 @@ def _check_copies(group: list[Tensor], grads: list[Tensor | None]) -> None:
     present = [g for g in grads if g is not None]
     if len(present) < 2:
         return
-    first = _dense(present[0])
+    first = dense(present[0])
     # NaN and inf compare equal to themselves: an overflow is the optimizer's to see
     # (a GradScaler skips the step), not a sign of a hook on some copies only.
     if all(
-        torch.allclose(_dense(g).to(first.device), first, rtol=0, atol=0, equal_nan=True)
+        torch.allclose(dense(g).to(first.device), first, rtol=0, atol=0, equal_nan=True)
         for g in present[1:]
     ):
         return
@@ -157,8 +157,21 @@ def _check_copies(group: list[Tensor], grads: list[Tensor | None]) -> None:
     )
 
 
-def _dense(grad: Tensor) -> Tensor:
+def dense(grad: Tensor) -> Tensor:
+    """``grad`` as a strided tensor."""
     return grad.to_dense() if grad.is_sparse else grad
+
+
+def summed(total: Tensor | None, part: Tensor) -> Tensor:
+    """``total + part``, into ``total`` where it can; sparse where both are, as autograd adds.
+
+    A sparse embedding's gradient and a dense head's add up to a dense one.
+    """
+    if total is None:
+        return part
+    if total.is_sparse and not part.is_sparse:
+        return part + total
+    return total.add_(part)
 
 
 def _like(p: Tensor, grad: Tensor) -> Tensor:
@@ -169,25 +182,19 @@ def _like(p: Tensor, grad: Tensor) -> Tensor:
     return torch.empty_like(p, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
-def _accumulated(old: Tensor, grad: Tensor) -> Tensor:
-    """``old + grad``, as the engine accumulates (into ``old`` where it can)."""
-    if old.is_sparse and not grad.is_sparse:
-        return grad + old
-    return old.add_(grad)
-
-
 class Aside:
     """The ``.grad`` and hooks of parameters, set aside while the stages run their backward.
 
     The stages' threads then leave in ``.grad`` the gradient of this backward alone, and
-    call no hook of these parameters: the caller hands that gradient to the engine, which
-    calls the hooks once and accumulates (or captures) it as for the plain model. Torch
-    has no public way to silence a tensor's hooks for a while; each kind is kept in a
-    dict on the tensor, which the engine reads at each call: each hook there is swapped
-    for one that does nothing, then put back. A hooked parameter the stages left no
-    gradient gets zeros from :meth:`take`: given None, the engine would call its hooks
-    with None (given zeros, it calls them once, with whatever else this backward adds
-    to it).
+    call no hook of these parameters. Then ``model(x)``'s node hands that gradient to
+    the engine, which calls the hooks once and accumulates (or captures) it as for the
+    plain model (:meth:`take`); a schedule's step calls the hooks itself
+    (:func:`hooks_once`). Torch has no public way to silence a tensor's hooks for a
+    while; each kind is kept in a dict on the tensor, which the engine reads at each
+    call: each hook there is swapped for one that does nothing, then put back. A hooked
+    parameter the stages left no gradient gets zeros from :meth:`take`: given None, the
+    engine would call its hooks with None (given zeros, it calls them once, with
+    whatever else this backward adds to it).
     """
 
     def __init__(self, params: list[Tensor], which: Which = "all") -> None:
@@ -203,8 +210,13 @@ class Aside:
         for k, (p, hooks) in enumerate(zip(self.params, self.hooks, strict=True)):
             if new[k] is None and hooks:
                 new[k] = torch.zeros_like(p)
-            hooks.restore()
+        self.restore_hooks()
         return new
+
+    def restore_hooks(self) -> None:
+        """Every silenced hook back (those whose handle was removed meanwhile stay out)."""
+        for hooks in self.hooks:
+            hooks.restore()
 
     def put_back(self) -> None:
         """Every ``.grad`` as it was."""
@@ -214,8 +226,7 @@ class Aside:
     def abandon(self) -> None:
         """Every ``.grad`` and hook as it was (the stages' backward failed)."""
         self.put_back()
-        for hooks in self.hooks:
-            hooks.restore()
+        self.restore_hooks()
 
 
 class _Silenced:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from torchgpipe.grad_hooks import SUMS_SHARES, dense, summed
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.split_stage import Stage
 
@@ -276,19 +277,19 @@ class Ties:
                 total = owner.grad
                 for part in parts[1:]:
                     if part is not None:
-                        total = _add(total, part.to(owner.device))
+                        total = summed(total, part.to(owner.device))
                 mine = None
                 if ranks is not None and across is not None:
                     mine = torch.zeros_like(owner)
                     for part in parts:
                         if part is not None:
-                            mine = _add(mine, part.to(owner.device))
+                            mine = summed(mine, part.to(owner.device))
                 sums.append((g, total, mine))
             for g, total, mine in sums:
                 owner, *copies = self.groups[g]
                 ranks = self.ranks[g]
                 if ranks is not None and across is not None and mine is not None:
-                    here = torch.zeros_like(owner) if total is None else _dense(total)
+                    here = torch.zeros_like(owner) if total is None else dense(total)
                     # Frozen here too: the transfers still go, so that a rank that
                     # disagrees cannot leave another waiting; the sum is dropped.
                     total = across(ranks, here, mine)
@@ -380,7 +381,7 @@ class Ties:
             if seen is None:
                 self._pending[key] = grad.detach().clone()  # the engine may keep ``grad`` as .grad
             else:
-                self._pending[key] = _add(seen, grad.detach())
+                self._pending[key] = summed(seen, grad.detach())
 
     def __getstate__(self) -> dict[str, Any]:
         return {"slots": self.slots, "ranks": self.ranks, "names": self.names, "flags": self._flags}
@@ -412,8 +413,6 @@ class _Record:
     (``grad_hooks.hooks_once``).
     """
 
-    torchgpipe_sums_shares = True  # grad_hooks.SUMS_SHARES
-
     def __init__(self, ties: Ties, key: tuple[int, int]) -> None:
         self.ties, self.key = ties, key
 
@@ -438,21 +437,7 @@ class _ReduceAtEnd(torch.autograd.Function):
         return (None, *grads)
 
 
-def _add(total: Tensor | None, part: Tensor) -> Tensor:
-    """``total + part``, in place where it can be; sparse where both are, as autograd does.
-
-    A sparse embedding's gradient and a dense head's add up to a dense one.
-    """
-    if total is None:
-        return part
-    if total.is_sparse and not part.is_sparse:
-        return part + total
-    return total.add_(part)
-
-
-def _dense(grad: Tensor) -> Tensor:
-    """``grad`` as a strided tensor (what goes over the wire)."""
-    return grad.to_dense() if grad.is_sparse else grad
+setattr(_Record, SUMS_SHARES, True)  # it may see a gradient in shares: see its docstring
 
 
 def _wants_grad(x: Any) -> bool:

@@ -128,7 +128,9 @@ class PipelineSchedule(TableSteps):
             fix = (
                 f"a batch of at least {k} samples"
                 if k == chunks
-                else f"chunks={k}" + (f" and a batch of at least {k} samples" if k > m else "")
+                # m < chunks: the batch, of m samples, is what gave fewer micro-batches.
+                else f"chunks={k}"
+                + (f" and a batch of at least {k} samples" if m < min(k, chunks) else "")
             )
             raise ValueError(
                 f"the schedule is for {k} micro-batches but the batch splits into {m} "

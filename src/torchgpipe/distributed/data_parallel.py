@@ -20,6 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.distributed.transport import check_member
+
 __all__ = ["all_reduce_gradients"]
 
 
@@ -44,13 +46,8 @@ def all_reduce_gradients(
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
-    if group is not None and dist.get_rank(group) < 0:
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not in the group given to "
-            f"all_reduce_gradients; pass the group of this stage's replicas that includes "
-            f"this process (every process calls new_group() for each group, but only the "
-            f"group's members may pass what it returns)"
-        )
+    if group is not None:
+        check_member(group, "group", "the group of this stage's replicas")
     params = [p for p in module.parameters() if p.requires_grad]
     buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:

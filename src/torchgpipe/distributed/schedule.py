@@ -89,7 +89,7 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
         try:  # every rank's step ended well: every holder of a tie takes part
             stage.reduce_tied()
         except TransportError as error:
-            raise _lost_in_ties(stage, error) from error
+            raise _lost_in_ties(ran.exchange, error) from error
         # Only now the caller's graph (a layer before the pipeline, a target that wants
         # a gradient) gets its gradients: a step that failed on any rank leaves it as is.
         assert ran.run is not None
@@ -97,10 +97,10 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
     return _result(stage, steps, ran)
 
 
-def _lost_in_ties(stage: PipelineStage, error: TransportError) -> RemoteError:
+def _lost_in_ties(exchange: Exchange, error: TransportError) -> RemoteError:
     """A process lost while the tied weights' gradients were summed with it."""
-    peer, world = error.peer, stage.world_size
-    stages = tuple(s for s in range(len(stage.balance)) if s % world == peer)
+    peer = error.peer
+    stages = exchange.stages[peer] if 0 <= peer < len(exchange.stages) else ()
     return RemoteError(
         f"rank {peer} (stages {list(stages)}) died or cannot be reached while the tied "
         f"weights' gradients were summed, after a step that ended well on every rank; "

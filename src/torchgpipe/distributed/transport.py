@@ -40,6 +40,7 @@ __all__ = [
     "Transfer",
     "Transport",
     "TransportError",
+    "check_member",
 ]
 
 Message = tuple[Any, list[Tensor]]
@@ -191,7 +192,7 @@ class ProcessGroupTransport(Transport):
         self._dist = dist
         self.group = group if group is not None else dist.group.WORLD
         assert self.group is not None  # initialized above
-        _check_member(self.group, "group")
+        check_member(self.group, "group")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
@@ -232,7 +233,7 @@ class ProcessGroupTransport(Transport):
             if self.backend == "gloo":
                 return self.group
             return dist.new_group(self._global, backend="gloo", use_local_synchronization=True)
-        _check_member(given, "side_group")
+        check_member(given, "side_group")
         backend = str(dist.get_backend(given))
         if backend != "gloo" or dist.get_world_size(given) != self.world_size:
             raise ValueError(
@@ -334,16 +335,21 @@ class ProcessGroupTransport(Transport):
             ) from error
 
 
-def _check_member(group: Any, name: str) -> None:
-    """Refuse a process group this process is not in, before torch fails on it obscurely."""
+def check_member(
+    group: Any, name: str, wanted: str = "the one of its own pipeline, or leave it out"
+) -> None:
+    """Refuse a process group this process is not in, before torch fails on it obscurely.
+
+    ``name`` is the argument that gave it, ``wanted`` says which group to pass instead.
+    """
     import torch.distributed as dist
 
     if dist.get_rank(group) < 0:  # what torch.distributed answers to a non-member
         raise ValueError(
             f"this process (global rank {dist.get_rank()}) is not in the process group "
-            f"given as {name}=; pass a group that includes it, the one of its own "
-            f"pipeline (every process calls new_group() for each group, but only the "
-            f"group's members may pass what it returns), or leave {name} out"
+            f"given as {name}=; pass a group that includes it, {wanted} (every process "
+            f"calls new_group() for each group, but only the group's members may pass "
+            f"what it returns)"
         )
 
 
