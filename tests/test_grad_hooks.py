@@ -16,27 +16,18 @@ import pytest
 import torch
 from distributed_helpers import run_threads
 from nccl_rules import NCCLRules
+from test_nccl_transport import SCHEDULES  # the schedule classes by name
 from test_tied import _data, _language_model
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import (
     GPipe,
-    PipelineSchedule,
     Schedule1F1B,
     ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZeroBubble,
 )
 from torchgpipe.distributed import PipelineStage, Transport
 from torchgpipe.grad_hooks import hooks_once
-
-SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "zero-bubble": ScheduleZeroBubble,
-    "interleaved": ScheduleInterleaved1F1B,
-}
 
 
 def _model() -> nn.Sequential:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,12 +41,10 @@ _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 SUMS_SHARES = "torchgpipe_sums_shares"
 """The attribute (True) of a library hook that may see a gradient in shares."""
 
-Which = Literal["all", "user", "library"]
 
-
-def hooked(p: Tensor, which: Which = "all") -> bool:
-    """Whether ``p`` has a hook (of ``which`` kind) that the engine calls on its gradient."""
-    return any(hook is not _silent and _kind(hook, which) for d in _dicts(p) for hook in d.values())
+def hooked(p: Tensor, users_only: bool = False) -> bool:
+    """Whether ``p`` has a hook (the user's, with ``users_only``) the engine calls on it."""
+    return any(_counts(hook, users_only) for d in _dicts(p) for hook in d.values())
 
 
 @contextmanager
@@ -78,12 +76,12 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
             continue
         group = tied.get(id(p), [p])
         seen.update(map(id, group))
-        if any(hooked(q, "user") for q in group):
+        if any(hooked(q, users_only=True) for q in group):
             groups.append([q for q in group if q.requires_grad and q.is_leaf])
     if not groups:
         yield
         return
-    aside = Aside([p for group in groups for p in group], "user")
+    aside = Aside([p for group in groups for p in group], users_only=True)
     try:
         yield
     except BaseException:
@@ -118,7 +116,7 @@ def _hooked_grad(p: Tensor, grad: Tensor | None) -> Tensor | None:
     """``grad`` through the user's tensor hooks of ``p``, in order; None stays None."""
     if grad is None:
         return None
-    for hook in [h for h in (p._backward_hooks or {}).values() if _kind(h, "user")]:
+    for hook in [h for h in (p._backward_hooks or {}).values() if _counts(h, True)]:
         changed = hook(grad)
         if changed is None:
             continue
@@ -197,10 +195,10 @@ class Aside:
     whatever else this backward adds to it).
     """
 
-    def __init__(self, params: list[Tensor], which: Which = "all") -> None:
+    def __init__(self, params: list[Tensor], users_only: bool = False) -> None:
         self.params = params
         self.grads = [p.grad for p in params]
-        self.hooks = [_Silenced(p, which) for p in params]
+        self.hooks = [_Silenced(p, users_only) for p in params]
         for p in params:
             p.grad = None
 
@@ -230,17 +228,17 @@ class Aside:
 
 
 class _Silenced:
-    """A parameter's hooks (of ``which`` kind), silent until :meth:`restore`.
+    """A parameter's hooks (the user's only, with ``users_only``), silent until :meth:`restore`.
 
     Each stays under its key, replaced by a hook that does nothing: a hook whose handle
     is removed meanwhile stays removed, and the order of the hooks is kept.
     """
 
-    def __init__(self, p: Tensor, which: Which = "all") -> None:
+    def __init__(self, p: Tensor, users_only: bool = False) -> None:
         self.saved: list[tuple[dict[Any, Any], Any, Any]] = []
         for d in _dicts(p):
             for key, hook in list(d.items()):
-                if hook is not _silent and _kind(hook, which):  # silenced already: no hook
+                if _counts(hook, users_only):
                     self.saved.append((d, key, hook))
                     d[key] = _silent
 
@@ -262,7 +260,8 @@ def _dicts(p: Tensor) -> list[dict[Any, Any]]:
     return [d for d in (getattr(p, name, None) for name in _HOOKS) if d]
 
 
-def _kind(hook: Any, which: Which) -> bool:
-    if which == "all":
-        return True
-    return bool(getattr(hook, SUMS_SHARES, False)) == (which == "library")
+def _counts(hook: Any, users_only: bool) -> bool:
+    """Whether to silence or call ``hook``: no placeholder, nor a library one (users_only)."""
+    if hook is _silent:
+        return False
+    return not (users_only and getattr(hook, SUMS_SHARES, False))
