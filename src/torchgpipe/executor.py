@@ -45,7 +45,7 @@ from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
 from torchgpipe.copy import move
 from torchgpipe.guards import RunGuards
 from torchgpipe.mailbox import Mailbox
-from torchgpipe.microbatch import flatten, map_tensors, per_tensor, unflatten
+from torchgpipe.microbatch import count_tensors, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
@@ -310,35 +310,34 @@ class StepRun:
     ) -> tuple[StageCell, tuple[Any, dict[SkipKey, Any]]]:
         packed = value if self.outbound[s] is None and not inbound else (value, inbound)
         leaves, spec = flatten(packed)
-        if packed is value:
-            value_tensors = sum(isinstance(x, Tensor) for x in leaves)
-        else:
-            value_tensors = sum(isinstance(x, Tensor) for x in flatten(value)[0])
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
         checkpointed = i < self.checkpoint_stop
-        needs = [x.requires_grad for x in leaves if isinstance(x, Tensor)]
+        needs = [x.requires_grad for x in tensors]
         cell = StageCell(
             checkpointed=checkpointed,
             randomness=CellRandomness(cell_seed(self.seed, i, s)),
             spec=spec,
             leaves=[],
             needs=needs,
-            value_tensors=value_tensors,
-            skip_tensors=[
-                sum(isinstance(x, Tensor) for x in flatten(skip)[0]) for skip in inbound.values()
-            ],
+            value_tensors=len(tensors) if packed is value else count_tensors(value),
+            skip_tensors=[count_tensors(skip) for skip in inbound.values()] if inbound else [],
             # The first stage hands its input gradients on into the caller's graph.
-            upstream=[x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
-            if s == 0
-            else [],
+            upstream=[x for x in tensors if x.requires_grad] if s == 0 else [],
         )
         if checkpointed:
             guard = self.guards[s]
-            with torch.no_grad():
+            # Grad mode off by hand, not `with torch.no_grad()`: this runs once per cell on
+            # the pipeline's critical path, where the context manager's layers cost more.
+            grad_was = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
                 # Keep a copy: a first layer may modify its input in place.
                 cell.leaves = per_tensor(Tensor.clone, leaves)
                 kept = guard.before_forward() if guard is not None else None
                 with set_flag("checkpointing"), cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
+            finally:
+                torch._C._set_grad_enabled(grad_was)
             cell.restore = guard.after_forward(kept) if guard is not None else None
             # Without a graph nothing says which outputs will want a gradient: all the
             # floating ones may, when an input or a weight does. (Recomputation finds

@@ -29,6 +29,7 @@ from torch import Tensor
 
 __all__ = [
     "Spec",
+    "count_tensors",
     "device_of",
     "distinct_tensors",
     "flatten",
@@ -292,6 +293,11 @@ def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
         return fn(value)
     leaves, spec = flatten(value)
     return unflatten(per_tensor(fn, leaves), spec)
+
+
+def count_tensors(value: Any) -> int:
+    """How many tensor leaves ``value`` holds (a tensor found twice counts twice)."""
+    return sum(isinstance(x, Tensor) for x in flatten(value)[0])
 
 
 def distinct_tensors(leaves: Sequence[Any]) -> tuple[list[Tensor], list[int]]:
