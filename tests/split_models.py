@@ -100,3 +100,53 @@ class Keywords(nn.Module):
             h = h + bias
         g = self.second(h) + shift
         return {"out": self.third(g), "both": (h, g)}
+
+
+class ReadsTiedHead(nn.Module):
+    """A head tied to the embedding, whose weight the forward reads, not the head."""
+
+    def __init__(self, how: str = "matmul") -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(11, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = torch.tanh(self.mid(self.emb(ids)))
+        if self.how == "matmul":
+            return h @ self.head.weight.t()
+        return F.linear(h, self.head.weight)
+
+
+class ReadsProjection(nn.Module):
+    """A Linear that the forward never calls, whose weight and bias it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(torch.tanh(self.b(self.a(x))), self.proj.weight, self.proj.bias)
+
+
+class WithUnused(nn.Module):
+    """A submodule the forward never calls, defined first or last; and unused tensors."""
+
+    def __init__(self, unused_first: bool = False, tensors: bool = True) -> None:
+        super().__init__()
+        if unused_first:
+            self.aux = nn.Linear(4, 2)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        if tensors:  # the model's own, with no reset to fill them on the meta device
+            self.offset = nn.Parameter(torch.zeros(4))
+            self.register_buffer("unused_steps", torch.tensor(3))
+        if not unused_first:
+            self.aux = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))

@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import torch
 from distributed_helpers import mlp, run_threads
+from split_models import ReadsProjection, ReadsTiedHead, WithUnused
 from torch import Tensor, nn
+from torch.nn import functional as F
 
-from torchgpipe import GPipe, Schedule1F1B
-from torchgpipe.distributed import PipelineStage, Transport
+from torchgpipe import GPipe, Schedule1F1B, split
+from torchgpipe.distributed import PipelineStage, RemoteError, Transport
 from torchgpipe.materialize import on_meta
 
 
@@ -864,3 +866,234 @@ def test_a_parents_reset_may_fill_a_child_that_has_none() -> None:
         layers = nn.Sequential(_FillsChild(), nn.Identity())
     model = GPipe(layers, [1, 1])
     torch.testing.assert_close(model[0].scale.weight.detach(), torch.full((4,), 2.0))
+
+
+# A split model: what its forward reads directly, or never uses, is filled as any layer.
+
+
+def _split_on_meta(build: Callable[[], nn.Module], example: Tensor, at: str) -> nn.Sequential:
+    with torch.device("meta"):
+        return split(build(), example.to("meta"), at=[at])
+
+
+def _same_values(model: nn.Module, plain: nn.Module) -> None:
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
+def _kaiming(weight: Tensor) -> bool:
+    """Drawn by Linear's reset: finite, within 1/sqrt(fan_in)."""
+    weight = weight.detach()
+    return bool(weight.isfinite().all()) and float(weight.abs().max()) <= weight.size(1) ** -0.5
+
+
+def test_a_split_models_tie_read_directly_is_filled_from_either_source() -> None:
+    # head.weight was missing from the split model's keys: the state dict was refused.
+    torch.manual_seed(0)
+    plain, ids = ReadsTiedHead(), torch.randint(0, 11, (4, 5))
+    model = GPipe(_split_on_meta(ReadsTiedHead, ids, "mid"), [1, 1], state_dict=plain.state_dict())
+    _same_values(model, plain)
+    torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=0)
+    model = GPipe(_split_on_meta(ReadsTiedHead, ids, "mid"), [1, 1])
+    head, embedding = model.state_dict()["head.weight"], model.state_dict()["emb.weight"]
+    assert head.isfinite().all()
+    torch.testing.assert_close(head, embedding, rtol=0, atol=0)
+
+
+def test_a_module_the_split_forward_reads_directly_is_filled_by_its_reset() -> None:
+    # The stage held a bare Module at proj, refused as having no reset_parameters().
+    torch.manual_seed(0)
+    plain, x = ReadsProjection(), torch.randn(6, 4)
+    model = GPipe(_split_on_meta(ReadsProjection, x, "b"), [1, 1])
+    proj = model[1].get_submodule("proj")
+    assert type(proj) is nn.Linear
+    assert _kaiming(proj.weight)
+    model = GPipe(_split_on_meta(ReadsProjection, x, "b"), [1, 1], state_dict=plain.state_dict())
+    _same_values(model, plain)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+class _ReadsAhead(nn.Module):
+    """Reads b's weight and bias in a stage before the one that calls b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(F.linear(self.a(x), self.b.weight, self.b.bias))
+
+
+def test_a_tensor_read_in_a_stage_without_its_module_is_refused_by_the_modules_type() -> None:
+    with pytest.raises(
+        ValueError, match=r"fill b\.weight \(a Linear's, which a stage of the split model reads"
+    ):
+        GPipe(_split_on_meta(_ReadsAhead, torch.randn(2, 4), "b"), [1, 1])
+    plain, x = _ReadsAhead(), torch.randn(2, 4)
+    model = GPipe(_split_on_meta(_ReadsAhead, x, "b"), [1, 1], state_dict=plain.state_dict())
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+def test_what_the_split_forward_never_uses_is_filled_by_its_reset_or_the_state_dict() -> None:
+    # aux, offset and unused_steps were held by no stage: the state dict was refused.
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    model = GPipe(_split_on_meta(lambda: WithUnused(tensors=False), x, "b"), [1, 1])
+    assert _kaiming(model[1].get_submodule("aux").weight)
+    with pytest.raises(ValueError, match=r"nothing is known to fill offset \(Stage"):
+        GPipe(_split_on_meta(WithUnused, x, "b"), [1, 1])  # the model's own: no reset
+    plain = WithUnused()
+    model = GPipe(_split_on_meta(WithUnused, x, "b"), [1, 1], state_dict=plain.state_dict())
+    _same_values(model, plain)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+# A buffer that two layers hold: every holder ends with its first holder's values.
+
+
+class _Frequencies(nn.Module):
+    """Fills its buffer in its own reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.empty(4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.freq.copy_(torch.arange(4.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.freq
+
+
+class _Reads(nn.Module):
+    def __init__(self, freq: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("freq", freq)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.freq
+
+
+class _ReadsUnder(nn.Module):
+    """Holds the buffer in a child; its own reset fills its own weight only."""
+
+    def __init__(self, freq: Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.reader = _Reads(freq)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.w.fill_(1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.reader(x) * self.w
+
+
+def _shares_a_buffer() -> nn.Sequential:
+    first = _Frequencies()
+    return nn.Sequential(first, _ReadsUnder(first.freq))
+
+
+@pytest.mark.parametrize("balance", [[1, 1], [2]])
+def test_a_buffer_two_layers_hold_takes_its_first_holders_values(balance: list[int]) -> None:
+    # [1, 1]: the second partition's copy was never filled, and used as it was allocated.
+    plain, x = _shares_a_buffer(), torch.ones(2, 4)
+    with torch.device("meta"):
+        layers = _shares_a_buffer()
+    model = GPipe(layers, balance)
+    torch.testing.assert_close(model[1].reader.freq, torch.arange(4.0), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    # From a state dict whose two names disagree: the last, as load_state_dict does.
+    state = {**plain.state_dict(), "1.reader.freq": torch.full((4,), 5.0)}
+    plain.load_state_dict(state)
+    with torch.device("meta"):
+        layers = _shares_a_buffer()
+    model = GPipe(layers, balance, state_dict=state)
+    _same_values(model, plain)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+def test_a_buffer_whose_first_holder_is_on_another_rank_needs_a_state_dict() -> None:
+    # Buffers do not travel between processes: rank 1 cannot take rank 0's values.
+    plain = _shares_a_buffer()
+
+    def build(state: dict[str, Tensor] | None) -> list[Any]:
+        with torch.device("meta"):
+            models = [_shares_a_buffer() for _ in range(2)]
+
+        def rank(transport: Transport) -> dict[str, Tensor]:
+            stage = PipelineStage(
+                models[transport.rank], [1, 1], transport=transport, state_dict=state
+            )
+            return dict(stage.state_dict())
+
+        return run_threads(rank, 2)
+
+    first, second = build(None)
+    assert isinstance(first, RemoteError)
+    assert isinstance(second, ValueError)
+    assert "1.reader.freq: each a buffer whose first holder is a layer of another" in str(second)
+    assert "pass state_dict=" in str(second)
+    first, second = build(plain.state_dict())
+    torch.testing.assert_close(second["1.reader.freq"], torch.arange(4.0), rtol=0, atol=0)
+    torch.testing.assert_close(first["0.freq"], torch.arange(4.0), rtol=0, atol=0)
+
+
+class _WithLazyAux(nn.Module):
+    """A lazy head the forward never calls: its parameters are never initialized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.aux = nn.LazyLinear(3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_an_unused_lazy_module_of_a_split_meta_model_is_left_out() -> None:
+    # The last stage held it, and the check of what fills it read its uninitialized
+    # parameters' sizes: "Attempted to use an uninitialized parameter".
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    stages = _split_on_meta(_WithLazyAux, x, "b")
+    assert list(stages.state_dict()) == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    model = GPipe(stages, [1, 1])
+    assert _kaiming(model[1].get_submodule("b").weight)
+    plain = _WithLazyAux()
+    state = {
+        key: value for key, value in plain.state_dict().items() if key.startswith(("a.", "b."))
+    }
+    model = GPipe(_split_on_meta(_WithLazyAux, x, "b"), [1, 1], state_dict=state)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+class _WithRealAux(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_what_split_left_out_may_be_in_the_state_dict_it_fills_from() -> None:
+    # The bug: the plain model's own state dict was refused ("keys the model does not:
+    # aux.bias, aux.weight") for a meta model whose unused head has values, which
+    # split leaves out (a layer is all meta or all values).
+    torch.manual_seed(0)
+    plain = _WithRealAux()
+    with torch.device("meta"):
+        meta = _WithRealAux()
+    meta.aux = nn.Linear(4, 3)  # the reverse of an unused head moved to meta
+    stages = split(meta, torch.randn(6, 4, device="meta"), at=["b"])
+    assert stages[0].left_out == ("aux.weight", "aux.bias")
+    model = GPipe(stages, [1, 1], chunks=2, state_dict=plain.state_dict())
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)

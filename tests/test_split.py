@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from split_models import Keywords, TinyGPT, UShaped
+from split_models import (
+    Keywords,
+    ReadsProjection,
+    ReadsTiedHead,
+    TinyGPT,
+    UShaped,
+    WithUnused,
+)
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -1084,3 +1091,101 @@ def test_processes_step_a_split_model_whose_stage_starts_in_place() -> None:
     for steps, _ in results:
         grads.update({name.partition(".")[2]: grad for name, grad in steps[0][2].items()})
     _assert_close(grads, _grads(plain))
+
+
+# Every module and tensor of the model is held by a stage, so the keys are all there.
+
+
+def _loads_both_ways(ours: nn.Module, plain: nn.Module) -> None:
+    """``ours`` and ``plain`` load each other's state dicts strictly, to equal values."""
+    twin = copy.deepcopy(plain)  # ties kept
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.normal_()
+    ours.load_state_dict(twin.state_dict())
+    loaded = ours.state_dict()
+    assert list(loaded) == list(twin.state_dict())
+    for key, value in twin.state_dict().items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+    back = copy.deepcopy(plain)
+    back.load_state_dict(loaded)
+    for key, value in back.state_dict().items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+
+
+def _pipe_matches(pipe: nn.Module, plain: nn.Module, x: Tensor) -> None:
+    """Same outputs and gradients (every name of a tied weight, and None where unused)."""
+    torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=0)
+    pipe(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    _assert_close(_pipe_grads(pipe), _grads(plain))
+
+
+@pytest.mark.parametrize("how", ["matmul", "linear"])
+def test_a_tied_weight_read_directly_keeps_every_name_of_it(how: str) -> None:
+    # fx names head.weight by its first name, emb.weight: the stage that reads it held
+    # it under that name only, and the model's head.weight was gone from the keys.
+    torch.manual_seed(0)
+    plain, ids = ReadsTiedHead(how), torch.randint(0, 11, (4, 5))
+    stages = split(copy.deepcopy(plain), ids, at=["mid"])
+    assert list(stages.state_dict()) == list(plain.state_dict())
+    _loads_both_ways(copy.deepcopy(stages), plain)
+    pipe = GPipe(stages, [1, 1], chunks=2)
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    _pipe_matches(pipe, plain, ids)
+    _loads_both_ways(pipe, plain)
+
+
+@pytest.mark.parametrize("unused_first", [False, True])
+def test_what_the_forward_never_uses_keeps_its_keys_in_the_models_order(
+    unused_first: bool,
+) -> None:
+    # aux (never called), offset and unused_steps (never read) were held by no stage.
+    torch.manual_seed(0)
+    plain, x = WithUnused(unused_first), torch.randn(6, 4)
+    stages = split(copy.deepcopy(plain), x, at=["b"])
+    assert list(stages.state_dict()) == list(plain.state_dict())
+    assert type(stages[1].get_submodule("aux")) is nn.Linear  # whole, in the last stage
+    _loads_both_ways(copy.deepcopy(stages), plain)
+    pipe = GPipe(stages, [1, 1], chunks=2)
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    _pipe_matches(pipe, plain, x)
+    assert pipe[1].get_submodule("aux").weight.grad is None  # as the plain model's
+    assert plain.aux.weight.grad is None
+    _loads_both_ways(pipe, plain)
+
+
+def test_a_module_whose_tensors_the_forward_reads_is_held_whole() -> None:
+    # The stage held a bare Module at proj, with its weight and bias but not its type.
+    torch.manual_seed(0)
+    plain, x = ReadsProjection(), torch.randn(6, 4)
+    stages = split(copy.deepcopy(plain), x, at=["b"])
+    assert type(stages[1].get_submodule("proj")) is nn.Linear
+    assert list(stages.state_dict()) == list(plain.state_dict())
+    _pipe_matches(GPipe(stages, [1, 1], chunks=2), plain, x)
+
+
+class _WithAux(nn.Module):
+    """An auxiliary head the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.aux = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_an_unused_module_moved_to_meta_is_left_out_of_a_model_with_values() -> None:
+    # The last stage held it, with values beside it: GPipe refused the stage as a layer
+    # that mixes meta tensors and others. It cannot be placed: left out, keys and all.
+    torch.manual_seed(0)
+    plain, x = _WithAux(), torch.randn(6, 4)
+    model = copy.deepcopy(plain)
+    model.aux.to("meta")
+    stages = split(model, x, at=["b"])
+    assert list(stages.state_dict()) == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    pipe = GPipe(stages, [1, 1], chunks=2)
+    torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=0)

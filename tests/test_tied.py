@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
+from functools import partial
 from typing import Any
 
 import pytest
@@ -184,6 +186,137 @@ def test_a_module_in_two_partitions_is_refused() -> None:
     shared = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="Linear module is part of layers in partitions 0 and 1"):
         GPipe(nn.Sequential(nn.Sequential(shared), nn.Sequential(shared)), [1, 1])
+
+
+# A buffer that layers of two partitions hold: a copy each, equal to the owner's once
+# built, and not kept equal afterwards (a change to one copy stays in it).
+
+
+class _Shift(nn.Module):
+    def __init__(self, shift: Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.arange(4.0) if shift is None else shift)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + (0.0 if self.shift is None else self.shift)
+
+
+def _shifts() -> nn.Sequential:
+    first = _Shift()
+    return nn.Sequential(first, nn.Linear(4, 4), _Shift(first.shift))
+
+
+def test_a_shared_buffer_is_copied_once_equal_to_its_owner() -> None:
+    torch.manual_seed(0)
+    plain, x = _shifts(), torch.randn(3, 4)
+    pipe = GPipe(copy.deepcopy(plain), [2, 1], chunks=3)
+    assert pipe[0].shift is not pipe[2].shift
+    torch.testing.assert_close(pipe[2].shift, plain[0].shift, rtol=0, atol=0)
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    torch.testing.assert_close(pipe(x), plain(x))
+
+
+def test_a_shared_buffer_of_a_model_made_in_inference_mode_builds() -> None:
+    # Reading each copy's version counter at build failed: inference tensors have none.
+    with torch.inference_mode():
+        layers = _shifts()
+    pipe = GPipe(layers, [2, 1], chunks=2)
+    with torch.inference_mode():
+        assert pipe(torch.zeros(2, 4)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "save", "double"])
+def test_a_change_to_one_copy_of_a_shared_buffer_stays_in_it(how: str) -> None:
+    # A change to a later copy was undone by the owner's at the next run once the
+    # tensors' ids changed (a copy, a load, a dtype): now no copy is watched at all.
+    pipe = GPipe(_shifts(), [2, 1])
+    if how == "deepcopy":
+        pipe = copy.deepcopy(pipe)
+    elif how == "save":
+        saved = io.BytesIO()
+        torch.save(pipe, saved)
+        saved.seek(0)
+        pipe = torch.load(saved, weights_only=False)
+    else:
+        pipe = pipe.double()
+    with torch.no_grad():
+        pipe[2].shift.fill_(2.0)
+    pipe(torch.zeros(2, 4, dtype=pipe[2].shift.dtype))
+    torch.testing.assert_close(pipe[2].shift, torch.full((4,), 2.0, dtype=pipe[2].shift.dtype))
+    torch.testing.assert_close(pipe[0].shift, torch.arange(4.0, dtype=pipe[0].shift.dtype))
+
+
+def test_assigning_one_layers_shared_buffer_leaves_the_others_as_the_plain_model_does() -> None:
+    # The new tensor was written into the other copy; None crashed the next run.
+    torch.manual_seed(0)
+    plain, x = _shifts(), torch.randn(3, 4)
+    pipe = GPipe(copy.deepcopy(plain), [2, 1])
+    pipe[0].shift = torch.full((4,), 5.0)
+    plain[0].shift = torch.full((4,), 5.0)
+    torch.testing.assert_close(pipe(x), plain(x))
+    torch.testing.assert_close(pipe[2].shift, torch.arange(4.0), rtol=0, atol=0)
+    pipe[2].shift = None
+    plain[2].shift = None
+    torch.testing.assert_close(pipe(x), plain(x))
+
+
+class _Table(nn.Module):
+    """Rebuilds a cached table by assignment when an input is longer than it."""
+
+    def __init__(self, table: Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(2.0) if table is None else table)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.table.numel() < x.size(0):
+            self.table = torch.arange(float(x.size(0)))
+        return x + self.table[: x.size(0), None]
+
+
+class _Counts(nn.Module):
+    """Counts its calls in a buffer: a forward that changes it in place."""
+
+    def __init__(self, count: Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()) if count is None else count)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count.add_(1)
+        return x
+
+
+def _sum(output: Tensor, target: Tensor) -> Tensor:
+    return output.sum()
+
+
+@pytest.mark.parametrize("schedule", [None, Schedule1F1B])
+def test_a_forward_that_changes_a_buffer_two_partitions_hold_changes_its_own_copy(
+    schedule: type | None,
+) -> None:
+    # Such a forward was refused, a cache rebuilt by assignment included.
+    first = _Counts()
+    pipe = GPipe(nn.Sequential(first, nn.Linear(2, 2), _Counts(first.count)), [2, 1])
+    x = torch.randn(4, 2)
+    run = pipe if schedule is None else partial(schedule(pipe, _sum).step, target=x)
+    run(x)
+    assert pipe[0].count is not pipe[2].count  # each partition counts in its own copy
+    first = _Table()
+    plain = nn.Sequential(first, nn.Tanh(), _Table(first.table))
+    pipe = GPipe(copy.deepcopy(plain), [2, 1])
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(pipe(x), plain(x))
+
+
+def test_running_statistics_that_two_partitions_hold_give_the_plain_models_eval_outputs() -> None:
+    # Refused up front, even in eval mode, where the statistics do not change.
+    torch.manual_seed(0)
+    first, second = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+    with torch.no_grad():
+        first.running_mean.uniform_()
+    second.running_mean = first.running_mean
+    plain, x = nn.Sequential(first, nn.Tanh(), second).eval(), torch.randn(6, 4)
+    pipe = GPipe(copy.deepcopy(plain), [2, 1], chunks=2).eval()
+    torch.testing.assert_close(pipe(x), plain(x))
 
 
 # Across processes: the copies' gradients summed over the ranks that hold them.

@@ -18,8 +18,8 @@ it garbage):
   of the layers (a buffer registered with ``persistent=False`` is never saved, so
   never filled this way; a batch norm's ``num_batches_tracked`` may be missing, as
   ``load_state_dict`` allows), and no key the model lacks. One name of a tied
-  parameter is enough: the meta path reads the state dict as ``load_state_dict`` would
-  (:func:`torchgpipe.tied.tied_state_dict`), and loads it by each layer's
+  parameter (or buffer) is enough: the meta path reads the state dict as ``load_state_dict`` would
+  (:func:`tied_state_dict`), and loads it by each layer's
   ``load_state_dict`` (its hooks and extra state included). Layers built with values
   among meta ones are loaded from it too.
 - Otherwise, a module's own reset: ``reset_parameters()`` (or ``_reset_parameters()``,
@@ -31,11 +31,14 @@ it garbage):
   parameter a subclass adds to ``nn.Linear``, a buffer added to a torch layer, or a
   pruned weight (``weight_orig``) is refused, not left as garbage. An empty tensor
   needs nothing.
-- A parameter that an earlier layer of the model holds too needs nothing of its own:
-  every holder ends with its first holder's values (:func:`_retie` inside a partition,
-  :mod:`torchgpipe.tied` across them). Only the first holder must be filled. Holders
-  inside one layer (a module and its parent) share one tensor from the start, which any
-  of their resets may fill.
+- A parameter or buffer that an earlier layer of the model holds too needs nothing of
+  its own: every holder ends with its first holder's values (:func:`_retie` inside a
+  partition, :mod:`torchgpipe.tied` across them). Only the first holder must be
+  filled. Holders inside one layer (a module and its parent) share one tensor from the
+  start, which any of their resets may fill. Across processes only parameters travel:
+  a buffer whose first holder is another process's layer is filled here by ``init`` or
+  ``state_dict``, or refused (a reset here is not its first holder's, whose values it
+  must end with).
 
 The values drawn differ from a model built on the CPU under the same seed (each process
 draws only its own layers); load a state dict where they must be equal.
@@ -43,21 +46,38 @@ draws only its own layers); load a state dict where they must be equal.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.utils.prune import BasePruningMethod
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 
-from torchgpipe.resets import Holder, join, own_tensors, reset, reset_of
-from torchgpipe.split_stage import Stage
+from torchgpipe.resets import (
+    Holder,
+    legacy_hooks,
+    own_tensors,
+    reset,
+    reset_of,
+    tensor_holders,
+    under,
+)
+from torchgpipe.split_stage import Placeholder, Stage
 
-__all__ = ["Fill", "Init", "check_materializable", "check_meta_arguments", "materialize", "on_meta"]
+__all__ = [
+    "Fill",
+    "Init",
+    "check_materializable",
+    "check_meta_arguments",
+    "loaded_value",
+    "materialize",
+    "named_tensors",
+    "on_meta",
+    "state_names",
+    "tied_state_dict",
+]
 
 Init = Callable[[nn.Module], None]
 """Fills one layer's tensors, already allocated on its device (``init(layer)``)."""
@@ -196,6 +216,76 @@ def key_prefix(name: str, layer: nn.Module) -> str:
     return "" if isinstance(layer, Stage) else f"{name}."
 
 
+# A state dict's names of a tensor that several layers hold, as load_state_dict reads them.
+
+
+def state_names(module: nn.Sequential) -> dict[int, list[str]]:
+    """Every name each parameter and buffer of ``module`` has in its state dict, in order.
+
+    For a split model's stage, both its key in the ``nn.Sequential`` and the model's
+    own (what ``keep_plain_keys`` makes of it).
+    """
+    names: dict[int, list[str]] = {}
+    for index, layer in module.named_children():
+        for name, tensor in named_tensors(layer):
+            keys = names.setdefault(id(tensor), [])
+            keys.append(f"{index}.{name}")
+            if isinstance(layer, Stage):
+                keys.append(name)
+    return names
+
+
+V = TypeVar("V")
+
+
+def loaded_value(state_dict: Mapping[str, V], keys: Sequence[str]) -> V | None:
+    """What a tied weight holds once ``state_dict`` is loaded, its names ``keys`` in order.
+
+    The plain model loads each name into its one tensor, in the order of its state
+    dict: the last name present wins. A name the state dict lacks ends with that value
+    too, as checkpoints that keep one name of a tied weight expect. None: no name is
+    there. The one rule for both paths: ``load_state_dict`` (``tied.Ties.watch_loads``)
+    and a meta model's ``state_dict=`` (:func:`tied_state_dict`).
+    """
+    present = [key for key in keys if key in state_dict]
+    return state_dict[present[-1]] if present else None
+
+
+def tied_state_dict(
+    module: nn.Sequential, state_dict: Mapping[str, Tensor] | None
+) -> dict[str, Tensor] | None:
+    """``state_dict`` with every name of each tie (parameter or buffer) of ``module`` as loaded.
+
+    Each name holds the value :func:`loaded_value` gives, as if the plain model had
+    loaded ``state_dict``: what a model built on the meta device fills its layers from
+    (``state_dict=``), so that every holder of a tied weight, in any partition or
+    process, starts with that value. Call it while ``module``'s ties are whole (before
+    ``tied.Ties.untie``). The tensors are ``state_dict``'s own, not copies; None stays
+    None.
+    """
+    if state_dict is None:
+        return None
+    holders: dict[int, int] = {}  # a stage's tensor has two names, yet one holder
+    for _, layer in module.named_children():
+        for _, tensor in named_tensors(layer):
+            holders[id(tensor)] = holders.get(id(tensor), 0) + 1
+    loaded = dict(state_dict)
+    for key, keys in state_names(module).items():
+        value = loaded_value(state_dict, keys)
+        if value is not None and holders[key] > 1:
+            loaded.update(dict.fromkeys(keys, value))
+    return loaded
+
+
+def named_tensors(layer: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every name of every parameter and buffer of ``layer``, as its state dict names them."""
+    every = [
+        layer.named_parameters(remove_duplicate=False),
+        layer.named_buffers(remove_duplicate=False),
+    ]
+    return [pair for named in every for pair in named]
+
+
 def check_materializable(
     layers: list[tuple[str, nn.Module]],
     *,
@@ -206,10 +296,10 @@ def check_materializable(
     """What fills the meta layers among ``layers``, once checked that they can be filled.
 
     ``model`` is the whole ``nn.Sequential`` that ``layers`` are part of (by default
-    ``layers`` are all of it): a parameter tied to one of its earlier layers needs no
-    fill here, and the state dict's keys are checked against all of it. What fills
-    what is the module docstring's; ``state_dict`` is read as given, so pass it
-    through :func:`torchgpipe.tied.tied_state_dict` first.
+    ``layers`` are all of it): a parameter tied to one of its earlier layers (a buffer,
+    to one among ``layers``) needs no fill here, and the state dict's keys are checked
+    against all of it. What fills what is the module docstring's; ``state_dict`` is
+    read as given, so pass it through :func:`tied_state_dict` first.
 
     Raises:
         ValueError: ``init`` and ``state_dict`` both given; a layer mixes meta and real
@@ -240,6 +330,8 @@ def _check_keys(state_dict: Mapping[str, Tensor], whole: list[tuple[str, nn.Modu
         for prefix in {key_prefix(name, layer), f"{name}."}
         for key in layer.state_dict(keep_vars=True)
     }
+    # What split left out of the stages: the plain model's state dict has it; skipped.
+    known |= {key for _, layer in whole if isinstance(layer, Stage) for key in layer.left_out}
     unknown = sorted(key for key in state_dict if key not in known)
     empty = sorted(k for k, v in state_dict.items() if isinstance(v, Tensor) and v.is_meta)
     problems = []
@@ -275,7 +367,7 @@ def _meta_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modu
 
 
 def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, int]:
-    """Each parameter's first holder in the model: the ``id`` of its layer.
+    """Each parameter's and buffer's first holder in the model: the ``id`` of its layer.
 
     In the order of the state dict, of :func:`_holders` and of ``Ties.untie``: layers in
     order, each module before its children.
@@ -283,9 +375,8 @@ def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, int]:
     first: dict[int, int] = {}
     for _, layer in layers:
         for module in layer.modules(remove_duplicate=False):
-            for parameter in module._parameters.values():
-                if parameter is not None:
-                    first.setdefault(id(parameter), id(layer))
+            for _, tensor in own_tensors(module):
+                first.setdefault(id(tensor), id(layer))
     return first
 
 
@@ -304,8 +395,10 @@ def _check_fillable(
     shapes: list[str] = []
     legacy: dict[str, list[str]] = {}
     unfilled: list[str] = []
+    elsewhere: list[str] = []
     watched: dict[int, tuple[int, Tensor]] = {}
     allocated = {id(layer) for _, layer in meta}
+    here = {id(layer) for _, layer in layers}
     for name, layer in layers:
         prefix = key_prefix(name, layer)
         saved = {} if state_dict is None else layer.state_dict(prefix=prefix, keep_vars=True)
@@ -314,10 +407,12 @@ def _check_fillable(
         resets = {
             path for path, m in layer.named_modules(prefix=prefix.removesuffix(".")) if reset_of(m)
         }
-        for tensor, holders in _by_tensor(layer, prefix.removesuffix(".")).items():
+        for tensor, holders in tensor_holders(layer, prefix.removesuffix(".")).items():
             key = holders[0][0]
-            if isinstance(tensor, nn.Parameter) and first.get(id(tensor)) not in (None, id(layer)):
-                continue  # a later holder of a tied parameter: it takes the first's values
+            owner = first.get(id(tensor))
+            later = owner not in (None, id(layer))
+            if later and (isinstance(tensor, nn.Parameter) or owner in here):
+                continue  # a later holder of a tie: it takes the first's values
             keys = [k for k, _, _ in holders if k in saved]
             if keys and state_dict is not None:
                 present = [k for k in keys if k in state_dict]
@@ -331,16 +426,18 @@ def _check_fillable(
                     continue  # else a batch count the reset zeroes, as load_state_dict allows
             if id(layer) not in allocated or tensor.numel() == 0:
                 continue  # keeps its values; or nothing to fill
-            hooks = [(p, m, hook) for _, m, p in holders for hook in _hooks(m)]
+            if later:  # a buffer whose first holder is in another process
+                elsewhere.append(key)
+                continue
+            hooks = [(p, m, hook) for _, m, p in holders for hook in legacy_hooks(m)]
             for path, module, hook in hooks:
                 legacy.setdefault(f"{path} ({type(module).__name__}", []).append(hook)
             if hooks:
                 continue
-            if any(_under(path, resets) for _, _, path in holders):
+            if any(under(path, resets) for _, _, path in holders):
                 watched[id(tensor)] = (id(layer), tensor)
             else:
-                kind = type(holders[0][1]).__name__
-                unfilled.append(f"{key} ({kind}: it has no reset_parameters())")
+                unfilled.append(_unfilled(key, holders[0][1]))
     problems = []
     if missing:
         problems.append(
@@ -366,28 +463,27 @@ def _check_fillable(
             f"buffer registered with persistent=False is never in one), or build those "
             f"layers outside torch.device('meta') (a layer with values is kept as it is)"
         )
+    if elsewhere:
+        problems.append(  # a key once: two of a split model's stages here may hold it
+            f"{', '.join(dict.fromkeys(elsewhere))}: each a buffer whose first holder is a "
+            f"layer of another process, whose values it must end with, and buffers do not "
+            f"travel between processes; pass state_dict= (the plain model's) or init= to "
+            f"fill it here"
+        )
     if problems:
         raise ValueError("\n".join(problems))
     return watched
 
 
-def _by_tensor(layer: nn.Module, path: str) -> dict[Tensor, list[tuple[str, nn.Module, str]]]:
-    """Each tensor of ``layer`` with its holders: ``(key, module, module's path)``.
-
-    In the order of its state dict: each module before its children; a tensor two
-    modules hold (a module and its parent) appears once, with both.
-    """
-    found: dict[int, tuple[Tensor, list[tuple[str, nn.Module, str]]]] = {}
-    for sub, module in layer.named_modules(prefix=path, remove_duplicate=False):
-        for n, tensor in own_tensors(module):
-            found.setdefault(id(tensor), (tensor, []))[1].append((join(sub, n), module, sub))
-    return {tensor: holders for tensor, holders in found.values()}
-
-
-def _under(path: str, resets: set[str]) -> bool:
-    """Whether the module at ``path``, or a module above it, is in ``resets``."""
-    parts = path.split(".") if path else []
-    return any(".".join(parts[:k]) in resets for k in range(len(parts) + 1))
+def _unfilled(key: str, module: nn.Module) -> str:
+    """Why nothing fills the tensor ``key`` that ``module`` holds, for the refusal."""
+    if isinstance(module, Placeholder):  # a split model's stage: see split_stage.py
+        return (
+            f"{key} (a {module.kind}'s, which a stage of the split model reads directly "
+            f"while it holds neither the {module.kind} nor so its reset_parameters(); "
+            f"split points that put a call of it in that stage would give it both)"
+        )
+    return f"{key} ({type(module).__name__}: it has no reset_parameters())"
 
 
 def _counts_batches(holders: list[tuple[str, nn.Module, str]]) -> bool:
@@ -396,22 +492,3 @@ def _counts_batches(holders: list[tuple[str, nn.Module, str]]) -> bool:
         isinstance(module, _NormBase) and key.rpartition(".")[2] == "num_batches_tracked"
         for key, module, _ in holders
     )
-
-
-def _hooks(module: nn.Module) -> list[str]:
-    """The hooks on ``module`` that keep its values where its reset does not write.
-
-    ``torch.nn.utils.prune`` (``weight_orig``, ``weight_mask``) and the legacy norms
-    (``torch.nn.utils.spectral_norm``, ``weight_norm``).
-    """
-    kinds = {
-        SpectralNorm: "torch.nn.utils.spectral_norm",
-        WeightNorm: "torch.nn.utils.weight_norm",
-        BasePruningMethod: "torch.nn.utils.prune",
-    }
-    return [
-        name
-        for hook in module._forward_pre_hooks.values()
-        for kind, name in kinds.items()
-        if isinstance(hook, kind)
-    ]

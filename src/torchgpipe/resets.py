@@ -2,7 +2,10 @@
 
 :mod:`torchgpipe.materialize` trusts no reset blindly: each tensor a reset is to fill
 is marked first (NaN; a sentinel for integers), and one the resets left marked, wholly
-or in part, is refused once they ran (:func:`reset`).
+or in part, is refused once they ran (:func:`reset`). Which tensors a reset is to fill
+is decided before, from the layer's modules: a tensor's holders
+(:func:`tensor_holders`), a reset above one of them (:func:`under`), and the hooks
+that keep values where no reset writes (:func:`legacy_hooks`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,20 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["Holder", "join", "own_tensors", "reset", "reset_of"]
+__all__ = [
+    "Holder",
+    "join",
+    "legacy_hooks",
+    "own_tensors",
+    "reset",
+    "reset_of",
+    "tensor_holders",
+    "under",
+]
 
 Holder = tuple[int, nn.Module, str]
 """The ``id`` of a meta tensor, and a module that holds it under a name of its own."""
@@ -183,3 +198,41 @@ def _children_first(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Modu
 def join(path: str, name: str) -> str:
     """``name`` under ``path``, as state-dict keys join them."""
     return f"{path}.{name}" if path else name
+
+
+def legacy_hooks(module: nn.Module) -> list[str]:
+    """The hooks on ``module`` that keep its values where its reset does not write.
+
+    ``torch.nn.utils.prune`` (``weight_orig``, ``weight_mask``) and the legacy norms
+    (``torch.nn.utils.spectral_norm``, ``weight_norm``).
+    """
+    kinds = {
+        SpectralNorm: "torch.nn.utils.spectral_norm",
+        WeightNorm: "torch.nn.utils.weight_norm",
+        BasePruningMethod: "torch.nn.utils.prune",
+    }
+    return [
+        name
+        for hook in module._forward_pre_hooks.values()
+        for kind, name in kinds.items()
+        if isinstance(hook, kind)
+    ]
+
+
+def tensor_holders(layer: nn.Module, path: str) -> dict[Tensor, list[tuple[str, nn.Module, str]]]:
+    """Each tensor of ``layer`` with its holders: ``(key, module, module's path)``.
+
+    In the order of its state dict: each module before its children; a tensor two
+    modules hold (a module and its parent) appears once, with both.
+    """
+    found: dict[int, tuple[Tensor, list[tuple[str, nn.Module, str]]]] = {}
+    for sub, module in layer.named_modules(prefix=path, remove_duplicate=False):
+        for n, tensor in own_tensors(module):
+            found.setdefault(id(tensor), (tensor, []))[1].append((join(sub, n), module, sub))
+    return {tensor: holders for tensor, holders in found.values()}
+
+
+def under(path: str, resets: set[str]) -> bool:
+    """Whether the module at ``path``, or a module above it, is in ``resets``."""
+    parts = path.split(".") if path else []
+    return any(".".join(parts[:k]) in resets for k in range(len(parts) + 1))

@@ -56,7 +56,14 @@ from torchgpipe.split_capture import (
     value_kinds,
     where_made,
 )
-from torchgpipe.split_stage import InputKind, SplitError, Stage, inputs_of, keep_plain_keys
+from torchgpipe.split_stage import (
+    InputKind,
+    SplitError,
+    Stage,
+    held_apart,
+    inputs_of,
+    keep_plain_keys,
+)
 
 __all__ = ["SplitError", "Stage", "split"]
 
@@ -77,10 +84,12 @@ def split(
     result in ``GPipe`` (one layer per stage: ``balance=[1] * len(stages)``), or use
     its stages in ``PipelineStage``; it also runs as it is.
 
-    The stages hold the module's own submodules and parameters, not copies, and the
-    result's ``state_dict()`` keys are the module's: a checkpoint of either loads into
-    the other. A parameter used by two stages (a tied embedding and output head) is one
-    tensor here; ``GPipe`` gives each partition a copy and keeps them equal.
+    The stages hold the module's own submodules and parameters, not copies, all of
+    them (what the forward never uses too: ``split_stage.held_apart``), and the
+    result's ``state_dict()`` keys are the module's, in its order: a checkpoint of
+    either loads into the other. A parameter used by two stages (a tied embedding and
+    output head) is one tensor here; ``GPipe`` gives each partition a copy and keeps
+    them equal.
 
     Args:
         module: the model; its forward is captured with ``torch.fx`` (see the module's
@@ -310,8 +319,7 @@ def _build(
                 anchors[(stage, value)] = anchor
             else:  # nothing here to read it from: it travels as it is
                 along(value, stage)
-    namespace = Namespace("split")
-    result = []
+    pieces = []
     for j in range(count):
         piece = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
@@ -341,19 +349,30 @@ def _build(
             passed = tuple(local(value) for value in chain[j + 1])
             piece.output((passed, tuple(local(value) for value, _ in stashes[j])))
         piece.lint()
-        result.append(
-            Stage(
-                module,
-                piece,
-                index=j,
-                count=count,
-                input_kind=kind,
-                input_names=names,
-                pops=tuple(f"{value.name}@{j}" for value in pops[j]),
-                stashes=tuple(f"{value.name}@{stage}" for value, stage in stashes[j]),
-                namespace=namespace,
-            )
+        pieces.append(piece)
+    namespace = Namespace("split")
+    order = {key: k for k, key in enumerate(module.state_dict(keep_vars=True))}
+    result = [
+        Stage(
+            module,
+            piece,
+            index=j,
+            count=count,
+            input_kind=kind,
+            input_names=names,
+            pops=tuple(f"{value.name}@{j}" for value in pops[j]),
+            stashes=tuple(f"{value.name}@{stage}" for value, stage in stashes[j]),
+            namespace=namespace,
+            apart=apart,
+            order=order,
         )
+        for j, (piece, apart) in enumerate(zip(pieces, held_apart(module, pieces), strict=True))
+    ]
+    # What held_apart left out (lazy, or meta where the rest has values): its keys are
+    # the module's, so a state dict of the module may hold them (materialize skips them).
+    held = {key for piece_stage in result for key in piece_stage.key_order}
+    for piece_stage in result:
+        piece_stage.left_out = tuple(key for key in order if key not in held)
     sequential = nn.Sequential(*result)
     keep_plain_keys(sequential)
     return sequential

@@ -3,22 +3,34 @@
 :func:`inputs_of` reads how the split model takes its input from ``split``'s example.
 A :class:`Stage` is a skippable module (:mod:`torchgpipe.skip`) that runs one piece of
 a module's captured forward on the module's own submodules, held at their original
-paths. :func:`keep_plain_keys` makes a container of stages (the ``nn.Sequential`` that
-``split`` returns, a ``GPipe``, a ``PipelineStage``) use the module's own state dict
-keys.
+paths; :func:`held_apart` gives every module and tensor that no piece uses a stage that
+holds it, so the stages hold all of the module. :func:`keep_plain_keys` makes a
+container of stages (the ``nn.Sequential`` that ``split`` returns, a ``GPipe``, a
+``PipelineStage``) use the module's own state dict keys, in its order.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Generator, Mapping
+import math
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal
 
-from torch import fx, nn
+from torch import Tensor, fx, nn
+from torch.nn.parameter import is_lazy
 
+from torchgpipe.resets import join, own_tensors
 from torchgpipe.skip.skippable import Namespace, Skippable, pop, stash
 
-__all__ = ["InputKind", "SplitError", "Stage", "inputs_of", "keep_plain_keys"]
+__all__ = [
+    "InputKind",
+    "Placeholder",
+    "SplitError",
+    "Stage",
+    "held_apart",
+    "inputs_of",
+    "keep_plain_keys",
+]
 
 InputKind = Literal["one", "args", "kwargs"]
 
@@ -77,8 +89,9 @@ def inputs_of(module: nn.Module, example: Any) -> tuple[InputKind, tuple[str, ..
 class Stage(Skippable):
     """One stage of a split module: a piece of its forward, run on its own submodules.
 
-    Holds the original submodules (and parameters, buffers) the piece uses, under their
-    paths in the original module, so its ``state_dict`` keys are the original's. The
+    Holds the original submodules (and parameters, buffers) the piece uses, and those
+    :func:`held_apart` gives it (``apart``: their paths), under their paths in the
+    original module, so its ``state_dict`` keys are the original's. The
     first stage takes the model's input as ``split`` was given it (a tensor, a tuple of
     positional arguments, or a dict of keyword arguments); the last returns the
     model's output, with its structure; the stages between take and return tuples.
@@ -97,9 +110,19 @@ class Stage(Skippable):
         pops: tuple[str, ...],
         stashes: tuple[str, ...],
         namespace: Namespace,
+        apart: Sequence[str] = (),
+        order: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
-        _install(self, source, graph)
+        _install(self, source, graph, apart)
+        order = order if order is not None else {}
+        # Where each key of this stage is in the source's state dict: keep_plain_keys
+        # puts the stages' keys in the source's order.
+        self.key_order = {
+            key: order[key] for key in self.state_dict(keep_vars=True) if key in order
+        }
+        # The source's keys that no stage holds (held_apart left them out): split sets them.
+        self.left_out: tuple[str, ...] = ()
         self.index, self.count = index, count
         self.input_kind, self.input_names = input_kind, input_names
         self.stash_names, self.pop_names = stashes, pops  # this stage's own, not its class's
@@ -169,34 +192,36 @@ class Stage(Skippable):
         return f"stage {self.index} of {self.count}"
 
 
-def _install(stage: nn.Module, source: nn.Module, graph: fx.Graph) -> None:
-    """Give ``stage`` the submodules and tensors ``graph`` uses, at their original paths."""
-    # In the order of the source's own modules, so that the state dict's keys are too.
-    place = {name: k for k, (name, _) in enumerate(source.named_modules(remove_duplicate=False))}
+def _install(stage: nn.Module, source: nn.Module, graph: fx.Graph, apart: Sequence[str]) -> None:
+    """Give ``stage`` what ``graph`` calls and reads, and ``apart``, at their original paths.
 
-    def position(path: str) -> int:
-        while path not in place:
-            path = path.rpartition(".")[0]
-        return place[path]
+    In the order of the source's own modules, and in each module of its parameters and
+    buffers, so that the state dict's keys are too.
+    """
+    named = dict(source.named_modules(remove_duplicate=False))
+    place = {name: k for k, name in enumerate(named)}
 
-    modules = sorted({str(n.target) for n in graph.nodes if n.op == "call_module"}, key=position)
-
-    def order(path: str) -> tuple[int, int]:  # and in its owner's order: parameters, buffers
+    def order(path: str) -> tuple[int, int]:
+        if path in named:  # a module
+            return place[path], -1
         owner, _, name = path.rpartition(".")
-        m = source.get_submodule(owner)
-        names = [*m._parameters, *m._buffers]
-        return position(path), names.index(name) if name in names else len(names)
+        while owner not in place:  # an attribute of an attribute (fx's constants)
+            owner = owner.rpartition(".")[0]
+        names = [*named[owner]._parameters, *named[owner]._buffers]
+        return place[owner], names.index(name) if name in names else len(names)
 
-    attributes = sorted({str(n.target) for n in graph.nodes if n.op == "get_attr"}, key=order)
-    for path in modules:
-        *parents, name = path.split(".")
-        _holder(stage, source, parents).add_module(name, source.get_submodule(path))
-    for path in attributes:
+    used = {str(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    paths = sorted(used | set(apart), key=order)
+    modules = {path for path in paths if path in named}
+    for path in paths:
         *parents, name = path.split(".")
         if any(".".join(parents[:k]) in modules for k in range(1, len(parents) + 1)):
             continue  # reached through a module the stage holds already
+        holder = _holder(stage, named, parents)
+        if path in modules:
+            holder.add_module(name, named[path])
+            continue
         owner = source.get_submodule(".".join(parents))
-        holder = _holder(stage, source, parents)
         value = getattr(owner, name)
         if name in owner._parameters:
             holder.register_parameter(name, value)
@@ -208,16 +233,138 @@ def _install(stage: nn.Module, source: nn.Module, graph: fx.Graph) -> None:
             setattr(holder, name, value)
 
 
-def _holder(stage: nn.Module, source: nn.Module, parents: list[str]) -> nn.Module:
-    """The module at ``parents`` inside ``stage``, made (as a plain module) where missing."""
+class Placeholder(nn.Module):
+    """Where a stage holds parts of one of the source's modules, but not the module.
+
+    Some of its tensors the stage reads directly (``self.proj.weight`` of a module that
+    another stage calls), or the submodules of a container that ``split`` traced
+    through. ``kind`` names the module's type, for messages. It has no forward: the
+    stage's piece reads what it holds.
+    """
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def extra_repr(self) -> str:
+        """The type of the source's module it stands for, in ``repr()``."""
+        return f"parts of a {self.kind}"
+
+
+def _holder(stage: nn.Module, named: Mapping[str, nn.Module], parents: list[str]) -> nn.Module:
+    """The module at ``parents`` inside ``stage``, a :class:`Placeholder` where missing."""
     holder = stage
-    for name in parents:
+    for k, name in enumerate(parents):
         child = holder._modules.get(name)
         if child is None:
-            child = nn.Module()
+            child = Placeholder(type(named[".".join(parents[: k + 1])]).__name__)
             holder.add_module(name, child)
         holder = child
     return holder
+
+
+def held_apart(source: nn.Module, graphs: Sequence[fx.Graph]) -> list[tuple[str, ...]]:
+    """Per stage, the paths of what it holds of ``source`` that its piece does not use.
+
+    ``graphs`` are the stages' pieces. So that the stages hold every module and tensor of
+    the source (the split model's state dict has every key of the source's; a meta
+    model's modules keep their own resets), each that no piece calls, nor reads under
+    that name, goes to one stage:
+
+    - a submodule that no stage calls, nor anything inside it, whole (its type, its
+      reset, every key under it): to the stage that holds one of its modules already
+      (one module under two names); else the first stage that reads one of its tensors
+      directly (``F.linear(h, self.proj.weight, self.proj.bias)``), where it is then its
+      tensors' first holder, which its own reset fills; else the first that holds one of
+      its tensors (``head.weight = emb.weight`` with ``head`` unused: no copy of the
+      embedding for another partition); else the last stage;
+    - a tensor that a module split traces through holds itself (the model's own, a
+      container's) and that no piece reads under that name (a tie's other name, or an
+      unused tensor): to the first stage that reads it directly, else the first that
+      holds it, else the last stage.
+
+    The last stage for what no stage uses: under 1F1B schedules it keeps the fewest
+    micro-batches in flight, so it has the most room for weights that do no work. Such
+    weights get no gradient, as in the source.
+
+    What cannot be placed with the stage's others is left out of the stages, and its
+    keys are then missing from the split model's state dict: a module or tensor that
+    holds an uninitialized (lazy) tensor, which nothing could fill, or whose tensors
+    are on the meta device where the stage's are not, or the other way round (an
+    unused head moved to meta to save memory): a layer must be all meta or all values.
+    """
+    named = dict(source.named_modules(remove_duplicate=False))
+    calls = [{str(n.target) for n in g.nodes if n.op == "call_module"} for g in graphs]
+    reads = [{str(n.target) for n in g.nodes if n.op == "get_attr"} for g in graphs]
+    holders: dict[int, set[int]] = {}  # the id of a module or a tensor: stages holding it
+    readers: dict[int, set[int]] = {}  # the id of a tensor: stages that read it directly
+    covered: set[str] = set()  # the paths inside the modules the stages hold
+    metas: list[set[bool]] = [set() for _ in graphs]  # per stage: is_meta of what it uses
+
+    def hold(path: str, stage: int) -> None:
+        for sub, module in named[path].named_modules(prefix=path, remove_duplicate=False):
+            covered.add(sub)
+            for held in (module, *(tensor for _, tensor in own_tensors(module))):
+                holders.setdefault(id(held), set()).add(stage)
+
+    def home(tensors: list[Tensor]) -> int:
+        for table in (readers, holders):
+            stages = {s for tensor in tensors for s in table.get(id(tensor), ())}
+            if stages:
+                return min(stages)
+        return len(graphs) - 1
+
+    def fits(tensors: list[Tensor], s: int) -> bool:  # see the docstring's last paragraph
+        if any(is_lazy(tensor) for tensor in tensors):
+            return False
+        kinds = metas[s] or set().union(*metas)  # a stage that uses no tensor: the others'
+        return len(kinds) != 1 or {tensor.is_meta for tensor in tensors} <= kinds
+
+    for s, (called, read) in enumerate(zip(calls, reads, strict=True)):
+        for path in called:
+            hold(path, s)
+            metas[s].update(t.is_meta for m in named[path].modules() for _, t in own_tensors(m))
+        for path in read:
+            owner, _, name = path.rpartition(".")
+            tensor = dict(own_tensors(named[owner])).get(name) if owner in named else None
+            if tensor is not None:
+                readers.setdefault(id(tensor), set()).add(s)
+                holders.setdefault(id(tensor), set()).add(s)
+                metas[s].add(tensor.is_meta)
+    through = {prefix for path in covered for prefix in _prefixes(path)}  # traced through
+    apart: list[list[str]] = [[] for _ in graphs]
+    every_read = set().union(*reads)
+    for path, module in named.items():
+        if path in covered:
+            continue
+        if path and path not in through:  # nothing inside it is called
+            inside = list(module.modules())
+            owners = {s for m in inside for s in holders.get(id(m), ())}
+            if len(owners) <= 1:
+                tensors = [t for m in inside for _, t in own_tensors(m)]
+                s = min(owners) if owners else home(tensors)
+                if fits(tensors, s):
+                    apart[s].append(path)
+                    hold(path, s)
+                else:  # left out, with all inside it
+                    covered.update(sub for sub, _ in module.named_modules(prefix=path))
+                continue
+        for name, tensor in own_tensors(module):  # traced through, or held in pieces
+            slot = join(path, name)
+            if slot in every_read or name in module._non_persistent_buffers_set:
+                continue
+            s = home([tensor])
+            if not fits([tensor], s):
+                continue  # left out
+            apart[s].append(slot)
+            holders.setdefault(id(tensor), set()).add(s)
+    return [tuple(paths) for paths in apart]
+
+
+def _prefixes(path: str) -> list[str]:
+    """The paths of the modules above ``path``: ``'a.b.c'`` gives ``'', 'a', 'a.b'``."""
+    parts = path.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts))]
 
 
 def _kind_of(value: Any) -> str:
@@ -231,10 +378,10 @@ def keep_plain_keys(container: nn.Module) -> None:
     """Make ``container``'s state dict use the model's keys for the stages among its children.
 
     ``state_dict()`` drops each stage's index from its keys (``"3.head.weight"`` becomes
-    ``"head.weight"``); ``load_state_dict`` takes the model's keys, gives each stage
-    the entries it holds (a tied weight to each stage that uses it) and names missing
-    or unexpected keys the model's way. The keys come stage by stage: in the model's
-    order where its forward uses its modules in the order it defines them.
+    ``"head.weight"``) and puts them in the model's order (:attr:`Stage.key_order`);
+    ``load_state_dict`` takes the model's keys, gives each stage the entries it holds
+    (a tied weight to each stage that uses it) and names missing or unexpected keys the
+    model's way.
     """
     container._register_state_dict_hook(_drop_stage_index)
     container._register_load_state_dict_pre_hook(_add_stage_index, with_module=True)
@@ -264,12 +411,21 @@ def _plain_report(module: nn.Module, incompatible: Any) -> None:
 def _drop_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    stages = _stage_names(module)
+    stages = {name: c for name, c in module.named_children() if isinstance(c, Stage)}
     mine = [(key, value) for key, value in state_dict.items() if key.startswith(prefix)]
     for key, _ in mine:
         del state_dict[key]
-    for key, value in mine:  # again, in order, with each stage's index taken out
-        state_dict.setdefault(_plain(key, prefix, stages), value)
+    # The stages' entries in the model's order, in the places they took among the others.
+    places: dict[int, float] = {}  # an entry's index in ``mine``: its place in the model's
+    for k, (key, _) in enumerate(mine):
+        head, _, rest = key[len(prefix) :].partition(".")
+        if head in stages:
+            places[k] = stages[head].key_order.get(rest, math.inf)  # unknown: last
+    entries = list(mine)
+    for slot, k in zip(places, sorted(places, key=lambda k: (places[k], k)), strict=True):
+        entries[slot] = mine[k]
+    for key, value in entries:  # again, with each stage's index taken out
+        state_dict.setdefault(_plain(key, prefix, set(stages)), value)
 
 
 def _add_stage_index(

@@ -19,25 +19,32 @@ backward queues in autograd's engine (it runs once the whole backward is over).
 
 What follows: the model's ``parameters()`` hold each copy (an optimizer steps them all;
 gradient-norm clipping counts a tied weight once per copy), and ``state_dict()`` holds
-every name the weight has, as the unwrapped model's does. Buffers shared across
-partitions are copied once, and not kept equal afterwards. Across processes, each
+every name the weight has, as the unwrapped model's does. Across processes, each
 group also knows the ranks that hold it, and :meth:`Ties.reduce` sums over them through
 an :data:`Across` (``torchgpipe/distributed/ties.py``).
+
+A buffer that layers of two partitions hold is copied once: each later partition's copy
+takes its first holder's values when the partitions are filled (:meth:`Ties.align`; a
+meta model's copies would otherwise keep whatever memory they were given), and is not
+kept equal afterwards: a change to one copy, by hand, by a load or by a forward, stays
+in that copy. Keeping them equal at run time would cost every run a check of every
+copy, and could not reach the other partitions within a forward, as the plain model's
+one tensor does. Buffers do not travel between processes (``materialize.py``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torchgpipe.grad_hooks import SUMS_SHARES, dense, summed
+from torchgpipe.materialize import loaded_value, state_names, tied_state_dict
 from torchgpipe.microbatch import flatten, unflatten
-from torchgpipe.split_stage import Stage
 
 __all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
 
@@ -67,72 +74,15 @@ every other process's ``mine``. See :mod:`torchgpipe.distributed.ties`.
 """
 
 
-def state_names(module: nn.Sequential) -> dict[int, list[str]]:
-    """Every name each parameter of ``module`` has in its state dict, in order.
-
-    For a split model's stage, both its key in the ``nn.Sequential`` and the model's
-    own (what ``keep_plain_keys`` makes of it).
-    """
-    names: dict[int, list[str]] = {}
-    for index, layer in module.named_children():
-        for name, parameter in layer.named_parameters(remove_duplicate=False):
-            keys = names.setdefault(id(parameter), [])
-            keys.append(f"{index}.{name}")
-            if isinstance(layer, Stage):
-                keys.append(name)
-    return names
-
-
-V = TypeVar("V")
-
-
-def loaded_value(state_dict: Mapping[str, V], keys: Sequence[str]) -> V | None:
-    """What a tied weight holds once ``state_dict`` is loaded, its names ``keys`` in order.
-
-    The plain model loads each name into its one tensor, in the order of its state
-    dict: the last name present wins. A name the state dict lacks ends with that value
-    too, as checkpoints that keep one name of a tied weight expect. None: no name is
-    there. The one rule for both paths: ``load_state_dict`` (:meth:`Ties.watch_loads`)
-    and a meta model's ``state_dict=`` (:func:`tied_state_dict`).
-    """
-    present = [key for key in keys if key in state_dict]
-    return state_dict[present[-1]] if present else None
-
-
-def tied_state_dict(
-    module: nn.Sequential, state_dict: Mapping[str, Tensor] | None
-) -> dict[str, Tensor] | None:
-    """``state_dict`` with every name of each tied parameter of ``module`` as loaded.
-
-    Each name holds the value :func:`loaded_value` gives, as if the plain model had
-    loaded ``state_dict``: what a model built on the meta device fills its layers from
-    (``state_dict=``), so that every holder of a tied weight, in any partition or
-    process, starts with that value. Call it while ``module``'s ties are whole (before
-    :meth:`Ties.untie`). The tensors are ``state_dict``'s own, not copies; None stays
-    None.
-    """
-    if state_dict is None:
-        return None
-    holders: dict[int, int] = {}  # a stage's parameter has two names, yet one holder
-    for _, layer in module.named_children():
-        for _, parameter in layer.named_parameters(remove_duplicate=False):
-            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    loaded = dict(state_dict)
-    for key, keys in state_names(module).items():
-        value = loaded_value(state_dict, keys)
-        if value is not None and holders[key] > 1:
-            loaded.update(dict.fromkeys(keys, value))
-    return loaded
-
-
-Slot = tuple[nn.Module, str]  # a module, and the name of a parameter in it
+Slot = tuple[nn.Module, str]  # a module, and the name of a parameter (or buffer) in it
 
 
 class Ties:
     """The parameters tied across partitions: each group's owner first, then its copies.
 
     Each is held as a slot (module, name), not as the tensor: filling a meta model
-    replaces its parameters (``materialize.py``).
+    replaces its parameters (``materialize.py``). :attr:`buffers`: the buffers that
+    layers of several partitions hold, owner first, which :meth:`align` makes equal once.
     """
 
     def __init__(
@@ -140,8 +90,10 @@ class Ties:
         slots: list[list[Slot]],
         ranks: list[tuple[int, ...] | None],
         names: list[list[str]] | None = None,
+        buffers: list[list[Slot]] | None = None,
     ) -> None:
         self.slots = slots
+        self.buffers = buffers if buffers is not None else []
         self.ranks = ranks  # per group: the processes that hold it, or None: this one only
         # Per group: every name the weight has in the whole model's state dict.
         self.names = names if names is not None else [[] for _ in slots]
@@ -181,6 +133,7 @@ class Ties:
         home: dict[int, int] = {}  # a module's partition
         copies: dict[tuple[int, int], Tensor] = {}
         groups: dict[int, list[Slot]] = {}
+        buffers: dict[int, list[Slot]] = {}
         shared = shared or {}
         for j, layers in enumerate(partitions):
             for layer in layers:
@@ -204,8 +157,8 @@ class Ties:
                             copy = copies.get((key, j))
                             if copy is None:
                                 copy = copies[(key, j)] = _copy(tensor, devices[j])
-                                if isinstance(tensor, nn.Parameter):
-                                    groups.setdefault(key, [slot]).append((module, name))
+                                kind = groups if isinstance(tensor, nn.Parameter) else buffers
+                                kind.setdefault(key, [slot]).append((module, name))
                             slots[name] = copy  # type: ignore[assignment]  # a Parameter's copy is one
         # Groups held by other processes first, in the order of ``shared``, which every
         # process builds alike from the whole model: their transfers must match.
@@ -217,20 +170,27 @@ class Ties:
             [groups[key] for key in keys],
             [shared.get(key) for key in keys],
             [list(names.get(key, [])) for key in keys],
+            list(buffers.values()),
         )
 
     def __bool__(self) -> bool:
-        return bool(self.slots)
+        return bool(self.slots)  # the buffers need nothing once aligned
 
     def align(self) -> None:
         """Make every copy equal to its owner, and watch their gradients.
 
         Called once the owners hold their values (a meta model's are filled by then).
+        A shared buffer's copies take its owner's values here, once: they are not kept
+        equal afterwards (see the module docstring).
         """
         with torch.no_grad():
             for owner, *copies in self.groups:
                 for copy in copies:
                     copy.copy_(owner)
+            for (module, name), *slots in self.buffers:
+                first = module._buffers[name]
+                for m, n in slots:
+                    m._buffers[n].copy_(first)  # type: ignore[union-attr,arg-type]  # slots hold buffers
         self._flags = [all(p.requires_grad for p in group) for group in self.groups]
         self.begin()  # every copy frozen where one is, and watched
 
@@ -384,10 +344,12 @@ class Ties:
                 self._pending[key] = summed(seen, grad.detach())
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"slots": self.slots, "ranks": self.ranks, "names": self.names, "flags": self._flags}
+        state = {"slots": self.slots, "ranks": self.ranks, "names": self.names}
+        return {**state, "flags": self._flags, "buffers": self.buffers}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["slots"], state["ranks"], state["names"])  # type: ignore[misc]
+        args = state["slots"], state["ranks"], state["names"], state["buffers"]
+        self.__init__(*args)  # type: ignore[misc]
         self._flags = state["flags"]
         self._hook()  # on the copied tensors
 
