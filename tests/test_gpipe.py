@@ -2,8 +2,10 @@ import copy
 import inspect
 import subprocess
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -470,3 +472,106 @@ def test_an_empty_model_passes_its_input_through() -> None:
         ScheduleGPipe(model, nn.functional.mse_loss).step(torch.ones(2, 1), torch.ones(2, 1))
     with pytest.raises(BalanceError, match="balance is empty"):
         GPipe(nn.Sequential(nn.Linear(1, 1)), [])
+
+
+# A GPipe called from inside its own partitions would wait for the call it is part of:
+# refused at once, and the GPipe serves the next call.
+
+_FROM_INSIDE = "called from inside one of its own partitions"
+
+
+class _CallsBack(nn.Module):
+    """Identity; calls ``self.call`` (not a submodule) in its forward or its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call: Any = None
+        self.in_backward = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.call is None:
+            return x
+        if self.in_backward:
+            return _CallInBackward.apply(x, self.call)  # type: ignore[no-any-return]
+        self.call()
+        return x
+
+
+class _CallInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: Any) -> Tensor:
+        ctx.call = call
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.call()
+        return grad, None
+
+
+def _raised_within_a_minute(fn: Any) -> BaseException | None:
+    """What ``fn()`` raised on a thread of its own (None if nothing); a hang fails."""
+    raised: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the call hung"
+    return raised[0] if raised else None
+
+
+@pytest.mark.parametrize("partition", [0, 1])  # the caller's thread, a worker
+@pytest.mark.parametrize("outer", ["model", "step"])
+@pytest.mark.parametrize("inner", ["model", "step", "backward"])
+@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+def test_a_gpipe_called_from_its_own_layer_is_refused_not_hung(
+    partition: int, outer: str, inner: str, in_backward: bool
+) -> None:
+    layer = _CallsBack()
+    balance = [2, 1] if partition == 0 else [1, 2]
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), layer, nn.Linear(4, 4)), balance, chunks=2)
+    schedule = ScheduleGPipe(model, nn.functional.mse_loss)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    earlier = model(x).sum()  # a loss to backpropagate through the GPipe from inside
+    inners = {
+        "model": lambda: model(x),
+        "step": lambda: schedule.step(x, y),
+        "backward": earlier.backward,
+    }
+    layer.call, layer.in_backward = inners[inner], in_backward
+
+    def call() -> None:
+        if outer == "model":
+            model(x).sum().backward()
+        else:
+            schedule.step(x, y)
+
+    error = _raised_within_a_minute(call)
+    assert isinstance(error, RuntimeError)
+    assert _FROM_INSIDE in str(error)
+    assert f" {partition} on cpu" in " ".join(error.__notes__)  # the partition or stage
+    layer.call = None
+    model.zero_grad()
+    model(x).sum().backward()  # the GPipe serves the next call, and the next step
+    assert model[0].weight.grad is not None
+    schedule.step(x, y)
+
+
+def test_a_gpipe_called_from_a_gpipe_inside_its_partition_is_refused() -> None:
+    # The inner GPipe's workers work for the outer's call: the outer is refused there too.
+    layer = _CallsBack()
+    inner = GPipe(nn.Sequential(nn.Linear(4, 4), layer), [1, 1], chunks=2)
+    outer = GPipe(nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 4)), [1, 1, 1], chunks=2)
+    x = torch.randn(4, 4)
+    layer.call = lambda: outer(x)
+    error = _raised_within_a_minute(lambda: outer(x))
+    assert isinstance(error, RuntimeError)
+    assert _FROM_INSIDE in str(error)
+    layer.call = lambda: inner[0](x)  # a layer of the inner GPipe, called alone, is fine
+    assert _raised_within_a_minute(lambda: outer(x).sum().backward()) is None

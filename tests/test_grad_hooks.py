@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -381,3 +382,296 @@ def test_a_gpipe_inside_a_steps_partition_leaves_an_unreached_parameter_alone() 
     lin = inner[0].lin
     assert lin.weight.grad is None
     assert sorted(called) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+# Two threads, one GPipe: while one backward or step has the hooks set aside, another
+# must wait, not find the hooks silent and call them per micro-batch (or with None).
+
+
+class _Gate:
+    """Stops the first backward through a :class:`_Gated` layer until the test opens it."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def wait(self) -> None:
+        self.entered.set()
+        if not self.opened.wait(timeout=60):
+            raise TimeoutError("the test never opened the gate")
+
+
+class _GateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, gate: _Gate) -> Tensor:
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.gate.wait()
+        return grad, None
+
+
+class _Gated(nn.Module):
+    """Identity; its backward waits at the gate."""
+
+    def __init__(self, gate: _Gate) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _GateFunction.apply(x, self.gate)  # type: ignore[no-any-return]
+
+
+class _Reached(torch.autograd.Function):
+    """Identity; its backward tells ``event`` (the engine goes on to the node before it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, event: threading.Event) -> Tensor:
+        ctx.event = event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.event.set()
+        return grad, None
+
+
+def _gated_pair(gate: _Gate) -> tuple[nn.Sequential, GPipe]:
+    """A plain model and the GPipe of a copy of it whose partition 0 waits at ``gate``."""
+    plain = _model()
+    layers = copy.deepcopy(plain)
+    layers[3] = nn.Sequential(nn.Tanh(), _Gated(gate))  # what plain[3] computes
+    return plain, GPipe(layers, [4, 1], chunks=2)
+
+
+def _in_thread(fn: Callable[[], object], errors: list[BaseException]) -> threading.Thread:
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
+def _joined(*threads: threading.Thread) -> None:
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a backward or step never finished"
+
+
+def _plain_grad(plain: nn.Module, loss: Callable[[nn.Module], Tensor], name: str) -> Tensor:
+    (grad,) = torch.autograd.grad(loss(plain), dict(plain.named_parameters())[name])
+    return grad
+
+
+def test_two_threads_backward_through_one_gpipe_each_calls_a_hook_once() -> None:
+    gate = _Gate()
+    plain, pipe = _gated_pair(gate)
+    seen: list[Tensor] = []
+    pipe[0].bias.register_hook(lambda grad: seen.append(grad.clone()))
+    pipe[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    (xa, _), (xb, _) = _batch(), (torch.randn(8, 4), None)
+    out_a, out_b = pipe(xa), pipe(xb)
+    reached = threading.Event()
+    loss_b = _Reached.apply(out_b, reached).sum()
+    errors: list[BaseException] = []
+    a = _in_thread(out_a.sum().backward, errors)
+    assert gate.entered.wait(timeout=60)  # A's stages run, with the hooks set aside
+    b = _in_thread(loss_b.backward, errors)
+    assert reached.wait(timeout=60)  # B's engine goes on to the GPipe's node
+    gate.opened.set()
+    _joined(a, b)
+    assert errors == []
+
+    def bias(x: Tensor) -> Tensor:
+        return _plain_grad(plain, lambda m: m(x).sum(), "0.bias")
+
+    weight_a = _plain_grad(plain, lambda m: m(xa).sum(), "0.weight")
+    weight_b = _plain_grad(plain, lambda m: m(xb).sum(), "0.weight")
+    # A's backward, then B's: each hook once, with the backward's whole gradient.
+    expected = [bias(xa), weight_a, bias(xb), weight_a + weight_b]
+    assert len(seen) == len(expected)
+    for got, want in zip(seen, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_threads_stepping_one_gpipe_each_call_a_hook_once() -> None:
+    gate = _Gate()
+    plain, pipe = _gated_pair(gate)
+    seen: list[Tensor] = []
+    pipe[0].bias.register_hook(lambda grad: seen.append(grad.clone()))
+    schedule = ScheduleGPipe(pipe, F.mse_loss)
+    (xa, ya), (xb, yb) = _batch(), (torch.randn(8, 4), torch.randn(8, 3))
+    errors: list[BaseException] = []
+    a = _in_thread(lambda: schedule.step(xa, ya), errors)
+    assert gate.entered.wait(timeout=60)  # A's stages run, with the hooks set aside
+    started = threading.Event()
+    b = _in_thread(lambda: (started.set(), schedule.step(xb, yb)), errors)
+    assert started.wait(timeout=60)
+    gate.opened.set()
+    _joined(a, b)
+    assert errors == []
+    expected = [
+        _plain_grad(plain, lambda m: F.mse_loss(m(xa), ya), "0.bias"),
+        _plain_grad(plain, lambda m: F.mse_loss(m(xb), yb), "0.bias"),
+    ]
+    assert len(seen) == 2
+    for got, want in zip(seen, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _bias_term(pipe: GPipe, gate: _Gate | None = None) -> Tensor:
+    """A term of the loss that uses ``pipe[0].bias`` outside the GPipe, made before it.
+
+    The engine runs it after the GPipe's node (made later), and only then accumulates
+    the bias's gradient: the bias's gradient handed by the node waits for it. Its
+    backward waits at ``gate``, or raises without one.
+    """
+    if gate is None:
+        return _Raises.apply(pipe[0].bias).sum()  # type: ignore[no-any-return]
+    return _GateFunction.apply(pipe[0].bias * 1.0, gate).sum()  # type: ignore[no-any-return]
+
+
+class _Raises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ArithmeticError("a backward after the GPipe's fails")
+
+
+def test_a_gradient_the_engine_has_yet_to_take_in_holds_the_gpipe() -> None:
+    # A's node has handed the bias's gradient to the engine, which adds another before
+    # it accumulates it and calls the hook: B's backward must not set the bias aside
+    # meanwhile. The test gives B a second to show it would not wait.
+    _, pipe = _gated_pair(_Gate())
+    pipe[3][1].gate.opened.set()
+    seen: list[str] = []
+    pipe[0].bias.register_hook(lambda grad: seen.append(threading.current_thread().name))
+    gate, reached, hooked_b = _Gate(), threading.Event(), threading.Event()
+    term = _bias_term(pipe, gate)
+    loss_a = pipe(torch.randn(8, 4)).sum() + term
+    loss_b = _Reached.apply(pipe(torch.randn(8, 4)), reached).sum()
+    errors: list[BaseException] = []
+    a = _in_thread(loss_a.backward, errors)
+    assert gate.entered.wait(timeout=60)  # A's node is done; the bias's gradient waits
+    b = _in_thread(lambda: (loss_b.backward(), hooked_b.set()), errors)
+    assert reached.wait(timeout=60)
+    assert not hooked_b.wait(timeout=1)  # B waits for A's engine
+    gate.opened.set()
+    _joined(a, b)
+    assert errors == []
+    assert seen == [a.name, b.name]
+
+
+def test_a_backward_that_fails_after_the_gpipes_node_lets_go_of_it() -> None:
+    # The engine drops the gradient the node handed it: the GPipe is let go of anyway.
+    plain, pipe = _gated_pair(_Gate())
+    pipe[3][1].gate.opened.set()
+    seen: list[Tensor] = []
+    pipe[0].bias.register_hook(lambda grad: seen.append(grad.clone()))
+    term = _bias_term(pipe)
+    with pytest.raises(ArithmeticError, match="after the GPipe's"):
+        (pipe(torch.randn(8, 4)).sum() + term).backward()
+    assert seen == []  # as in the plain model: the bias's gradient was never accumulated
+    x = torch.randn(8, 4)
+    errors: list[BaseException] = []
+    _joined(_in_thread(pipe(x).sum().backward, errors))  # another thread: no owner's way in
+    assert errors == []
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], _plain_grad(plain, lambda m: m(x).sum(), "0.bias"))
+
+
+@pytest.mark.parametrize("how", ["backward", "step"])
+def test_a_backward_or_step_that_fails_in_the_stages_lets_go_of_the_gpipe(how: str) -> None:
+    gate = _Gate()
+    plain, pipe = _gated_pair(gate)
+    seen: list[Tensor] = []
+    pipe[0].bias.register_hook(lambda grad: seen.append(grad.clone()))
+    gate.opened.set()
+    x, y = _batch()
+    pipe[3][1].gate = None  # type: ignore[assignment]  # its backward now raises
+    if how == "backward":
+        with pytest.raises(AttributeError, match="wait"):
+            pipe(x).sum().backward()
+    else:
+        with pytest.raises(AttributeError, match="wait"):
+            ScheduleGPipe(pipe, F.mse_loss).step(x, y)
+    assert seen == []
+    pipe[3][1].gate = gate
+    errors: list[BaseException] = []
+    _joined(_in_thread(pipe(x).sum().backward, errors))
+    assert errors == []
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], _plain_grad(plain, lambda m: m(x).sum(), "0.bias"))
+
+
+def test_a_step_whose_input_comes_from_a_gpipe_holding_it_runs_each_hook_once() -> None:
+    # The step holds `inner` while its backward goes on into the caller's graph, where
+    # `outer`'s worker reaches `inner` again (it is a layer of `outer`): that worker
+    # works for the step, and goes in rather than wait for it.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    layers = copy.deepcopy(plain)
+    inner = GPipe(layers[1], [1, 1], chunks=2)
+    outer = GPipe(nn.Sequential(layers[0], inner), [1, 1], chunks=2)
+    calls: dict[str, list[Tensor]] = {"plain": [], "gpipe": []}
+    for name, weight in (("plain", plain[1][0].weight), ("gpipe", inner[0].weight)):
+        weight.register_hook(lambda grad, name=name: calls[name].append(grad.clone()))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    F.mse_loss(plain[1](plain(x)), y).backward()
+    errors: list[BaseException] = []
+    _joined(_in_thread(lambda: ScheduleGPipe(inner, F.mse_loss).step(outer(x), y), errors))
+    assert errors == []
+    assert len(calls["gpipe"]) == len(calls["plain"]) == 1
+    torch.testing.assert_close(calls["gpipe"][0], calls["plain"][0], rtol=1e-5, atol=1e-6)
+    _assert_grads(outer, plain)
+
+
+def test_two_threads_reaching_two_gpipes_in_opposite_orders_both_finish() -> None:
+    # The bug: a backward keeps its GPipe held until the engine takes in the gradients
+    # it handed; with a hold per GPipe, thread A kept g2's (g2 called twice, the second
+    # node still to come) and waited for g1's, which thread B kept, waiting for g2's.
+    # One hold for every GPipe: B waits for A's before it takes any.
+    torch.manual_seed(0)
+    g1, g2 = (
+        GPipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), [1, 1], chunks=4) for _ in "12"
+    )
+    params = [*g1.parameters(), *g2.parameters()]
+    reached = {"a": threading.Event(), "b": threading.Event()}
+
+    class Meet(torch.autograd.Function):
+        """Between a thread's first and second GPipe node: wait (boundedly) for the other."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, me: str) -> Tensor:
+            ctx.me = me
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+            reached[ctx.me].set()
+            reached["b" if ctx.me == "a" else "a"].wait(timeout=2)
+            return grad, None
+
+    def backward(me: str, first: GPipe, second: GPipe) -> None:
+        x = torch.randn(8, 8)
+        loss = first(Meet.apply(second(first(x)), me)).sum()
+        loss.backward(inputs=params)  # every gradient handed to the engine: holds kept
+
+    threads = [
+        threading.Thread(target=backward, args=("a", g2, g1), daemon=True),
+        threading.Thread(target=backward, args=("b", g1, g2), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "deadlocked"

@@ -446,3 +446,41 @@ def test_a_gradient_penalty_through_a_checkpointed_cell_is_refused(
     x = torch.randn(4, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(model(x).sum(), x, create_graph=True)
+
+
+def _assert_same_grads(model: nn.Module, plain: nn.Module) -> None:
+    plain_grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        q = plain_grads[name]
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_backward_refused_for_create_graph_may_be_tried_again() -> None:
+    # The refusal comes before anything changed: the same loss's plain backward, as the
+    # message advises, runs the stages and gives the plain model's gradients.
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    x = torch.randn(4, 3, requires_grad=True)
+    loss = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*gradient penalty"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    loss.backward()
+    plain(x.detach()).sum().backward()
+    _assert_same_grads(model, plain)
+
+
+def test_a_backward_refused_for_one_copy_of_a_tied_weight_may_be_tried_again() -> None:
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    plain[2].weight = plain[0].weight  # tied across the partitions
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    x = torch.randn(4, 4)
+    loss = model(x).sum()
+    with pytest.raises(RuntimeError, match="names some copies of a tied weight"):
+        loss.backward(inputs=[model[0].weight])
+    loss.backward()  # every copy named by naming none, as the message advises
+    plain(x).sum().backward()
+    for j in (0, 2):  # each copy holds the tied weight's whole gradient
+        torch.testing.assert_close(model[j].weight.grad, plain[0].weight.grad)
+    torch.testing.assert_close(model[0].bias.grad, plain[0].bias.grad)
+    torch.testing.assert_close(model[2].bias.grad, plain[2].bias.grad)

@@ -1,10 +1,12 @@
 import gc
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from torchgpipe.worker import ThreadState, WorkerPool
+from torchgpipe.executor import Step
+from torchgpipe.worker import ThreadState, WorkerPool, Workers
 
 
 def _in_thread(state: ThreadState) -> tuple[bool, bool, torch.dtype]:
@@ -150,3 +152,57 @@ def test_a_schedule_worker_that_cannot_report_fails_the_step(
     with pytest.raises(MemoryError, match="while reporting") as info:
         schedule.step(torch.randn(4, 2), torch.randn(4, 2))
     assert any("failed while reporting" in note for note in info.value.__notes__)
+
+
+def test_exclusive_lets_the_holder_in_again_and_another_thread_wait() -> None:
+    workers = Workers(1)
+    order: list[str] = []
+    entered = threading.Event()
+
+    def other() -> None:
+        with workers.exclusive():
+            order.append("other")
+            entered.set()
+
+    with workers.exclusive() as hold:
+        with workers.exclusive():  # the holder again (a second call in one backward)
+            order.append("again")
+        let_go = hold.keep()
+        thread = threading.Thread(target=other)
+        thread.start()
+    # Kept past the block: the other thread still waits (a second to show it would not).
+    assert not entered.wait(timeout=1)
+    order.append("let go")
+    let_go()
+    let_go()  # nothing the second time
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert order == ["again", "let go", "other"]
+
+
+def test_exclusive_lets_go_when_its_block_raises_even_if_kept() -> None:
+    workers = Workers(1)
+
+    def kept_then_raises() -> None:
+        with workers.exclusive() as hold:
+            hold.keep()
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        kept_then_raises()
+    done = threading.Event()
+
+    def other() -> None:
+        with workers.exclusive():
+            done.set()
+
+    threading.Thread(target=other, daemon=True).start()
+    assert done.wait(timeout=10)
+
+
+def test_a_table_of_more_ranks_than_workers_is_refused_before_any_job_goes_out() -> None:
+    workers = Workers(2)
+    run = SimpleNamespace(step=Step(3, 1), table=SimpleNamespace(ranks=((), (), ())))
+    with pytest.raises(ValueError, match="3 ranks cannot run on the 2 threads"):
+        workers.run(run, "all", str)  # type: ignore[arg-type]
+    assert workers.pool is None  # no thread was started, none waits for rank 2

@@ -276,9 +276,12 @@ class GPipe(PlacedModule, StageHolder):
                 outputs cannot be gathered back.
             BaseException: whatever a layer raised, with a note naming the partition
                 and the micro-batch.
+            RuntimeError: a layer of this GPipe called it (it would wait for itself);
+                nothing has changed.
         """
         if not self._partitions:  # an empty model, as the empty nn.Sequential does
             return input
+        self.workers.check_caller()  # before the deferred batch norms and ties change
         batches = scatter(input, self.chunks)
         m = len(batches)
         self.expect_micro_batches(m)
@@ -313,12 +316,21 @@ class GPipe(PlacedModule, StageHolder):
         pipeline.check_table(self.devices, table)
 
     def run_step(self, steps: TableSteps, input: Any, target: Any) -> StepResult:
-        """One step of ``steps``, each rank on a thread of this process."""
-        self._ties.begin()
-        # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
-        with hooks_once(self.parameters(), self._ties.groups):
-            result = pipeline.step(self, steps, input, target)
-            self._ties.reduce()  # the tied weights' copies get the sum of their gradients
+        """One step of ``steps``, each rank on a thread of this process.
+
+        One step or backward of this GPipe at a time sets the hooks aside: another
+        thread's waits (``Workers.exclusive``).
+
+        Raises:
+            RuntimeError: a layer of this GPipe called it (it would wait for itself);
+                nothing has changed.
+        """
+        with self.workers.exclusive():
+            self._ties.begin()
+            # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
+            with hooks_once(self.parameters(), self._ties.groups):
+                result = pipeline.step(self, steps, input, target)
+                self._ties.reduce()  # the tied weights' copies get the sum of their gradients
         return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:

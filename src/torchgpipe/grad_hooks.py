@@ -19,6 +19,12 @@ gradient of the weight, as the unwrapped model's single tensor's hooks do; each 
 runs its own hooks, and the copies must come out equal (a hook on every copy, or on
 none).
 
+The engine takes in what ``model(x)``'s node hands it for a parameter only after the
+node returns (at once, or later in the backward where another node adds to it): until
+then the pipeline stays held (``Workers.exclusive``), and :func:`when_taken` says when
+it has, so that another thread's backward does not silence the hooks or set the
+``.grad`` aside meanwhile.
+
 Not covered, so run once per micro-batch: hooks on a parameter's gradient-accumulation
 node (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``, as Horovod registers
 them), hooks on the parameters of a schedule's ``loss_fn``, and hooks registered on a
@@ -27,19 +33,24 @@ parameter during a step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["SUMS_SHARES", "Aside", "dense", "hooked", "hooks_once", "summed"]
+__all__ = ["SUMS_SHARES", "Aside", "Fate", "dense", "hooked", "hooks_once", "summed", "when_taken"]
 
 _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 SUMS_SHARES = "torchgpipe_sums_shares"
 """The attribute (True) of a library hook that may see a gradient in shares."""
+
+Fate = Literal["accumulate", "capture", "drop"]
+"""What the engine's backward under way does with a gradient for a parameter."""
 
 
 def hooked(p: Tensor, users_only: bool = False) -> bool:
@@ -109,7 +120,85 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
         for p in aside.params:
             if results[id(p)] is not None:
                 for hook in list((p._post_accumulate_grad_hooks or {}).values()):
-                    hook(p)
+                    if _counts(hook, False):
+                        hook(p)
+
+
+def when_taken(handed: Sequence[tuple[Tensor, Fate]], done: Callable[[], None]) -> None:
+    """Call ``done`` once the engine has taken in the gradients handed for some parameters.
+
+    ``handed`` holds the parameters a node's backward (on this thread, now) gives a
+    gradient, each with what the engine does with it. Taken in: accumulated, once its
+    post-accumulate hooks ran, or captured (``torch.autograd.grad``), once its hooks
+    ran; or the engine's backward ended, well or not. ``done`` is called once, on the
+    thread that gets there first (the backward's, or the one that drops it).
+    """
+    handed = [(p, fate) for p, fate in handed if fate != "drop"]
+    if not handed:
+        done()
+        return
+    watch = _Watch(handed, done)
+    # Run at the end of the backward; dropped unrun where the backward fails.
+    torch.autograd.Variable._execution_engine.queue_callback(_AtEnd(watch.finish))
+
+
+class _Watch:
+    """The parameters whose handed gradient the engine has still to take in."""
+
+    def __init__(self, handed: Sequence[tuple[Tensor, Fate]], done: Callable[[], None]) -> None:
+        self._thread = threading.get_ident()  # where the engine runs a CPU backward
+        self._done: Callable[[], None] | None = done
+        self._lock = threading.Lock()
+        self._handles: dict[int, Any] = {}
+        for k, (p, fate) in enumerate(handed):
+            hook = _Taken(self, k)
+            if fate == "accumulate":
+                self._handles[k] = p.register_post_accumulate_grad_hook(hook)
+            else:  # captured: after the hooks before it
+                self._handles[k] = p.register_hook(hook)
+
+    def taken(self, k: int) -> None:
+        """Parameter ``k``'s gradient is in (on a stage's thread: a share, not this one)."""
+        if threading.get_ident() != self._thread:
+            return
+        with self._lock:
+            handle = self._handles.pop(k, None)
+            left = bool(self._handles)
+        if handle is not None:
+            handle.remove()
+            if not left:
+                self.finish()
+
+    def finish(self) -> None:
+        """Every hook of this watch off, and ``done`` called (once)."""
+        with self._lock:
+            done, self._done = self._done, None
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.remove()
+        if done is not None:
+            done()
+
+
+class _Taken:
+    """The library's hook that tells a :class:`_Watch` its parameter's gradient is in."""
+
+    def __init__(self, watch: _Watch, k: int) -> None:
+        self.watch, self.k = watch, k
+
+    def __call__(self, *args: Any) -> None:
+        self.watch.taken(self.k)
+
+
+class _AtEnd:
+    """An engine callback that calls ``fn`` when run, and when dropped unrun."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        weakref.finalize(self, fn)
+
+    def __call__(self) -> None:
+        self.fn()
 
 
 def _hooked_grad(p: Tensor, grad: Tensor | None) -> Tensor | None:
@@ -262,6 +351,6 @@ def _dicts(p: Tensor) -> list[dict[Any, Any]]:
 
 def _counts(hook: Any, users_only: bool) -> bool:
     """Whether to silence or call ``hook``: no placeholder, nor a library one (users_only)."""
-    if hook is _silent:
+    if hook is _silent or isinstance(hook, _Taken):
         return False
     return not (users_only and getattr(hook, SUMS_SHARES, False))

@@ -27,6 +27,8 @@ would skip the node when ``backward(inputs=[a parameter])`` or ``torch.autograd.
 asks for a parameter alone. There the node's backward sets every ``.grad`` aside while
 the workers run, and hands the gradients they leave to the engine, which then
 accumulates, captures or drops each as it would for the plain model (``grad_hooks.py``).
+Until the engine has taken them in, the GPipe stays held (``Workers.exclusive``):
+another thread's backward or step of it waits, rather than set them aside meanwhile.
 
 Where a partition is on a GPU, the cells are built into the caller's graph instead
 (``connected``), and PyTorch's engine runs the backward: it already runs each GPU's
@@ -39,14 +41,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from torchgpipe.executor import Step, StepRun
-from torchgpipe.grad_hooks import Aside, hooked
+from torchgpipe.grad_hooks import Aside, Fate, hooked, when_taken
 from torchgpipe.microbatch import flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages
@@ -243,14 +245,14 @@ class _Backward:
         self.partitions = run.partitions
 
     def __call__(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-        """Run every ``B``; give the engine the parameters' gradients, then the input's."""
-        run, self.run = self.run, None
-        if run is None:
-            raise RuntimeError(
-                "torchgpipe: backward through a GPipe's output ran twice; on CPU "
-                "partitions each stage frees its graph after its backward, as if "
-                "retain_graph were False. Run the forward again for another backward"
-            )
+        """Run every ``B``; give the engine the parameters' gradients, then the input's.
+
+        Every refusal comes before anything changes, the run included: a backward
+        refused here may be tried again, as its message says. The pipeline stays held
+        (``Workers.exclusive``) until the engine has taken in what this hands it for
+        the parameters (``grad_hooks.when_taken``): another thread's backward or step
+        of this pipeline sets nothing aside meanwhile.
+        """
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "torchgpipe: a backward that builds a graph (create_graph=True, a "
@@ -258,22 +260,43 @@ class _Backward:
                 "each partition runs its backward on its own thread. Compute the "
                 "gradient penalty outside the GPipe, or train the model unwrapped"
             )
-        if torch.autograd._is_checkpoint_valid():
-            # A plain backward(): neither inputs= nor autograd.grad. The workers
-            # accumulate into .grad, and the engine gets None for the parameters, but
-            # for hooked ones: it would call their hooks with None (see Aside).
+        with self.workers.exclusive() as hold:
+            if self.run is None:
+                raise RuntimeError(
+                    "torchgpipe: backward through a GPipe's output ran twice; on CPU "
+                    "partitions each stage frees its graph after its backward, as if "
+                    "retain_graph were False. Run the forward again for another backward"
+                )
+            # A plain backward(): neither inputs= nor autograd.grad.
+            plain = torch.autograd._is_checkpoint_valid()
+            if not plain:
+                self._check_computed()
+                self._check_ties()
+            run, self.run = self.run, None
+            got, handed = self._backward(run, grads, plain)
+            when_taken(handed, hold.keep())
+        return got
+
+    def _backward(
+        self, run: StepRun, grads: Sequence[Tensor | None], plain: bool
+    ) -> tuple[list[Tensor | None], list[tuple[Tensor, Fate]]]:
+        """:meth:`__call__` once every check has passed; the gradients handed, set aside."""
+        if plain:
+            # The workers accumulate into .grad, and the engine gets None for the
+            # parameters, but for hooked ones: it would call their hooks with None (see
+            # Aside).
             with_hooks = [p for p in self.params if hooked(p)]
             if not with_hooks:
-                return [None] * len(self.params) + self._stages(run, grads, None)
+                return [None] * len(self.params) + self._stages(run, grads, None), []
             aside = Aside(with_hooks)
             got = self._stages(run, grads, aside)
-            mine = dict(zip(map(id, with_hooks), aside.take(), strict=True))
+            new = aside.take()
+            mine = dict(zip(map(id, with_hooks), new, strict=True))
             aside.put_back()
-            return [mine.get(id(p)) for p in self.params] + got
+            handed: list[tuple[Tensor, Fate]] = [(p, "accumulate") for p in with_hooks]
+            return [mine.get(id(p)) for p in self.params] + got, handed
         # inputs= or autograd.grad: the engine does with each gradient as it would with
         # the plain model's (its hooks, then it accumulates, captures or drops it).
-        self._check_computed()
-        self._check_ties()
         aside = Aside(self.params)
         got = self._stages(run, grads, aside)
         new = aside.take()
@@ -281,7 +304,8 @@ class _Backward:
         # second node of this backward (the model called twice) sets aside the same, and
         # a failure later in the backward leaves them as they were.
         aside.put_back()
-        return new + got
+        handed = [(p, _fate(p)) for p, g in zip(self.params, new, strict=True) if g is not None]
+        return new + got, handed
 
     def _check_computed(self) -> None:
         """Refuse a backward that asks for some tensors only, with computed parameters.
@@ -361,7 +385,7 @@ class _Backward:
         )
 
 
-def _fate(p: Tensor) -> Literal["accumulate", "capture", "drop"]:
+def _fate(p: Tensor) -> Fate:
     """What the engine's backward under way does with a gradient for parameter ``p``."""
     node = get_gradient_edge(p).node
     try:

@@ -10,6 +10,18 @@ notices the new process id and starts fresh workers there.
 A new thread starts with PyTorch's thread-local defaults (grad mode on, autocast off,
 the default CUDA stream), so the caller's state is captured in a :class:`ThreadState`
 and entered again on each worker.
+
+A pipeline runs one call at a time, so a layer that calls its own pipeline (in its
+forward or backward, on the caller's thread or a worker) would wait for itself forever.
+Each thread knows the runs it works for (the caller's thread for the whole run, a
+worker for its job, which inherits what the caller worked for: a pipeline nested in a
+partition of another): such a call is refused at once (:meth:`Workers.check_caller`).
+::
+
+    caller (outside any run)     runs = ()
+      └ outer.workers.run        runs = (outer,)          on the caller and outer's workers
+          └ inner.workers.run    runs = (outer, inner)    on those and inner's workers
+              └ outer(...)       refused: outer is in runs
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from torchgpipe.schedules import Action
 if TYPE_CHECKING:
     from torchgpipe.executor import StepRun
 
-__all__ = ["Phase", "ThreadState", "WorkerPool", "Workers"]
+__all__ = ["Hold", "Phase", "ThreadState", "WorkerPool", "Workers"]
 
 Phase = Literal["all", "forward", "backward"]
 """Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
@@ -87,6 +99,83 @@ class ThreadState:
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
             yield
+
+
+class _Within(threading.local):
+    """What the calling thread works for: runs of workers, and sections held, innermost last.
+
+    Class attributes are each thread's defaults (``threading.local``): nothing.
+    """
+
+    runs: tuple[Workers, ...] = ()
+    held: tuple[Workers, ...] = ()
+
+
+_within = _Within()
+
+
+@contextmanager
+def _working_for(runs: tuple[Workers, ...], held: tuple[Workers, ...]) -> Iterator[None]:
+    """The calling thread works for ``runs`` and ``held`` while the block runs."""
+    saved = _within.runs, _within.held
+    _within.runs, _within.held = runs, held
+    try:
+        yield
+    finally:
+        _within.runs, _within.held = saved
+
+
+def _job_for(runs: tuple[Workers, ...], held: tuple[Workers, ...], job: Callable[[], None]) -> None:
+    """Run ``job`` on a worker as part of what its submitter works for."""
+    with _working_for(runs, held):
+        job()
+
+
+class _Holds:
+    """The one hold :meth:`Workers.exclusive` takes, for every pipeline of the process.
+
+    One for all, not one per pipeline: a backward keeps its hold until the engine has
+    taken in what it handed (``pipeline.py``), and the same backward may then reach
+    another pipeline's node (the model called twice, a layer in two pipelines). With a
+    hold per pipeline, two threads that reach two pipelines in opposite orders would each
+    keep one and wait for the other's. With one, a thread waits only while it holds none.
+    """
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.holder: int | None = None  # the thread holding it
+        self.count = 0  # how many times it took it
+
+    def let_go(self) -> None:
+        with self.changed:
+            self.count -= 1
+            if not self.count:
+                self.holder = None
+                self.changed.notify_all()
+
+
+_HOLD = _Holds()
+
+
+class Hold:
+    """A pipeline held by :meth:`Workers.exclusive`, let go of once."""
+
+    def __init__(self, let_go: Callable[[], None]) -> None:
+        self._let_go: Callable[[], None] | None = let_go
+        self._lock = threading.Lock()
+        self.kept = False
+
+    def keep(self) -> Callable[[], None]:
+        """Keep the pipeline held past the block; return what lets go of it, from any thread."""
+        self.kept = True
+        return self.release
+
+    def release(self) -> None:
+        """Let go of the pipeline; nothing the second time."""
+        with self._lock:
+            let_go, self._let_go = self._let_go, None
+        if let_go is not None:
+            let_go()
 
 
 Job = Callable[[], None]
@@ -173,7 +262,70 @@ class Workers:
     def __init__(self, n: int) -> None:
         self.n = n
         self.pool: WorkerPool | None = None  # started by the first run
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one run at a time
+
+    def check_caller(self) -> None:
+        """Refuse a call made from inside one of these workers' own runs.
+
+        Such a call (a layer of the pipeline that calls the pipeline, in its forward or
+        its backward, a step or a backward through an output of the pipeline made
+        inside) would wait for the run it is part of, which waits for it.
+
+        Raises:
+            RuntimeError: the calling thread works for a run of these workers.
+        """
+        if any(w is self for w in _within.runs):
+            raise RuntimeError(
+                "torchgpipe: a GPipe was called from inside one of its own partitions "
+                "(a layer's forward or backward, or a hook run by it): the GPipe runs "
+                "one call at a time, and this one would wait forever for the call it is "
+                "part of. Call a separate copy of the model there (copy.deepcopy(model), "
+                "or the plain nn.Sequential), or call the GPipe after its own call returns"
+            )
+
+    @contextmanager
+    def exclusive(self) -> Iterator[Hold]:
+        """Hold the pipeline while its parameters' hooks and ``.grad`` are set aside.
+
+        ``model(x)``'s backward through the stages and a schedule's step each silence
+        the hooks of the parameters and set their ``.grad`` aside while the stages run
+        (``grad_hooks.py``); the backward then hands the engine gradients it
+        accumulates later. Another thread's backward or step of this pipeline (or of
+        any other: one hold serves them all, see :class:`_Holds`) waits until all that
+        is over: it would otherwise find the hooks silent, and call
+        them with a micro-batch's share, or mix its gradient with this one's. The
+        block may keep the pipeline held past its end (:meth:`Hold.keep`); an
+        exception in it lets go at once.
+
+        The thread that holds the pipeline may take it again (a hook, or a second
+        call of the model in one backward), and so may the workers that run for it (a
+        step's backward into the caller's graph may reach an output of this
+        pipeline, or of one that holds it in a partition): each runs while the holder
+        waits for it. Nothing else waits while holding it: a run's own threads are
+        refused by :meth:`check_caller` first.
+
+        Raises:
+            RuntimeError: the calling thread works for a run of these workers
+                (:meth:`check_caller`).
+        """
+        self.check_caller()
+        me = threading.get_ident()
+        with _HOLD.changed:
+            # A thread that works for the holder (a worker of its run) may enter too.
+            while _HOLD.count and _HOLD.holder != me and not _within.held:
+                _HOLD.changed.wait()
+            if not _HOLD.count:
+                _HOLD.holder = me
+            _HOLD.count += 1
+        hold = Hold(_HOLD.let_go)
+        try:
+            with _working_for(_within.runs, (*_within.held, self)):
+                yield hold
+        except BaseException:
+            hold.release()
+            raise
+        if not hold.kept:
+            hold.release()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"n": self.n}
@@ -188,7 +340,9 @@ class Workers:
             BaseException: the first failure of an action, with a note saying where
                 (``describe(action)`` names its stage and device), or what a rank
                 raised while reporting.
+            RuntimeError: called from inside a run of these workers (:meth:`check_caller`).
         """
+        self.check_caller()
         try:
             self._run(run, phase, describe)
         except BaseException:
@@ -197,8 +351,14 @@ class Workers:
 
     def _run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
         step, ranks = run.step, len(run.table.ranks)
+        if ranks > self.n:  # before any job goes out: the others would wait for its rank
+            raise ValueError(
+                f"a schedule table of {ranks} ranks cannot run on the {self.n} threads of "
+                f"this GPipe (one per partition); give a table with at most {self.n} ranks"
+            )
         inline = _plain_thread()
-        with self._lock:
+        runs, held = (*_within.runs, self), _within.held
+        with self._lock, _working_for(runs, held):
             pool = self.pool
             if pool is None or pool.pid != os.getpid():
                 pool = self.pool = WorkerPool(self.n)
@@ -206,7 +366,8 @@ class Workers:
             done = [threading.Event() for _ in range(first, ranks)]
             lost: list[BaseException] = []  # what a rank raised while reporting
             for r, event in zip(range(first, ranks), done, strict=True):
-                pool.submit(r, partial(run.rank, r, phase), partial(_lost, lost, step), event)
+                job = partial(_job_for, runs, held, partial(run.rank, r, phase))
+                pool.submit(r, job, partial(_lost, lost, step), event)
             try:
                 if inline:
                     try:
