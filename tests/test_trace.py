@@ -491,3 +491,39 @@ def test_engine_backward_spans_end_at_a_complex_input() -> None:
     backward = _by_cell(trace.events, "backward")
     for i in range(2):
         assert backward[(i, 1)].end <= backward[(i, 0)].start
+
+
+class _Pair(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x * 2, x * 3
+
+
+class _Both(nn.Module):
+    def forward(self, t: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        return t[0] + 1, t[1] + 1
+
+
+class _Second(nn.Module):
+    def forward(self, t: tuple[Tensor, Tensor]) -> Tensor:
+        return t[1]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_backward_spans_of_cells_whose_first_input_gets_no_gradient(
+    backward_by: str, checkpoint: str
+) -> None:
+    # The bug: on the engine's path a span started at the cell's first output that needs
+    # a gradient and ended at its first such input. Partition 2 uses t[1] only, so its
+    # first input, and partition 1's first output and input, get no gradient: neither
+    # partition recorded a backward span. Now every such input and output is marked:
+    # the span starts at the first output a gradient reaches, and ends at the last
+    # input that passed one on.
+    layers = nn.Sequential(nn.Linear(4, 4), _Pair(), _Both(), _Second(), nn.Linear(4, 2))
+    model = GPipe(layers, [2, 1, 2], chunks=2, checkpoint=checkpoint)
+    with model.trace() as trace:
+        model(torch.randn(4, 4)).sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    assert set(backward) == {(i, j) for i in range(2) for j in range(3)}
+    for i in range(2):  # each ends before the previous partition's starts
+        for j in range(1, 3):
+            assert backward[(i, j)].start <= backward[(i, j)].end <= backward[(i, j - 1)].start

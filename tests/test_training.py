@@ -379,6 +379,85 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
         Schedule1F1B(model, per_sample).step(torch.randn(4, 2), torch.randn(4, 2))
 
 
+@pytest.mark.parametrize("samples", [4, 5])
+def test_a_loss_per_sample_is_refused_as_the_plain_model_refuses_it(samples: int) -> None:
+    # The bug: with chunks = 4 and a batch of 4, a loss per sample has one element for
+    # each micro-batch of one sample, which passed for its loss: the step averaged the
+    # per-sample losses, where the plain model's loss.backward() refuses a batch of more
+    # than one. (Batch 5: micro-batches of 2, 1, 1, 1, where the 2 elements tell.)
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=4)
+
+    def per_sample(output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output, target, reduction="none").mean(1)
+
+    x, y = torch.randn(samples, 2), torch.randn(samples, 2)
+    match = r"one element" if samples == 5 else r"shape \(1,\) for micro-batches of 1 sample"
+    for schedule in SCHEDULES.values():
+        with pytest.raises(TypeError, match=match):
+            schedule(model, per_sample).step(x, y)
+    if samples == 4:  # refused at each loss, before any backward
+        assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_loss_of_one_element_that_is_not_per_sample_is_taken(checkpoint: str) -> None:
+    # A 0-dim loss, whatever the micro-batches; a loss of shape (1,) where some
+    # micro-batch has more than one sample (then it cannot be one loss per sample:
+    # the last small micro-batch of a batch of 3 in 2 included), or where the whole
+    # batch is one sample (which the plain model takes, whatever the loss's shape).
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    def reduced(output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output, target).reshape(1)
+
+    for batch, loss_fn, chunks in [(8, _mse, 8), (8, reduced, 4), (3, reduced, 2), (1, reduced, 4)]:
+        x, y = torch.randn(batch, 2), torch.randn(batch, 2)
+        expected = copy.deepcopy(layers)
+        nn.functional.mse_loss(expected(x), y).backward()
+        model = GPipe(copy.deepcopy(layers), [1, 1], chunks=chunks, checkpoint=checkpoint)
+        Schedule1F1B(model, loss_fn).step(x, y)
+        for ours, theirs in zip(model.parameters(), expected.parameters(), strict=True):
+            torch.testing.assert_close(ours.grad, theirs.grad)
+    x, y = torch.randn(8, 2), torch.randn(8, 2)
+    one = GPipe(nn.Sequential(nn.Linear(2, 2)), [1], chunks=8, checkpoint=checkpoint)
+    with pytest.raises(TypeError, match=r"as a 0-dim tensor \(loss.reshape\(\(\)\)\)"):
+        Schedule1F1B(one, reduced).step(x, y)  # micro-batches of one sample: ambiguous
+
+
+def test_a_table_with_a_rank_that_runs_no_stage_is_refused_and_the_gpipe_steps_on() -> None:
+    # The bug: a third rank with nothing to do passed every check; the step failed with
+    # an IndexError after handing jobs to the workers (the GPipe has two), and every
+    # later step on the GPipe hung. Refused up front now, when the schedule is built
+    # (a Schedule) or at the step (a table function), before any worker runs.
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)), [2, 1], chunks=2)
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    idle = Schedule(2, 2, (*one_f_one_b(2, 2).ranks, ()))
+    idle.validate()  # a valid table: the empty rank waits for nothing
+    match = (
+        r"the schedule has 3 ranks but places its 2 stages on only 2 of them \(placement "
+        r"\(0, 1\)\): rank 2 runs no stage\. .* drop the ranks without actions"
+    )
+    with pytest.raises(ValueError, match=match):
+        PipelineSchedule(model, _mse, idle)
+    later = PipelineSchedule(model, _mse, lambda m: Schedule(2, m, (*one_f_one_b(2, m).ranks, ())))
+    with pytest.raises(ValueError, match=match):
+        later.step(x, y)
+    both = Schedule.parse("0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1").ranks[0]  # all on rank 0
+    shut = Schedule(2, 2, (both, ()), (0, 0))
+    shut.validate()
+    with pytest.raises(ValueError, match=r"2 ranks .* on only 1 of them .* rank 1 runs no"):
+        PipelineSchedule(model, _mse, shut)
+    result: list[Any] = []  # the GPipe steps on: in a thread, so that a hang fails the test
+    thread = threading.Thread(
+        target=lambda: result.append(Schedule1F1B(model, _mse).step(x, y)), daemon=True
+    )
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the step after the refused table hangs"
+    assert len(result) == 1
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_bad_arguments_are_refused_up_front() -> None:
     model = GPipe(nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))), [1, 1, 1, 1], chunks=4)
     with pytest.raises(TypeError, match="GPipe"):

@@ -442,7 +442,7 @@ class StepRun:
 
     def _record_loss(self, i: int, cell: StageCell, loss: Any) -> None:
         """Keep micro-batch ``i``'s loss; its cell's backward starts from it."""
-        loss = one_number(loss)
+        loss = one_number(loss, self.targets)
         self.step.losses[i] = loss.detach()
         if not loss.requires_grad and (any(cell.needs) or self.trainable(self.n - 1)):
             self.step.untrained += 1

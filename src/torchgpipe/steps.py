@@ -123,13 +123,35 @@ def batch_size(value: Any) -> int:
     raise TypeError("a micro-batch without tensors")  # scatter() rejects such batches
 
 
-def one_number(loss: Any) -> Tensor:
-    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor."""
+def one_number(loss: Any, targets: Sequence[Any] = ()) -> Tensor:
+    """The value of ``loss_fn``, refused unless it is one number; as a 0-dim tensor.
+
+    ``targets`` are the step's micro-batches' targets: where there are several and each
+    holds one sample, a loss with a dimension is refused as one loss per sample.
+
+    Raises:
+        TypeError: ``loss`` is not a tensor of one element, or is a loss per sample.
+    """
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a tensor with one element, got "
             f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
             f"; use a reduction of 'mean' or 'sum' in the loss"
+        )
+    # A loss per sample (reduction='none') has one element for a micro-batch of one
+    # sample, and would pass for the micro-batch's loss: the step would weigh and add
+    # them up, where the plain model's loss.backward() refuses the batch's elements
+    # (torch makes the gradient of one element only). A micro-batch of more samples
+    # shows it (more elements, refused above), so only where every micro-batch has one
+    # sample is a loss of shape (1,) in doubt: refused then, as the plain model refuses
+    # a batch of more than one. Elsewhere shape (1,) is a reduced loss and passes.
+    if loss.dim() > 0 and len(targets) > 1 and all(batch_size(t) == 1 for t in targets):
+        raise TypeError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)} for micro-batches of "
+            f"1 sample each: a loss per sample (reduction='none'), which the plain model's "
+            f"loss.backward() refuses for a batch of more than one sample (it needs one "
+            f"element); use a reduction of 'mean' or 'sum' in the loss, or return a loss "
+            f"that is reduced already as a 0-dim tensor (loss.reshape(()))"
         )
     return loss.reshape(())
 

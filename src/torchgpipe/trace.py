@@ -40,7 +40,7 @@ from torch.autograd.graph import Node
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.microbatch import flatten, per_tensor, unflatten
 
 __all__ = ["CellEvent", "Trace", "TraceSummary"]
 
@@ -149,9 +149,12 @@ class Trace:
                 start, end = start - self.origin, end - self.origin
                 self.events.append(CellEvent(j, i, kind, start, end, f"{label}: {thread}"))  # type: ignore[arg-type]
 
-    def record(self, j: int, i: int, kind: Kind, start: float, end: float) -> None:
-        """Add a span (called by the pipeline, on the thread that ran it)."""
-        event = CellEvent(j, i, kind, start, end, threading.current_thread().name)
+    def record(
+        self, j: int, i: int, kind: Kind, start: float, end: float, *, thread: str | None = None
+    ) -> None:
+        """Add a span (called by the pipeline, on the thread that ran it, or naming it)."""
+        name = threading.current_thread().name if thread is None else thread
+        event = CellEvent(j, i, kind, start, end, name)
         with self._lock:
             self.events.append(event)
 
@@ -315,58 +318,69 @@ class _Stamp(torch.autograd.Function):
 class BackwardSpan:
     """Records the backward of a cell that is not checkpointed, in autograd's engine.
 
-    The cell's first floating-point (or complex) output is marked so that the arrival of its
-    gradient starts the span. The span ends when the gradient leaves through the cell's
-    first floating-point (or complex) input, if that input needs one. Otherwise (the first
-    partition's input: token ids, or a batch that needs no gradient) it ends when the
-    last node of the micro-batch's own graph has run: the cell's graph ends at its
-    parameters' gradient accumulators, shared by every micro-batch and run once per
-    backward, so it is the nodes just before them ("sinks") that tell. The accumulation
-    itself is in no cell's span. Nothing is made to need a gradient that did not:
-    tracing must not add work to what it measures.
+    The cell's floating-point (or complex) outputs that need a gradient are marked, and
+    the first gradient to reach one starts the span. Its inputs that need a gradient
+    are marked too, and the span ends when the last of them that gets one has passed it
+    on. Which will get one is known only when the backward is over (a partition may
+    ignore an input), so where some did not, a callback of the engine's at the end of
+    the backward records the span, ending at the last that did. The engine interleaves
+    the nodes of neighbouring cells: a cell's span starts when the first gradient
+    reaches it (through a skip, say), so where gradients arrive or leave at several
+    points, the spans of neighbours may overlap. Where no input needs a gradient (the
+    first partition's input: token ids, or a batch that needs no gradient) the span
+    ends when the last node of the micro-batch's own graph has run: the cell's graph
+    ends at its parameters' gradient accumulators, shared by every micro-batch and run
+    once per backward, so it is the nodes just before them ("sinks") that tell. The
+    accumulation itself is in no cell's span. Nothing is made to need a gradient that
+    did not: tracing must not add work to what it measures.
 
-    A backward that ends without running every sink (``torch.autograd.grad`` of only
-    some tensors) records no span for such a cell: its end is not known.
+    A backward that reaches no marked input, or that ends without running every sink
+    (``torch.autograd.grad`` of only some tensors), records no span for such a cell:
+    its end is not known (a later backward through the same graph may record it).
     """
 
     def __init__(self, trace: Trace, j: int, i: int) -> None:
         self._trace, self._j, self._i = trace, j, i
         self._start: float | None = None
         self._done = False
-        self._at_input = False  # the span ends at the marked input, not at the sinks
+        self._inputs = 0  # the marked inputs: the span ends at them, not at the sinks
+        self._left = 0  # how many of them passed a gradient on in this backward
+        self._last: tuple[float, str] | None = None  # when and where the last one did
         self._sinks = self._waiting = 0  # the sinks, and those yet to run
         self._task: int | None = None  # the backward (autograd's graph task) it started in
         self._handles: list[RemovableHandle] = []
 
     def mark_input(self, value: Any) -> Any:
-        """``value`` with its first float (or complex) tensor marked as the end of the span.
+        """``value`` with each float (or complex) tensor needing a gradient marked.
 
-        Where no input tensor needs a gradient, the cell's graph says where its
-        backward ends (:meth:`mark_output`).
+        The last of them to pass a gradient on ends the span. Where no input tensor
+        needs a gradient, the cell's graph says where its backward ends
+        (:meth:`mark_output`).
         """
-        value, self._at_input = _mark_first(value, self._end)
+        value, self._inputs = _mark_all(value, self._input_left)
         return value
 
     def mark_output(self, value: Any) -> Any:
-        """``value`` with its first float (or complex) tensor marked as the start of the span.
+        """``value`` with each float (or complex) tensor needing a gradient marked.
 
-        Where no input was marked, a hook on each sink of the graph from ``value`` counts
-        the sinks down. The hooks are on the micro-batch's own nodes, not on anything the
-        model keeps: they are removed when the span ends or when the backward that
-        started it is over, and a forward whose backward never runs takes them away
-        with its graph (which holds the span: nothing keeps the trace alive). Finding
-        the sinks walks the graph once, a microsecond or so per node, in the cell's
-        forward span.
+        The first of them that a gradient reaches starts the span.
+        Where no input was marked, a hook on each sink of the graph from ``value``
+        counts the sinks down. The hooks are on the micro-batch's own nodes, not on
+        anything the model keeps: they are removed when the span ends or when the
+        backward that started it is over, and a forward whose backward never runs takes
+        them away with its graph (which holds the span: nothing keeps the trace alive).
+        Finding the sinks walks the graph once, a microsecond or so per node, in the
+        cell's forward span.
         """
-        if not self._at_input:
+        if not self._inputs:
             sinks = _sinks(value)
             self._sinks = self._waiting = len(sinks)
             self._handles = [node.register_hook(self._sink_ran) for node in sinks]
-        return _mark_first(value, self._begin)[0]
+        return _mark_all(value, self._begin)[0]
 
     def _begin(self) -> None:
         self._arrived()
-        if not self._at_input and self._waiting == 0:  # no node of its own: nothing to run
+        if not self._inputs and self._waiting == 0:  # no node of its own: nothing to run
             self._end()
 
     def _arrived(self) -> None:
@@ -376,8 +390,17 @@ class BackwardSpan:
         # The first gradient here, or the first of a backward run again after one that
         # failed before this span ended (its callback never ran): the span starts now.
         self._start, self._task, self._waiting = time.perf_counter(), task, self._sinks
-        if self._handles:  # however this backward ends, the hooks go with it
+        self._left, self._last = 0, None
+        if self._handles or self._inputs:  # however this backward ends: the hooks go,
+            # and an input that got no gradient does not keep the span from being recorded
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
+
+    def _input_left(self) -> None:
+        self._arrived()
+        self._left += 1
+        self._last = (time.perf_counter(), threading.current_thread().name)
+        if self._left == self._inputs:
+            self._end()
 
     def _sink_ran(self, grad_inputs: object, grad_outputs: object) -> None:
         self._arrived()  # a gradient through another output may come first
@@ -386,6 +409,13 @@ class BackwardSpan:
             self._end()
 
     def _backward_over(self) -> None:
+        if self._inputs:
+            if not self._done and self._last is not None:  # some input got no gradient
+                self._done = True
+                end, thread = self._last
+                assert self._start is not None  # set by the first gradient here
+                self._trace.record(self._j, self._i, "backward", self._start, end, thread=thread)
+            return  # none passed one on: a later backward through the graph may
         self._done = True  # ended, or never will: some sink did not run
         self._remove_hooks()
 
@@ -435,15 +465,20 @@ def _graph_task() -> int | None:
     return None if current is None else int(current())
 
 
-def _mark_first(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
-    """``value`` with ``callback`` stamped on its first float or complex tensor needing grad."""
+def _mark_all(value: Any, callback: Callable[[], None]) -> tuple[Any, int]:
+    """``value`` with ``callback`` stamped on each float or complex tensor needing grad.
+
+    A tensor found twice is stamped once (:func:`per_tensor`); returns how many were.
+    """
     leaves, spec = flatten(value)
-    for index, leaf in enumerate(leaves):
-        if (
-            isinstance(leaf, Tensor)
-            and leaf.requires_grad
-            and (leaf.is_floating_point() or leaf.is_complex())
-        ):
-            leaves[index] = _Stamp.apply(leaf, callback)  # type: ignore[no-untyped-call]  # apply is unannotated
-            return unflatten(leaves, spec), True
-    return value, False
+    marked = 0
+
+    def mark(x: Tensor) -> Tensor:
+        nonlocal marked
+        if x.requires_grad and (x.is_floating_point() or x.is_complex()):
+            marked += 1
+            return _Stamp.apply(x, callback)  # type: ignore[no-any-return,no-untyped-call]  # apply is unannotated
+        return x
+
+    leaves = per_tensor(mark, leaves)
+    return (unflatten(leaves, spec), marked) if marked else (value, 0)

@@ -94,7 +94,8 @@ class PipelineSchedule(TableSteps):
     Raises:
         TypeError: ``pipe`` is neither, ``loss_fn`` not callable, or ``table`` neither a
             Schedule nor a function of one argument (its text: ``Schedule.parse``).
-        ValueError: an unknown reduction, or a table that does not fit the stages.
+        ValueError: an unknown reduction, or a table that does not fit the stages
+            (another number of stages or micro-batches, a rank that runs no stage).
         ScheduleError: a table that is not valid (see ``Schedule.validate``).
     """
 
@@ -122,6 +123,7 @@ class PipelineSchedule(TableSteps):
                 f"the schedule has {table.stages} stages but the balance {n} partitions; "
                 f"each partition is one stage"
             )
+        _check_every_rank_runs_a_stage(table)
         k, chunks = table.micro_batches, self.pipe.chunks
         if k != m:
             # m is chunks, or the batch size where the batch is smaller than chunks.
@@ -295,6 +297,32 @@ def _check_table_arg(table: object) -> Schedule | TableFor:
     except ValueError:  # no signature to read (some built-ins): trust it
         pass
     return table
+
+
+def _check_every_rank_runs_a_stage(table: Schedule) -> None:
+    """Refuse a table with a rank that runs no stage (as any with more ranks than stages).
+
+    Such a table is valid as a table (``Schedule.validate``: an empty rank waits for
+    nothing), but a rank is something of the holder's: a worker of a GPipe, one per
+    partition (none for a rank past the last), or a process of the PipelineStages.
+    Refused here, before the table reaches the holder's check or any worker.
+
+    Raises:
+        ValueError: naming the idle ranks, the counts and what to do.
+    """
+    busy = set(table.placement)
+    idle = [r for r in range(len(table.ranks)) if r not in busy]
+    if idle:
+        n, ranks = table.stages, len(table.ranks)
+        raise ValueError(
+            f"the schedule has {ranks} ranks but places its {n} stages on only "
+            f"{len(busy)} of them (placement {table.placement}): rank"
+            f"{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} "
+            f"run{'' if len(idle) > 1 else 's'} no stage. Each rank of a table is a "
+            f"worker of the GPipe or a process of the PipelineStages, and must run a stage "
+            f"(so at most {n} ranks for {n} stages); drop the ranks without actions, or pass "
+            f"Schedule(..., placement=...) that puts a stage on each"
+        )
 
 
 def _check_pipe(pipe: Any) -> StageHolder:
