@@ -427,6 +427,63 @@ def test_a_rank_that_dies_is_reported_by_every_other_before_any_timeout() -> Non
         assert out["seconds"] < timeout / 2  # seen by the transport, not by a timeout
 
 
+# What runs after the ranks agreed that a step ended well can still fail on one rank:
+# a parameter's hook (a guard that refuses a gradient that is not finite), the backward
+# into the caller's graph on rank 0. Regression: that rank alone failed, the others
+# returned the step's result and stepped their optimizers, and the ranks drifted apart.
+
+
+def _guard(grad: Tensor) -> Tensor:
+    raise FloatingPointError("the gradient is not finite")
+
+
+def _after_the_end_rank(rank: int, world: int) -> dict[str, Any]:
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    stage = PipelineStage(mlp(), [4, 4], chunks=4)
+    schedule = Schedule1F1B(stage, _mse)
+    out: dict[str, Any] = {}
+    handles = [p.register_hook(_guard) for p in stage.parameters()] if stage.is_last else []
+    out["hook"] = _outcome(lambda: _step(schedule, x, y))
+    out["hook grads"] = _grads(stage)
+    for handle in handles:
+        handle.remove()
+    stage.zero_grad()
+    made = _before()(x)
+    made.sum().backward()  # frees the graph that made the input
+    out["upstream"] = _outcome(lambda: _step(schedule, made, y))
+    stage.zero_grad()
+    out["next"] = _outcome(lambda: _step(schedule, x, y))
+    out["next grads"] = _grads(stage)
+    return out
+
+
+def test_a_hook_or_the_callers_backward_failing_on_one_rank_fails_every_rank() -> None:
+    timeout = 60.0
+    results = spawn(_after_the_end_rank, 2, timeout=timeout)
+    own, told = results[1]["hook"], results[0]["hook"]
+    assert own["type"] == "FloatingPointError", own
+    assert any("raised in the parameters' hooks on rank 1" in note for note in own["notes"])
+    assert results[1]["hook grads"] == {}  # the hooked parameters' .grad as before the step
+    assert told["type"] == "RemoteError", told
+    assert (told["rank"], told["stages"], told["action"]) == (1, (1,), None)
+    assert told["text"].startswith(
+        "rank 1 (stages [1]) raised FloatingPointError: the gradient is not finite in the "
+        "parameters' hooks, after the step had ended well on every rank"
+    )
+    own, told = results[0]["upstream"], results[1]["upstream"]
+    assert own["type"] == "RuntimeError", own
+    assert "backward through the graph a second time" in own["text"]
+    assert told["type"] == "RemoteError", told
+    assert (told["rank"], told["stages"]) == (0, (0,))
+    assert "rank 0 (stages [0]) raised RuntimeError: " in told["text"]
+    assert "in the backward into the caller's graph, after the step" in told["text"]
+    for out in results:
+        assert out["hook"]["seconds"] < timeout / 2
+        assert out["next"]["type"] is None, out["next"]
+    _, grads, _ = _reference(mlp(), _batch(1, 8, 4), _batch(2, 8, 4))
+    _assert_close({**results[0]["next grads"], **results[1]["next grads"]}, grads)
+
+
 def _refused_rank(rank: int, world: int) -> dict[str, Any]:
     # Rank 1 is given a bad argument: it raises before building its transport and its
     # process ends (os._exit, as an uncaught exception would end it).
@@ -569,6 +626,70 @@ def test_all_reduce_gradients_leaves_none_where_no_replica_has_a_gradient() -> N
         assert {name for name, grad in left.items() if grad is not None} == set(mine[2])
         for name, grad in mine[2].items():
             torch.testing.assert_close(left[name], grad)
+
+
+# Sparse gradients (nn.Embedding(sparse=True)). Regression: the replica with one
+# failed in its flat bucket (reshape of a sparse tensor), and a replica without one
+# waited in the all_reduce until the process group's timeout.
+#
+# Per case, what each replica does: the rows it looks up with a weight each (row 5's
+# weight is 0: named by the gradient, which is 0 there), nothing, or a dense use.
+_SPARSE_CASES: dict[str, list[Any]] = {
+    "one replica": [([1, 3, 5], [1.0, 2.0, 0.0]), None],
+    "both": [([1, 3, 5], [1.0, 2.0, 0.0]), ([3, 4, 3], [1.0, -1.0, 0.5])],
+    "sparse and dense": [([1, 3, 5], [1.0, 2.0, 0.0]), "dense"],
+}
+
+
+def _sparse_rank(rank: int, world: int) -> dict[tuple[str, str], Any]:
+    out: dict[tuple[str, str], Any] = {}
+    for case, uses in _SPARSE_CASES.items():
+        for op in ("mean", "sum"):
+            torch.manual_seed(0)
+            net = nn.ModuleDict({"emb": nn.Embedding(6, 3, sparse=True), "head": nn.Linear(3, 1)})
+            use = uses[rank]
+            if use == "dense":
+                net["head"](net["emb"].weight).sum().backward()
+            elif use is not None:
+                rows, weights = use
+                h = net["head"](net["emb"](torch.tensor(rows)))
+                (h.squeeze(1) * torch.tensor(weights)).sum().backward()
+            out[case, op, "own"] = {  # copies: a dense .grad is reduced in place
+                n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()
+            }
+            start = time.monotonic()
+            out[case, op, "error"] = _outcome(
+                functools.partial(all_reduce_gradients, net, None, op=op)
+            )
+            out[case, op, "seconds"] = time.monotonic() - start
+            out[case, op, "reduced"] = {n: p.grad for n, p in net.named_parameters()}
+    return out
+
+
+def test_all_reduce_gradients_averages_sparse_gradients_as_the_plain_sum_would() -> None:
+    results = spawn(_sparse_rank, 2, timeout=30.0)
+    for case, op in [(case, op) for case in _SPARSE_CASES for op in ("mean", "sum")]:
+        owns = [results[r][case, op, "own"] for r in range(2)]
+        for name in ("emb.weight", "head.weight", "head.bias"):
+            present = [own[name] for own in owns if own[name] is not None]
+            expected = present[0]
+            for grad in present[1:]:  # autograd's sum: sparse where every part is
+                expected = grad + expected if expected.is_sparse else expected + grad
+            expected = expected / 2 if op == "mean" else expected
+            for r in range(2):
+                assert results[r][case, op, "error"]["type"] is None, results[r][case, op]
+                got = results[r][case, op, "reduced"][name]
+                assert got.layout == expected.layout, (case, op, name, r)
+                if got.is_sparse:  # the rows the replicas' gradients name, row 5 too
+                    want = expected.coalesce()
+                    assert got.is_coalesced()
+                    assert torch.equal(got.indices(), want.indices()), (case, op, r)
+                    torch.testing.assert_close(got.values(), want.values())
+                else:
+                    torch.testing.assert_close(got, expected, msg=f"{case} {op} {name}")
+    assert results[0]["one replica", "mean", "reduced"]["emb.weight"].indices().tolist() == [
+        [1, 3, 5]
+    ]
 
 
 def _meta_trace_and_forward_only_rank(rank: int, world: int) -> dict[str, Any]:

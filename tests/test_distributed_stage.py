@@ -925,6 +925,135 @@ def test_an_output_the_last_rank_cannot_gather_fails_every_rank() -> None:
         assert "rank 1 (stages [1]) raised ValueError" in str(failed)
 
 
+def test_a_step_ends_twice_only_where_a_rank_has_work_after_its_end() -> None:
+    # The work after a step's end (ties, the caller's graph, hooks) may fail on one rank:
+    # a second end then tells the others. A step without any costs nothing more.
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def rank(transport: Transport) -> list[int]:
+        ends = [0]
+        send = transport.send
+
+        def counted(peer: int, header: Any, tensors: Any) -> None:
+            ends[0] += header[0] == "end"
+            send(peer, header, tensors)
+
+        transport.send = counted  # type: ignore[method-assign]
+        stage = PipelineStage(mlp(), [4, 4], transport=transport, chunks=2)
+        schedule = Schedule1F1B(stage, _mse)
+        counts = []
+        for hooked in (False, True):
+            if hooked and stage.is_last:
+                stage.get_parameter("6.weight").register_hook(lambda grad: grad)
+            start = ends[0]
+            _step(schedule, x, y)
+            counts.append(ends[0] - start)
+        return counts
+
+    assert run_threads(rank, 2) == [[1, 2], [1, 2]]
+
+
+def test_a_tie_holder_lost_in_a_step_that_settles_is_named_by_every_rank() -> None:
+    # A hook on rank 1, which holds no copy of the tie, makes the step settle: rank 2,
+    # lost while the ties were summed, is then named there too, not just by its peer.
+    def tied() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        head.weight = embedding.weight
+        return nn.Sequential(embedding, nn.Linear(4, 4), head)
+
+    models = [tied() for _ in range(3)]
+    ids = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [1, 1, 1], transport=transport, chunks=2)
+        if stage.rank == 1:
+            stage.get_parameter("1.weight").register_hook(lambda grad: grad)
+        if stage.rank == 2:
+            local = transport
+            assert isinstance(local, LocalTransport)
+
+            def die() -> None:
+                local.close()
+                raise RuntimeError("gone")
+
+            stage.reduce_tied = die  # type: ignore[method-assign]
+        return _outcome(lambda: _step(Schedule1F1B(stage, nn.functional.cross_entropy), ids, ids))
+
+    owner, between, holder = run_threads(rank, 3, timeout=20.0)
+    assert isinstance(holder, RuntimeError)
+    assert str(holder) == "gone"
+    for told in (owner, between):
+        assert isinstance(told, RemoteError), repr(told)
+        assert (told.rank, told.stages) == (2, (2,))
+        assert str(told).startswith("rank 2 (stages [2]) died or cannot be reached")
+
+
+class _ToComplex(nn.Module):
+    """A complex value from a real one, as a conjugate view (``is_conj()``), or sparse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = False
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.sparse:
+            return h.to_sparse()
+        return torch.complex(h, 2 * h).conj()
+
+
+class _FromComplex(nn.Module):
+    def forward(self, z: Tensor) -> Tensor:
+        return z.real + z.imag
+
+
+def _complex_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), _ToComplex(), _FromComplex(), nn.Linear(4, 4))
+
+
+def test_a_conjugate_view_between_stages_matches_the_plain_model() -> None:
+    # Regression: its byte view raised in the sender's put, and the step failed.
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        return _step(Schedule1F1B(stage, _mse), x, y).loss, _grads(stage)
+
+    out = _on_ranks(2, [2, 2], body, models=[_complex_net(), _complex_net()], chunks=2)
+    loss, grads, _ = _reference(_complex_net(), x, y)
+    for got, _ in out:
+        torch.testing.assert_close(got, loss)
+    _assert_grads(_merged([g for _, g in out]), grads)
+
+
+def test_a_sparse_tensor_between_stages_is_refused_on_every_rank() -> None:
+    # Regression: torch's own "unsupported memory format option Contiguous".
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    models = [_complex_net(), _complex_net()]
+    models[0][1].sparse = True
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        failed = _outcome(lambda: _step(schedule, x, y))
+        if stage.is_first:
+            models[0][1].sparse = False
+        stage.zero_grad()
+        return failed, _step(schedule, x, y).loss
+
+    (own, loss0), (told, loss1) = _on_ranks(2, [2, 2], body, models=models, chunks=2)
+    assert isinstance(own, TypeError)
+    assert str(own).startswith(
+        "a tensor of layout torch.sparse_coo (shape [4, 4]) cannot pass between stages "
+        "on different processes, only dense ones: return it dense from its stage"
+    )
+    assert any("0F0 (stage 0 on rank 0" in note for note in getattr(own, "__notes__", []))
+    assert isinstance(told, RemoteError)
+    assert (told.rank, told.action) == (0, "0F0")
+    loss, _, _ = _reference(_complex_net(), x, y)
+    torch.testing.assert_close(loss0, loss)
+    torch.testing.assert_close(loss1, loss)
+
+
 # Calls made in every process at once: one that makes another call fails them all, at
 # once, naming it (before, the step and the collect waited for each other's messages
 # until the transport's timeout, then each claimed the other had died).

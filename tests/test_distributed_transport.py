@@ -251,6 +251,32 @@ def test_pack_and_unpack_round_trip_every_kind_of_tensor() -> None:
     assert pack([torch.empty(0)], torch.device("cpu")) is None
 
 
+def test_pack_sends_the_values_of_conjugate_and_negative_views() -> None:
+    # Regression: the byte view of a conjugate view (z.conj()) raised, and so did that
+    # of a negative view that is contiguous.
+    h = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    z = torch.complex(h, 2 * h).conj()
+    # z.imag is a negative view that is not contiguous; torch._neg_view(h) one that is.
+    tensors = [z, z.imag, torch._neg_view(h), z.t()]
+    assert [z.is_conj(), z.imag.is_neg(), tensors[2].is_neg()] == [True, True, True]
+    layout = [(tuple(t.shape), t.dtype) for t in tensors]
+    buffer = pack(tensors, torch.device("cpu"))
+    for got, want in zip(unpack(buffer, layout, torch.device("cpu")), tensors, strict=True):
+        assert [got.is_conj(), got.is_neg()] == [False, False]
+        assert torch.equal(got, want.resolve_conj().resolve_neg())
+
+
+def test_pack_refuses_a_sparse_tensor_saying_what_to_do() -> None:
+    # Regression: torch's own "unsupported memory format option Contiguous".
+    with pytest.raises(
+        TypeError,
+        match=r"a tensor of layout torch.sparse_coo \(shape \[3, 3\]\) cannot pass between "
+        r"stages on different processes, only dense ones: return it dense from its stage "
+        r"\(.to_dense\(\)\)",
+    ):
+        pack([torch.eye(3), torch.eye(3).to_sparse()], torch.device("cpu"))
+
+
 # ProcessGroupTransport, between two processes
 
 

@@ -1,16 +1,30 @@
 """Data parallelism over pipelines: the same stage's gradients averaged over its replicas.
 
-Each bucket of gradients (one dtype and device) travels as one flat tensor, with one
-more element per parameter at its end: 1 where this replica has a gradient, 0 where it
-has none. After the sum, a parameter whose flag is 0 had no gradient on any replica,
-and keeps none, as in the plain model (an optimizer skips it: no weight decay, no
-momentum). One collective per bucket tells both the gradients and where they exist::
+Each bucket of gradients (one dtype and device) travels as one flat tensor, with two
+more elements per parameter at its end: 1 where this replica has a gradient, and 1
+where that gradient is dense. After the sum, a parameter whose first flag is 0 had no
+gradient on any replica, and keeps none, as in the plain model (an optimizer skips it:
+no weight decay, no momentum). One collective per bucket tells both the gradients and
+where they exist::
 
-    parameters w and b; no replica used b:   w's gradient   b's   flags (w, b)
-    replica 0                                [ g0          | 0   |  1  0 ]
-    replica 1                                [ g1          | 0   |  1  0 ]
-    all_reduce (sum), then / 2 for a mean    [ (g0+g1)/2   | 0   |  2  0 ]
+    parameters w and b; no replica used b:   w's gradient   b's   flags (w, b) (w, b)
+    replica 0                                [ g0          | 0   |  1  0       1  0 ]
+    replica 1                                [ g1          | 0   |  1  0       1  0 ]
+    all_reduce (sum), then / 2 for a mean    [ (g0+g1)/2   | 0   |  2  0       2  0 ]
     w.grad = (g0 + g1) / 2; b.grad stays None
+
+A sparse gradient (``nn.Embedding(sparse=True)``) travels in its bucket as dense. Which
+replicas have one, and in which layout, only each replica knows (one did not use the
+embedding this step, another used it densely too), while every replica must make the
+same collectives with the same sizes: a slot of the parameter's size in every bucket
+is the one layout they all agree on without asking. Where every replica that has a
+gradient has a sparse one, the mean is made sparse again, as the plain model's
+gradient would be (``torch.optim.SparseAdam`` takes sparse gradients only): one more
+collective of a flag per row (per index of the first dimension) gives the rows any
+replica's gradient names, and the gradient holds those rows of the mean, no other,
+as the plain model's would (a row looked up whose gradient sums to zero included:
+``SparseAdam`` still decays its moments). A dense gradient on any replica makes the
+result dense, as autograd adds a sparse gradient and a dense one.
 """
 
 from __future__ import annotations
@@ -35,6 +49,9 @@ def all_reduce_gradients(
     parameter that no replica gave a gradient keeps ``grad`` None; one that only some
     replicas did gets the reduced gradient everywhere, a replica without one counting
     zero. Gradients of one dtype and device travel together, in one ``all_reduce``.
+    Sparse gradients travel as dense, and come out sparse (the rows any replica's
+    gradient names) where every replica that has a gradient has a sparse one, dense
+    otherwise (see the module's documentation).
 
     Raises:
         ValueError: an unknown ``op``, or a ``group`` this process is not a member of.
@@ -58,26 +75,65 @@ def all_reduce_gradients(
 
 
 def _reduce_bucket(bucket: list[nn.Parameter], group: Any, *, divide: int) -> None:
-    """Reduce one bucket's gradients and presence flags in one ``all_reduce``."""
+    """Reduce one bucket's gradients and flags in one ``all_reduce`` (two with sparse)."""
     import torch.distributed as dist
 
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-    present = torch.tensor(
-        [p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device
+    grads = [_dense(p) for p in bucket]
+    n, dtype, device = len(bucket), bucket[0].dtype, bucket[0].device
+    present = [p.grad is not None for p in bucket]
+    dense = [p.grad is not None and not p.grad.is_sparse for p in bucket]
+    # The rows of this replica's sparse gradients, before the collectives: whatever
+    # fails here alone must fail before any, or the other replicas would wait on it.
+    rows = {k: _rows(p) for k, p in enumerate(bucket) if present[k] and not dense[k]}
+    flat = torch.cat(
+        [*(g.reshape(-1) for g in grads), torch.tensor(present + dense, dtype=dtype, device=device)]
     )
-    flat = torch.cat([*(g.reshape(-1) for g in grads), present])
     dist.all_reduce(flat, group=group)
-    total = flat.numel() - len(bucket)
+    total = flat.numel() - 2 * n
     if divide != 1:
         flat[:total] /= divide
-    anywhere = (flat[total:] != 0).tolist()
+    anywhere = (flat[total : total + n] != 0).tolist()
+    somewhere_dense = (flat[total + n :] != 0).tolist()
+    # The same on every replica, after the sum: the parameters whose mean is sparse.
+    sparse = [k for k in range(n) if anywhere[k] and not somewhere_dense[k]]
+    named: dict[int, Tensor] = {}
+    if sparse:
+        parts = [rows[k] if k in rows else _rows(bucket[k]) for k in sparse]
+        flags = torch.cat(parts)
+        dist.all_reduce(flags, group=group)
+        for k, some in zip(sparse, flags.split([r.numel() for r in parts]), strict=True):
+            named[k] = some.nonzero().reshape(-1)
     offset = 0
     for k, (p, g) in enumerate(zip(bucket, grads, strict=True)):
         part: Tensor = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
         if not anywhere[k]:
             continue  # no replica has a gradient for it (its grad is None here too)
-        if p.grad is None:
+        if k in named:
+            index = named[k].to(part.device)  # sorted, each row once: coalesced as made
+            p.grad = torch.sparse_coo_tensor(
+                index.unsqueeze(0), part[index], p.shape, check_invariants=False, is_coalesced=True
+            )
+        elif p.grad is None or p.grad.is_sparse:
             p.grad = part.clone()
         else:
             p.grad.copy_(part)
+
+
+def _dense(p: Tensor) -> Tensor:
+    """``p``'s gradient as a dense tensor; zeros where it has none."""
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad
+
+
+def _rows(p: Tensor) -> Tensor:
+    """A flag per row of ``p`` (index of its first dimension): 1 where its gradient names it.
+
+    All 0 for a dense gradient, or none. ``int32``, not the bucket's dtype: a sum of
+    flags in ``bfloat16`` stops counting at 256 replicas.
+    """
+    flags = torch.zeros(p.shape[0] if p.dim() else 1, dtype=torch.int32, device=p.device)
+    if p.grad is not None and p.grad.is_sparse:
+        flags[p.grad.coalesce().indices()[0].to(p.device)] = 1
+    return flags

@@ -10,7 +10,16 @@ rank::
             ── start(m, sizes, table, kind, key, static, seed, reduction) ──▶ the others
     every rank: its actions; messages to the ranks of other stages (exchange.py)
     every rank: end(status, losses from the last rank) ──▶ every other rank
-    every rank: raise the step's failure, if any, or return its result
+    every rank: raise the step's failure, if any; else the ties' sums, the backward
+                into the caller's graph, the parameters' hooks, then, if any rank's
+                end said it has such work: end(status) ──▶ every other rank again
+    every rank: raise the first failure, if any, or return its result
+
+That work can fail on one rank alone (a hook that refuses a gradient that is not
+finite, a caller's graph already freed): the second end (``_settle``) tells the others,
+so every rank fails, the others with a ``RemoteError`` naming it. A step with no hook
+and no graph before the pipeline on any rank skips it (a tie's holders see each other
+fail in the sum itself).
 
 The start names the table by its text, or None when it is the last step's; ``kind``
 says a step or a forward only; ``reduction`` is the schedule's (the other ranks refuse
@@ -51,7 +60,7 @@ from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.distributed.transport import TransportError
 from torchgpipe.executor import Step, StepRun
-from torchgpipe.grad_hooks import hooks_once
+from torchgpipe.grad_hooks import hooked, hooks_once
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
 from torchgpipe.microbatch import flatten, gather, scatter
 from torchgpipe.rng import draw_seed
@@ -78,23 +87,63 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
     Raises:
         ValueError: rank 0 got no input or the last rank no target, or they do not
             split into the same micro-batches.
-        BaseException: on the rank where a layer or ``loss_fn`` raised, that exception,
-            with a note naming the action.
+        BaseException: on the rank where a layer, ``loss_fn``, a parameter's hook or the
+            backward into the caller's graph raised, that exception, with a note naming
+            where.
         RemoteError: on the other ranks, the failure of the rank where it started, or
             the loss of a process.
     """
-    # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
-    with hooks_once(stage.parameters(), stage.tie_groups):
-        ran = _run(stage, steps, input, target, forward_only=False)
-        try:  # every rank's step ended well: every holder of a tie takes part
-            stage.reduce_tied()
-        except TransportError as error:
-            raise _lost_in_ties(ran.exchange, error) from error
-        # Only now the caller's graph (a layer before the pipeline, a target that wants
-        # a gradient) gets its gradients: a step that failed on any rank leaves it as is.
-        assert ran.run is not None
-        ran.run.backward_upstream()
+    params = list(stage.parameters())
+    hooks = any(hooked(p, users_only=True) for p in params)  # silenced in the step
+    ran: _Ran | None = None
+    what, failure = "", None
+    try:
+        # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
+        with hooks_once(params, stage.tie_groups):
+            ran = _run(stage, steps, input, target, forward_only=False, hooks=hooks)
+            what = "the sum of the tied weights' gradients"
+            try:  # every rank's step ended well: every holder of a tie takes part
+                stage.reduce_tied()
+            except TransportError as error:
+                raise _lost_in_ties(ran.exchange, error) from error
+            # Only now the caller's graph (a layer before the pipeline, a target that
+            # wants a gradient) gets its gradients: a failed step leaves it as it is.
+            what = "the backward into the caller's graph"
+            assert ran.run is not None
+            ran.run.backward_upstream()
+            what = "the parameters' hooks"
+    except BaseException as error:
+        # ran None: the step failed, as every rank knows from its end. Not settled: no
+        # rank had work after the end, or this process is the pipeline's only one.
+        if ran is None or not ran.settle:
+            raise
+        failure = error
+    if ran.settle:
+        _settle(stage, failure, what)
     return _result(stage, steps, ran)
+
+
+def _settle(stage: PipelineStage, failure: BaseException | None, what: str) -> None:
+    """End the step again with every rank; raise this rank's ``failure`` (in ``what``).
+
+    Or another rank's, as a ``RemoteError``. Only ends travel, on the side channel.
+    """
+    exchange = stage.exchange()
+    exchange.tag, exchange.call = "settle", "schedule.step()"
+    error = None
+    if isinstance(failure, RemoteError):  # a peer lost in the ties' sum: the cause
+        exchange.lost.setdefault(failure.rank, LOST_IN_TIES)
+    elif failure is not None:
+        error = describe(failure, None, stage.rank, stage.stages, None)
+        error["where"] = f" in {what}, after the step had ended well on every rank"
+    exchange.finish({"failed": failure is not None, "error": error}, [])
+    if failure is not None:
+        where = f"in {what} on rank {stage.rank}, after the step had ended well on every rank"
+        add_note(failure, f"torchgpipe: raised {where}; every other rank raises RemoteError")
+        raise failure
+    remote = exchange.remote_failure()
+    if remote is not None:
+        raise remote
 
 
 def _lost_in_ties(exchange: Exchange, error: TransportError) -> RemoteError:
@@ -102,12 +151,16 @@ def _lost_in_ties(exchange: Exchange, error: TransportError) -> RemoteError:
     peer = error.peer
     stages = exchange.stages[peer] if 0 <= peer < len(exchange.stages) else ()
     return RemoteError(
-        f"rank {peer} (stages {list(stages)}) died or cannot be reached while the tied "
-        f"weights' gradients were summed, after a step that ended well on every rank; "
-        f"see its own output for the cause. The transport said: {error}",
+        f"rank {peer} (stages {list(stages)}) {LOST_IN_TIES}. The transport said: {error}",
         rank=peer,
         stages=stages,
     )
+
+
+LOST_IN_TIES = (
+    "died or cannot be reached while the tied weights' gradients were summed, after a "
+    "step that ended well on every rank; see its own output for the cause"
+)
 
 
 def run_forward(stage: PipelineStage, steps: TableSteps, input: Any) -> Any:
@@ -131,15 +184,24 @@ class _Ran:
     m: int
     output: Any  # the micro-batches' outputs gathered, on the last rank; None elsewhere
     run: StepRun | None  # what hands the input's gradients back (None: nothing ran here)
+    settle: bool  # a rank has work after the end that may fail there alone (_settle)
 
 
 def _run(
-    stage: PipelineStage, steps: TableSteps, input: Any, target: Any, *, forward_only: bool
+    stage: PipelineStage,
+    steps: TableSteps,
+    input: Any,
+    target: Any,
+    *,
+    forward_only: bool,
+    hooks: bool = False,
 ) -> _Ran:
     """Run this rank's actions, end the step with every rank, raise its failure if any.
 
     The last rank gathers the output before the ranks agree on how the step ended: an
     output that does not gather (a 0-dim tensor in it) fails the step on every rank.
+    Its end says whether this rank has work after it that may fail here alone (the
+    caller's graph, ``hooks`` of its parameters): then every rank settles.
     """
     exchange = stage.exchange()
     exchange.call = "schedule.forward_only()" if forward_only else "schedule.step()"
@@ -191,6 +253,7 @@ def _run(
     losses: list[Tensor] = []
     if step is not None and stage.is_last and failure is None and not exchange.halted:
         losses = [x for x in step.losses if x is not None]
+    after = not forward_only and (hooks or (step is not None and bool(step.upstream)))
     exchange.finish(
         {
             "failed": failure is not None or exchange.halted,
@@ -198,6 +261,7 @@ def _run(
             if failure is None
             else describe(failure[0], failure[1], stage.rank, stage.stages, m),
             "peaks": {s: step.peak[s] for s in stage.stages} if step is not None else {},
+            "after": after,
         },
         [torch.stack(losses).cpu()] if losses else [],
     )
@@ -222,7 +286,9 @@ def _run(
         raise remote
     assert step is not None  # no failure: the step ran
     assert m is not None
-    return _Ran(exchange, step, sizes, m, output, ran_here)
+    # Every rank sees every end: all agree whether to settle (one rank has none to tell).
+    settle = after or any(status.get("after") for status, _ in exchange.ends.values())
+    return _Ran(exchange, step, sizes, m, output, ran_here, settle and bool(exchange.peers))
 
 
 def _start(

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.distributed.transport import Transfer, Transport
+from torchgpipe.distributed.transport import Transfer, Transport, tensor_bytes
 from torchgpipe.tied import Ties
 
 __all__ = ["AcrossRanks", "tied_ranks"]
@@ -100,7 +100,7 @@ class AcrossRanks:
 
     def _wire(self, value: Tensor) -> Tensor:
         """``value``'s bytes, flat, on the wire."""
-        return value.detach().contiguous().to(self.transport.wire).reshape(-1).view(torch.uint8)
+        return tensor_bytes(value.detach().to(self.transport.wire))
 
     def _buffer(self, like: Tensor) -> Tensor:
         nbytes = like.numel() * like.element_size()

@@ -23,6 +23,7 @@ threads of one process, for tests of the protocol above it without processes.
 from __future__ import annotations
 
 import ctypes
+import math
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "check_member",
+    "tensor_bytes",
 ]
 
 Message = tuple[Any, list[Tensor]]
@@ -379,7 +381,7 @@ MARK = 16  # the bytes of the mark at the end of a marked buffer (see pack)
 
 def packed_size(layout: Layout) -> int:
     """The bytes of the buffer that :func:`pack` makes for tensors of ``layout``."""
-    return sum(_aligned(_numel(shape) * _itemsize(dtype)) for shape, dtype in layout)
+    return sum(_aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in layout)
 
 
 def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -> Tensor | None:
@@ -400,7 +402,7 @@ def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -
     for t in tensors:
         size = t.numel() * t.element_size()
         if size:
-            buffer[offset : offset + size].copy_(_bytes(t))
+            buffer[offset : offset + size].copy_(tensor_bytes(t))
         offset += _aligned(size)
     return buffer
 
@@ -417,12 +419,12 @@ def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[
         buffer = buffer.to(device)
     tensors, offset = [], 0
     for shape, dtype in layout:
-        size = _numel(shape) * _itemsize(dtype)
+        size = math.prod(shape) * dtype.itemsize
         if size == 0 or buffer is None:
             tensors.append(torch.empty(shape, dtype=dtype, device=device))
         else:
             # Parts start at multiples of _ALIGN, itself a multiple of every item size.
-            start = (buffer.storage_offset() + offset) // _itemsize(dtype)
+            start = (buffer.storage_offset() + offset) // dtype.itemsize
             tensor = torch.empty(0, dtype=dtype, device=buffer.device)
             tensors.append(tensor.set_(buffer.untyped_storage(), start, shape, _strides(shape)))
         offset += _aligned(size)
@@ -473,23 +475,22 @@ def _aligned(size: int) -> int:
     return (size + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _bytes(t: Tensor) -> Tensor:
-    """The bytes of ``t``, as a flat uint8 tensor."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+def tensor_bytes(t: Tensor) -> Tensor:
+    """The bytes of ``t``'s values, flat, as uint8; a sparse ``t`` is refused (TypeError).
+
+    A conjugate or negative view (``z.conj()``, its ``.imag``) keeps the memory it views
+    and a bit that says to flip it: its values are resolved first.
+    """
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"a tensor of layout {t.layout} (shape {list(t.shape)}) cannot pass between "
+            f"stages on different processes, only dense ones: return it dense from its "
+            f"stage (.to_dense()), or give the layers that make and use it one stage"
+        )
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _to_bytes(t: Tensor) -> bytes:
     """The bytes of a uint8 tensor; ``bytes(storage)`` would read them one at a time."""
     t = t.cpu().contiguous()
     return ctypes.string_at(t.data_ptr(), t.numel())
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return int(dtype.itemsize)  # torch >= 2.1
