@@ -527,3 +527,32 @@ def test_backward_spans_of_cells_whose_first_input_gets_no_gradient(
     for i in range(2):  # each ends before the previous partition's starts
         for j in range(1, 3):
             assert backward[(i, j)].start <= backward[(i, j)].end <= backward[(i, j - 1)].start
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.a(x), self.b(x)
+
+
+class _FirstOnly(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return pair[0]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_a_first_partition_whose_output_the_next_ignores_records_its_span(
+    backward_by: str, checkpoint: str
+) -> None:
+    # The bug: on the engine's path the first partition (its input needs no gradient)
+    # ended its span when every sink of its graph had run; the sinks behind the output
+    # the next partition ignores never run, so nothing was recorded.
+    model = GPipe(nn.Sequential(_TwoHeads(), _FirstOnly()), [1, 1], chunks=2, checkpoint=checkpoint)
+    with model.trace() as trace:
+        model(torch.randn(4, 4)).sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    assert set(backward) == {(i, j) for i in range(2) for j in range(2)}
+    assert all(span.start <= span.end for span in backward.values())

@@ -334,9 +334,10 @@ class BackwardSpan:
     accumulation itself is in no cell's span. Nothing is made to need a gradient that
     did not: tracing must not add work to what it measures.
 
-    A backward that reaches no marked input, or that ends without running every sink
-    (``torch.autograd.grad`` of only some tensors), records no span for such a cell:
-    its end is not known (a later backward through the same graph may record it).
+    A backward that runs some sinks only (an output the next partition ignores, or
+    ``torch.autograd.grad`` of only some tensors) records the span at its end, ending
+    at the last sink that ran; one that reaches no marked input records no span for
+    such a cell (a later backward through the same graph may).
     """
 
     def __init__(self, trace: Trace, j: int, i: int) -> None:
@@ -405,18 +406,21 @@ class BackwardSpan:
     def _sink_ran(self, grad_inputs: object, grad_outputs: object) -> None:
         self._arrived()  # a gradient through another output may come first
         self._waiting -= 1
+        self._last = (time.perf_counter(), threading.current_thread().name)
         if self._waiting == 0:
             self._end()
 
     def _backward_over(self) -> None:
+        if not self._done and self._last is not None:
+            # Some input got no gradient, or some sink did not run (an output the next
+            # partition ignores, or autograd.grad of some tensors): what ran ends it.
+            self._done = True
+            end, thread = self._last
+            assert self._start is not None  # set by the first gradient here
+            self._trace.record(self._j, self._i, "backward", self._start, end, thread=thread)
         if self._inputs:
-            if not self._done and self._last is not None:  # some input got no gradient
-                self._done = True
-                end, thread = self._last
-                assert self._start is not None  # set by the first gradient here
-                self._trace.record(self._j, self._i, "backward", self._start, end, thread=thread)
             return  # none passed one on: a later backward through the graph may
-        self._done = True  # ended, or never will: some sink did not run
+        self._done = True  # ended, or never will
         self._remove_hooks()
 
     def _end(self) -> None:
