@@ -233,3 +233,16 @@ def bn_net(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 4), nn.BatchNorm1d(4)
     )
+
+
+def lose_in_tie_sum(stage: Any, transport: Any) -> None:
+    """Make ``stage``'s rank close its ``LocalTransport`` when its ties would be summed."""
+    from torchgpipe.distributed import LocalTransport
+
+    assert isinstance(transport, LocalTransport)
+
+    def die() -> None:
+        transport.close()
+        raise RuntimeError("gone")
+
+    stage.reduce_tied = die

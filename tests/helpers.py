@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -84,3 +85,21 @@ class PopAdd(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
         skip = yield pop("skip")
         return x + skip
+
+
+class OnBackward(torch.autograd.Function):
+    """Identity whose backward calls ``call()`` before the gradient goes on.
+
+    ``OnBackward.apply(x, call)``: tests use it to wait at a gate, signal an event or call
+    a model from inside the engine's backward at a known node.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: Callable[[], object]) -> Tensor:
+        ctx.call = call
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.call()
+        return grad, None

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import mlp, run_threads, skip_net, spawn
+from distributed_helpers import lose_in_tie_sum, mlp, run_threads, skip_net, spawn
 from nccl_rules import NCCLRules
 from torch import Tensor, nn
 
@@ -970,14 +970,7 @@ def test_a_tie_holder_lost_in_a_step_that_settles_is_named_by_every_rank() -> No
         if stage.rank == 1:
             stage.get_parameter("1.weight").register_hook(lambda grad: grad)
         if stage.rank == 2:
-            local = transport
-            assert isinstance(local, LocalTransport)
-
-            def die() -> None:
-                local.close()
-                raise RuntimeError("gone")
-
-            stage.reduce_tied = die  # type: ignore[method-assign]
+            lose_in_tie_sum(stage, transport)
         return _outcome(lambda: _step(Schedule1F1B(stage, nn.functional.cross_entropy), ids, ids))
 
     owner, between, holder = run_threads(rank, 3, timeout=20.0)

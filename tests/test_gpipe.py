@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import OnBackward
 from torch import Tensor, nn
 
 from torchgpipe import BalanceError, GPipe, Schedule1F1B, ScheduleGPipe
@@ -492,21 +493,9 @@ class _CallsBack(nn.Module):
         if self.call is None:
             return x
         if self.in_backward:
-            return _CallInBackward.apply(x, self.call)  # type: ignore[no-any-return]
+            return OnBackward.apply(x, self.call)  # type: ignore[no-any-return]
         self.call()
         return x
-
-
-class _CallInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, call: Any) -> Tensor:
-        ctx.call = call
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.call()
-        return grad, None
 
 
 def _raised_within_a_minute(fn: Any) -> BaseException | None:

@@ -11,11 +11,13 @@ import copy
 import math
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from distributed_helpers import run_threads
+from helpers import OnBackward
 from nccl_rules import NCCLRules
 from test_nccl_transport import SCHEDULES  # the schedule classes by name
 from test_tied import _data, _language_model
@@ -401,18 +403,6 @@ class _Gate:
             raise TimeoutError("the test never opened the gate")
 
 
-class _GateFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, gate: _Gate) -> Tensor:
-        ctx.gate = gate
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.gate.wait()
-        return grad, None
-
-
 class _Gated(nn.Module):
     """Identity; its backward waits at the gate."""
 
@@ -421,21 +411,7 @@ class _Gated(nn.Module):
         self.gate = gate
 
     def forward(self, x: Tensor) -> Tensor:
-        return _GateFunction.apply(x, self.gate)  # type: ignore[no-any-return]
-
-
-class _Reached(torch.autograd.Function):
-    """Identity; its backward tells ``event`` (the engine goes on to the node before it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, event: threading.Event) -> Tensor:
-        ctx.event = event
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.event.set()
-        return grad, None
+        return OnBackward.apply(x, self.gate.wait)  # type: ignore[no-any-return]
 
 
 def _gated_pair(gate: _Gate) -> tuple[nn.Sequential, GPipe]:
@@ -478,7 +454,7 @@ def test_two_threads_backward_through_one_gpipe_each_calls_a_hook_once() -> None
     (xa, _), (xb, _) = _batch(), (torch.randn(8, 4), None)
     out_a, out_b = pipe(xa), pipe(xb)
     reached = threading.Event()
-    loss_b = _Reached.apply(out_b, reached).sum()
+    loss_b = OnBackward.apply(out_b, reached.set).sum()
     errors: list[BaseException] = []
     a = _in_thread(out_a.sum().backward, errors)
     assert gate.entered.wait(timeout=60)  # A's stages run, with the hooks set aside
@@ -534,7 +510,7 @@ def _bias_term(pipe: GPipe, gate: _Gate | None = None) -> Tensor:
     """
     if gate is None:
         return _Raises.apply(pipe[0].bias).sum()  # type: ignore[no-any-return]
-    return _GateFunction.apply(pipe[0].bias * 1.0, gate).sum()  # type: ignore[no-any-return]
+    return OnBackward.apply(pipe[0].bias * 1.0, gate.wait).sum()  # type: ignore[no-any-return]
 
 
 class _Raises(torch.autograd.Function):
@@ -558,7 +534,7 @@ def test_a_gradient_the_engine_has_yet_to_take_in_holds_the_gpipe() -> None:
     gate, reached, hooked_b = _Gate(), threading.Event(), threading.Event()
     term = _bias_term(pipe, gate)
     loss_a = pipe(torch.randn(8, 4)).sum() + term
-    loss_b = _Reached.apply(pipe(torch.randn(8, 4)), reached).sum()
+    loss_b = OnBackward.apply(pipe(torch.randn(8, 4)), reached.set).sum()
     errors: list[BaseException] = []
     a = _in_thread(loss_a.backward, errors)
     assert gate.entered.wait(timeout=60)  # A's node is done; the bias's gradient waits
@@ -647,23 +623,14 @@ def test_two_threads_reaching_two_gpipes_in_opposite_orders_both_finish() -> Non
     params = [*g1.parameters(), *g2.parameters()]
     reached = {"a": threading.Event(), "b": threading.Event()}
 
-    class Meet(torch.autograd.Function):
+    def meet(me: str) -> None:
         """Between a thread's first and second GPipe node: wait (boundedly) for the other."""
-
-        @staticmethod
-        def forward(ctx: Any, x: Tensor, me: str) -> Tensor:
-            ctx.me = me
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-            reached[ctx.me].set()
-            reached["b" if ctx.me == "a" else "a"].wait(timeout=2)
-            return grad, None
+        reached[me].set()
+        reached["b" if me == "a" else "a"].wait(timeout=2)
 
     def backward(me: str, first: GPipe, second: GPipe) -> None:
         x = torch.randn(8, 8)
-        loss = first(Meet.apply(second(first(x)), me)).sum()
+        loss = first(OnBackward.apply(second(first(x)), partial(meet, me))).sum()
         loss.backward(inputs=params)  # every gradient handed to the engine: holds kept
 
     threads = [

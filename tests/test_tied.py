@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_helpers import run_threads
+from distributed_helpers import lose_in_tie_sum, run_threads
 from nccl_rules import NCCLRules
 from test_nccl_transport import SCHEDULES
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
-from torchgpipe.distributed import LocalTransport, PipelineStage, RemoteError, Transport
+from torchgpipe.distributed import PipelineStage, RemoteError, Transport
 from torchgpipe.tied import loaded_value, tied_state_dict
 
 VOCAB, WIDTH = 11, 6
@@ -681,14 +681,7 @@ def test_a_rank_lost_while_ties_are_summed_is_named_by_its_peers() -> None:
     def rank(transport: Transport) -> Any:
         stage = PipelineStage(models[transport.rank], [2, 2, 1], transport=transport, chunks=4)
         if stage.rank == 2:  # holds the head: the tie's second holder
-            local = transport
-            assert isinstance(local, LocalTransport)
-
-            def die() -> None:
-                local.close()
-                raise RuntimeError("gone")
-
-            stage.reduce_tied = die  # type: ignore[method-assign]
+            lose_in_tie_sum(stage, transport)
         try:
             Schedule1F1B(stage, F.cross_entropy).step(
                 ids if stage.is_first else None, target if stage.is_last else None
