@@ -89,6 +89,18 @@ def test_forward_exception_reaches_caller(checkpoint: str, j: int, i: int) -> No
     assert_workers_idle_and_alive(model, 3)
 
 
+def test_an_exception_that_takes_no_note_reaches_the_caller_as_itself() -> None:
+    # Its notes a tuple: adding one raises TypeError, which must not replace it.
+    error = KeyError("boom")
+    error.__notes__ = ("its own",)  # type: ignore[attr-defined]
+    model = GPipe(nn.Sequential(nn.Identity(), Fail(error, on=1)), [1, 1], chunks=2)
+    with pytest.raises(KeyError, match="boom") as info:
+        model(indexed_input(2))
+    assert info.value is error
+    assert error.__notes__ == ("its own",)  # type: ignore[attr-defined]
+    assert_workers_idle_and_alive(model, 2)
+
+
 def test_first_failure_by_micro_batch_is_raised() -> None:
     class FailAll(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

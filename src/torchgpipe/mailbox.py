@@ -108,10 +108,15 @@ def add_note(error: BaseException, note: str) -> None:
     """``error.add_note(note)``; on Python 3.10, which has no notes, set ``__notes__``.
 
     Python 3.10 does not print ``__notes__``, but code that catches the exception can
-    read them there, as on later versions.
+    read them there, as on later versions. An exception whose ``__notes__`` is not a
+    list (a tuple set by its code) is left as it is: the error must reach the caller as
+    itself, not as the ``TypeError`` that adding a note to it raises.
     """
     if sys.version_info >= (3, 11):
-        error.add_note(note)
+        with suppress(TypeError):
+            error.add_note(note)
+        return
+    if not isinstance(getattr(error, "__notes__", []), list):
         return
     with suppress(AttributeError):  # an exception type with __slots__ and no __dict__
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
