@@ -22,16 +22,10 @@ from torchgpipe import GPipe
 CHECKPOINTS = ["always", "except_last", "never"]
 CASES = ["param", "input", "param_and_input", "grad_params", "grad_input"]
 
-# The engine's way (GPU partitions, forced on CPU by ``backward_by``): a checkpointed
-# cell runs its own backward, which would fill every .grad whatever was asked; it
-# refuses a backward that asks for some tensors only. 'never' gives what the plain model
-# gives.
-ENGINE_REFUSES = {"always", "except_last"}
-# Where only parameters are named, the engine never reaches a checkpointed cell (its
-# parameters are used inside its recomputation only), so nothing can refuse: they get
-# no gradient ('always') or the last micro-batch's share ('except_last', whose last
-# micro-batch is not checkpointed).
-ENGINE_UNSEEN = "backward(inputs=[parameters]) skips checkpointed cells in the engine's way"
+# Every test that takes ``backward_by`` runs both ways ``model(x)``'s backward can go:
+# on the partitions' threads (CPU), and in PyTorch's engine (GPU partitions), where a
+# checkpointed cell's node has its parameters as inputs and hands their gradients to the
+# engine like the plain model's graph does.
 
 
 def _layers() -> nn.Sequential:
@@ -100,7 +94,7 @@ def _last_weight_and_first_bias(model: nn.Module) -> list[Tensor]:
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("case", CASES)
 def test_backward_inputs_match_the_plain_model(
-    case: str, checkpoint: str, backward_by: str, request: pytest.FixtureRequest
+    case: str, checkpoint: str, backward_by: str
 ) -> None:
     plain = _layers()
     model = GPipe(copy.deepcopy(plain), [2, 2, 1], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
@@ -108,24 +102,15 @@ def test_backward_inputs_match_the_plain_model(
     y = x.detach().clone().requires_grad_()
     _prime(plain, y)
     _prime(model, x)
-    if backward_by == "engine" and checkpoint in ENGINE_REFUSES:
-        if case == "param" or (case, checkpoint) == ("grad_params", "except_last"):
-            # No node of ours on the way: see the README's limits.
-            request.applymarker(pytest.mark.xfail(reason=ENGINE_UNSEEN, strict=True))
-        else:
-            # autograd.grad of parameters all in checkpointed cells: torch finds them
-            # unused in the graph.
-            match = "not have been used" if case == "grad_params" else "checkpointed cell"
-            with pytest.raises(RuntimeError, match=match):
-                _run(model, case, x, _last_weight_and_first_bias)
-            return
     expected = _run(plain, case, y, _last_weight_and_first_bias)
     got = _run(model, case, x, _last_weight_and_first_bias)
     _assert_same(got, expected)
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
-def test_backward_inputs_every_parameter_matches_a_plain_backward(checkpoint: str) -> None:
+def test_backward_inputs_every_parameter_matches_a_plain_backward(
+    checkpoint: str, backward_by: str
+) -> None:
     model = GPipe(_layers(), [2, 2, 1], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
     twin = copy.deepcopy(model)
     x = torch.randn(6, 4)
@@ -159,10 +144,13 @@ def test_backward_inputs_a_second_backward_is_still_refused() -> None:
         loss.backward(inputs=[_p(model, 0)])
 
 
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("how", ["backward", "inputs", "grad"])
-def test_backward_inputs_a_hook_runs_once_with_the_whole_gradient(how: str) -> None:
+def test_backward_inputs_a_hook_runs_once_with_the_whole_gradient(
+    how: str, checkpoint: str, backward_by: str
+) -> None:
     plain = _layers()
-    model = GPipe(copy.deepcopy(plain), [2, 3], chunks=3)
+    model = GPipe(copy.deepcopy(plain), [2, 3], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
     calls: dict[str, list[Tensor]] = {"plain": [], "gpipe": []}
     after: dict[str, int] = {"plain": 0, "gpipe": 0}
 
@@ -209,9 +197,12 @@ class Unused(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["backward", "inputs"])
-def test_backward_inputs_a_hooked_parameter_the_forward_left_unused(how: str) -> None:
+def test_backward_inputs_a_hooked_parameter_the_forward_left_unused(
+    how: str, backward_by: str
+) -> None:
     # Given None, the engine would call its hook with None; it gets zeros instead (the
     # plain model calls no hook and leaves .grad None: the one difference, see README).
+    # In the engine's way the checkpointed cell (the first micro-batch's) gives them.
     model = GPipe(nn.Sequential(nn.Linear(4, 4), Unused()), [1, 1], chunks=2)
     spare = _p(model, 1, "spare")
     seen: list[Tensor] = []

@@ -340,10 +340,6 @@ def test_autograd_grad_of_the_input_through_cpu_partitions(backward_by: str) -> 
     plain = copy.deepcopy(layers)
     model = GPipe(layers, [2, 1], chunks=3)
     x = torch.randn(6, 3, requires_grad=True)
-    if backward_by == "engine":  # a checkpointed cell there would fill every .grad
-        with pytest.raises(RuntimeError, match="reached the checkpointed cell"):
-            torch.autograd.grad(model(x).square().sum(), x)
-        model = GPipe(copy.deepcopy(plain), [2, 1], chunks=3, checkpoint="never")
     (got,) = torch.autograd.grad(model(x).square().sum(), x)
     (expected,) = torch.autograd.grad(plain(x).square().sum(), x)
     torch.testing.assert_close(got, expected)

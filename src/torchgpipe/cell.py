@@ -22,6 +22,7 @@ from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
 from torchgpipe.split_backward import Plan
+from torchgpipe.stages import trainable_params
 from torchgpipe.trace import BackwardSpan
 
 if TYPE_CHECKING:
@@ -196,6 +197,14 @@ def call_stage(
         leave_cell(outer)
 
 
+def _params(run: StepRun, s: int) -> list[Tensor]:
+    """Stage ``s``'s parameters that want a gradient, once per run (``checkpoint``'s)."""
+    params = run.params.get(s)
+    if params is None:
+        params = run.params[s] = trainable_params([run.partitions[s]])
+    return params
+
+
 def connected_forward(
     run: StepRun, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
 ) -> tuple[Any, dict[SkipKey, Any]]:
@@ -222,6 +231,7 @@ def connected_forward(
             record=None if run.trace is None else partial(run.trace.record, s, i),
             name=f"{s}B{i}",
             trainable=run.trainable(s),
+            params=_params(run, s),
         )
         return result  # type: ignore[no-any-return]
     if s == 0 and grad:

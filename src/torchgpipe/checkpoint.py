@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from torchgpipe.grad_hooks import hooked, silenced
 from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import Spec, distinct_tensors, flatten, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness
@@ -120,6 +121,7 @@ class _Cell:
         # With a trace on: record(kind, start, end) for the recomputation and backward.
         self.record: Callable[[str, float, float], None] | None = None
         self.name = "B"  # in torch.profiler traces
+        self.params: list[Tensor] = []  # inputs of the autograd function after the tensors
 
     def call(self, tensors: Sequence[Tensor]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
@@ -127,9 +129,10 @@ class _Cell:
 
 class _Checkpointed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, cell: _Cell, phony: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, cell: _Cell, phony: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.cell = cell
         ctx.set_materialize_grads(False)
+        tensors = inputs[: len(inputs) - len(cell.params)]  # then the parameters
         # Keep a copy: a layer at the start of the partition may modify its input in
         # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
         ctx.save_for_backward(*(x.clone() for x in tensors))
@@ -157,20 +160,12 @@ class _Checkpointed(torch.autograd.Function):
         cell: _Cell = ctx.cell
         if cell.fork:
             grads = grads[:-1]  # the phony's
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[2 : len(ctx.needs_input_grad) - len(cell.params)]
         if torch.is_grad_enabled():
             raise RuntimeError(
                 f"torchgpipe: a backward with create_graph=True reached the checkpointed "
                 f"cell {cell.name}, whose recomputed graph is not differentiable again; "
                 f"use checkpoint='never' for gradients of gradients (a gradient penalty)"
-            )
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(
-                f"torchgpipe: backward(inputs=...) or torch.autograd.grad reached the "
-                f"checkpointed cell {cell.name} of a partition whose backward runs in "
-                f"PyTorch's engine (a GPU's), and its recomputation would fill every "
-                f"parameter's .grad whatever was asked; use checkpoint='never' for "
-                f"these, or a plain backward() and .grad"
             )
         try:
             return _recompute_backward(ctx, cell, grads, needs)
@@ -182,7 +177,13 @@ class _Checkpointed(torch.autograd.Function):
 def _recompute_backward(
     ctx: Any, cell: _Cell, grads: tuple[Tensor | None, ...], needs: tuple[bool, ...]
 ) -> tuple[Tensor | None, ...]:
-    """Recompute ``cell`` and backpropagate ``grads`` through it; its inputs' gradients."""
+    """Recompute ``cell`` and backpropagate ``grads`` through it.
+
+    Returns the gradients of its inputs and of its parameters, which the engine takes
+    in as it does the plain model's: it accumulates, captures or drops each as the
+    backward under way asks (``inputs=``, ``torch.autograd.grad``), and adds up every
+    micro-batch's share of a parameter's gradient before its hooks and ``.grad``.
+    """
     # The guard holds until the recomputed graph is through: what it restores may be
     # saved in that graph.
     guard = cell.guard.recomputing(cell.restore) if cell.guard is not None else nullcontext()
@@ -196,13 +197,25 @@ def _recompute_backward(
         pairs = [
             (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
         ]
-        if pairs:
-            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        wanted = [x for x, need in zip(inputs, needs, strict=True) if need] + cell.params
+        found: Sequence[Tensor | None] = [None] * len(wanted)
+        if pairs and wanted:
+            with silenced(cell.params):  # the engine calls them once, on the sum
+                found = torch.autograd.grad(
+                    [y for y, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+                )
         if cell.record is not None:
             cell.record("recompute", started, recomputed)
             cell.record("backward", recomputed, time.perf_counter())
-    grads_in = (x.grad if need else None for x, need in zip(inputs, needs, strict=True))
-    return (None, None, *grads_in)
+    got = iter(found)
+    grads_in = [next(got) if need else None for need in needs]
+    # A parameter the cell left unused: None, which the engine drops, but that it would
+    # hand to the parameter's hooks as it is: those get zeros (as from the workers).
+    grads_params = [
+        g if g is not None or not hooked(p) else torch.zeros_like(p)
+        for p, g in zip(cell.params, got, strict=True)
+    ]
+    return (None, None, *grads_in, *grads_params)
 
 
 def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any], list[Any]]:
@@ -293,6 +306,7 @@ def checkpoint(
     record: Callable[[str, float, float], None] | None = None,
     name: str = "B",
     trainable: bool = True,
+    params: Sequence[Tensor] = (),
 ) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
@@ -308,7 +322,10 @@ def checkpoint(
     (``guards.py``: parameters, buffers), and
     ``record``, when given, is told the spans of the recomputation and the backward;
     ``name`` names the recomputation and backward in ``torch.profiler`` traces.
-    ``trainable`` says whether a parameter of ``function`` wants a gradient.
+    ``trainable`` says whether a parameter of ``function`` wants a gradient, and
+    ``params`` lists those parameters: inputs of the cell's autograd node, so that the
+    engine sees the cell reach them and takes in their gradients itself (see
+    :func:`_recompute_backward`).
     """
     leaves, spec = flatten(value)
     shell, distinct = _without_tensors(leaves)
@@ -317,15 +334,14 @@ def checkpoint(
     cell.guard = guard
     cell.record = record
     cell.name = name
+    cell.params = list(params)
     tensors = tuple(distinct)
-    # The parameters are not inputs of the autograd function, so an input that needs no
-    # grad would make its outputs need none either: a phony that requires grad says they
-    # do.
-    # With nothing to train and no input wanting a gradient, the outputs want none either,
-    # as the plain model's would not.
+    # The phony makes the outputs want a gradient when a parameter does and none is given
+    # in ``params``. With nothing to train and no input wanting a gradient, the outputs
+    # want none either, as the plain model's would not.
     wants = trainable or any(x.requires_grad for x in tensors)
     phony = after if after is not None else torch.empty(0, device=device, requires_grad=wants)
-    outputs = _Checkpointed.apply(cell, phony, *tensors)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+    outputs = _Checkpointed.apply(cell, phony, *tensors, *cell.params)  # type: ignore[no-untyped-call]  # Function.apply is unannotated
     next_phony = outputs[-1] if fork else None
     if fork:
         outputs = outputs[:-1]

@@ -166,6 +166,7 @@ class StepRun:
         self._home = next(iter(self.compute.values()))
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
+        self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
 
     # The rank's loop.
 

@@ -44,14 +44,14 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.grad_hooks import Aside, Fate, hooked, when_taken
 from torchgpipe.microbatch import flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
-from torchgpipe.stages import Stages
+from torchgpipe.stages import Stages, trainable_params
 from torchgpipe.steps import StepResult, TableSteps, batch_size, loss_weights, weighted
 from torchgpipe.tied import tie_groups
 from torchgpipe.worker import Workers
@@ -124,7 +124,7 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
             f"on a GPU's engine thread: put that partition on the GPU (devices=[...]) "
             f"and let it return its output there"
         )
-    params = _trainable(stages.partitions)
+    params = trainable_params(stages.partitions.values())
     backward = _Backward(run, workers, describe, counts, upstream, tensors, params)
     flat = [x for xs in upstream for x in xs]
     # The phony makes the outputs want a gradient when only the parameters do and none
@@ -207,19 +207,6 @@ def check_table(devices: Sequence[torch.device], table: Schedule) -> None:
 def _table(n: int, m: int) -> Schedule:
     """The GPipe table (a ``Schedule`` is immutable: one per shape will do)."""
     return gpipe(n, m)
-
-
-def _trainable(partitions: dict[int, nn.Module]) -> list[Tensor]:
-    """The parameters of ``partitions`` that want a gradient, each once."""
-    found: dict[int, Tensor] = {}
-    for partition in partitions.values():
-        for module in partition.modules():  # twice as fast as parameters(), once per forward
-            for p in module._parameters.values():
-                # Leaves only: a tensor computed from others (functional_call's) takes
-                # its gradient back the way the stages' inputs do, not through .grad.
-                if p is not None and p.requires_grad and p.is_leaf:
-                    found.setdefault(id(p), p)
-    return list(found.values())
 
 
 class _Backward:

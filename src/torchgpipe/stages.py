@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.skip.layout import SkipRoute
@@ -20,7 +20,22 @@ if TYPE_CHECKING:
     from torchgpipe.schedules import Schedule
     from torchgpipe.steps import StepResult, TableSteps
 
-__all__ = ["StageHolder", "Stages", "has_skippables"]
+__all__ = ["StageHolder", "Stages", "has_skippables", "trainable_params"]
+
+
+def trainable_params(partitions: Iterable[nn.Module]) -> list[Tensor]:
+    """The parameters of ``partitions`` that want a gradient, each once, in model order.
+
+    Leaves only: a tensor computed from others (``torch.func.functional_call``'s) takes
+    its gradient back the way the stages' inputs do, not through ``.grad``.
+    """
+    found: dict[int, Tensor] = {}
+    for partition in partitions:
+        for module in partition.modules():  # twice as fast as parameters(), once per forward
+            for p in module._parameters.values():
+                if p is not None and p.requires_grad and p.is_leaf:
+                    found.setdefault(id(p), p)
+    return list(found.values())
 
 
 @dataclass(frozen=True)
