@@ -101,6 +101,55 @@ CountingStash = skippable(stash=["skip"])(Counting)
 RememberPop = skippable(pop=["skip"])(Remember)
 
 
+@skippable(stash=["skip"])
+class StashOutput(nn.Module):
+    """A linear map, which it returns and stashes as 'skip' (one tensor, two ways)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = self.linear(x)
+        yield stash("skip", y)
+        return y
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_skip_changed_in_place_on_its_way_is_refused(
+    inplace: bool, checkpoint: str, backward_by: str
+) -> None:
+    # The ReLU's partition changes the stashed tensor in place: the pop would get its
+    # values without the gradient's way through them (a silently wrong gradient).
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), nn.ReLU(inplace=inplace), nn.Linear(4, 4), PopAdd())
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(4, 4, requires_grad=True)
+    if inplace:
+        with pytest.raises(RuntimeError, match=r"skip 'skip' of micro-batch 0 was changed in"):
+            model(x)
+        return
+    model(x).square().sum().backward()
+    y = x.detach().clone().requires_grad_()
+    plain(y).square().sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_skip_changed_in_place_within_its_own_partition_is_fine() -> None:
+    # Stash and pop in one partition: autograd sees the change, as in the plain model.
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), nn.ReLU(inplace=True), nn.Linear(4, 4), PopAdd())
+    model = GPipe(copy.deepcopy(plain), [4], chunks=2)
+    x = torch.randn(4, 4)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_recomputation_pops_what_the_forward_popped() -> None:
     stasher, popper = CountingStash(), RememberPop()
     model = GPipe(nn.Sequential(stasher, nn.Identity(), popper), [1, 1, 1], chunks=2)

@@ -132,6 +132,46 @@ def take_input_grads(inputs: list[Tensor]) -> list[Tensor | None]:
     return grads
 
 
+class SkipVersions:
+    """The versions of the skips a step sent, checked where they are popped.
+
+    A skip that shares its memory with the stashing partition's output (``yield
+    stash("x", x); return x``) goes to the popping partition cut from the graph of the
+    partitions between. Where one of those changes that tensor in place
+    (``ReLU(inplace=True)``), the plain model's pop sees the change and backpropagates
+    through it; the pipeline's would see the new values without the gradient's way
+    through them, a silently wrong gradient. Such a skip is refused where it is popped
+    (in one process: across processes the popping rank gets a copy, made when sent).
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[SkipKey, int], list[int]] = {}
+
+    def sent(self, key: SkipKey, i: int, value: Any) -> Any:
+        """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is."""
+        self._sent[(key, i)] = _versions(value)
+        return value
+
+    def check(self, key: SkipKey, i: int, value: Any) -> Any:
+        """``value``, the skip popped, unless it changed in place since it was sent."""
+        sent = self._sent.pop((key, i), None)
+        if sent is not None and sent != _versions(value):
+            raise RuntimeError(
+                f"torchgpipe: the skip {key} of micro-batch {i} was changed in "
+                f"place between its stash and its pop, by a layer of a partition between "
+                f"them working on the tensor it shares with the stashing layer's output "
+                f"(ReLU(inplace=True), say); the pop would get the new values but not the "
+                f"gradient through that change. Make that layer work out of place, or "
+                f"stash a copy (stash({key.name!r}, x.clone()), which then pops the "
+                f"values from before the change)"
+            )
+        return value
+
+
+def _versions(value: Any) -> list[int]:
+    return [x._version for x in flatten(value)[0] if isinstance(x, Tensor)]
+
+
 def detach_all(leaves: list[Any]) -> list[Any]:
     """``leaves`` with every tensor detached (a tensor there twice stays one)."""
     return per_tensor(Tensor.detach, leaves)

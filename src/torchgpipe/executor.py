@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from torchgpipe.cell import (
+    SkipVersions,
     StageCell,
     call_stage,
     connected_forward,
@@ -154,8 +155,7 @@ class StepRun:
         self.checkpoint_stop = stages.checkpoint_stop
         # Across processes every rank runs with the seed rank 0 drew and sent.
         self.seed = draw_seed() if seed is None else seed
-        rank_device = {table.placement[s]: device for s, device in stages.devices.items()}
-        self.rank_device = rank_device
+        self.rank_device = rank_device = {table.placement[s]: d for s, d in stages.devices.items()}
         # A rank runs its stages on one device (checked by the schedules), and on the
         # streams of the first of them.
         first = {r: min(s for s in stages.devices if table.placement[s] == r) for r in rank_device}
@@ -167,6 +167,7 @@ class StepRun:
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
         self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
+        self.skips = SkipVersions()
 
     # The rank's loop.
 
@@ -212,10 +213,9 @@ class StepRun:
     def hand_over(self) -> None:
         """Make the calling thread's streams wait for the step's work (CUDA only).
 
-        The ranks computed the gradients, losses and outputs on their own compute
-        streams; the caller reads them on its current streams (an optimizer step, say),
-        which must not run ahead. The losses and outputs are recorded on those streams
-        too, so their memory is not reused before the caller's reads have run.
+        The caller reads the gradients, losses and outputs (an optimizer step) on its
+        current streams, which must not run ahead of the ranks' compute streams; those
+        tensors are recorded on them too, so their memory is not reused before then.
         """
         if self._cpu:
             return
@@ -259,7 +259,7 @@ class StepRun:
         # A skip comes straight from the stage that stashed it: one copy, here.
         inbound = {
             route.key: move(
-                post.take(("S", route.key, i)),
+                self.skips.check(route.key, i, post.take(("S", route.key, i))),
                 device,
                 source=self._stream(route.stash_partition),
                 copy=self.copy[r],
@@ -275,7 +275,7 @@ class StepRun:
             if s + 1 < self.n:
                 post.put(("F", s + 1, i), output)
                 for key, skip in outbound.items():
-                    post.put(("S", key, i), skip)
+                    post.put(("S", key, i), self.skips.sent(key, i, skip))
             else:
                 step.outputs[i] = output
             return
@@ -289,7 +289,7 @@ class StepRun:
             cut: Any = (lambda value: value) if cell.checkpointed else detached
             post.put(("F", s + 1, i), cut(output))
             for key, skip in outbound.items():
-                post.put(("S", key, i), cut(skip))
+                post.put(("S", key, i), self.skips.sent(key, i, cut(skip)))
             return
         if self.loss_fn is None:  # model(x): the caller's gradients start the backward
             step.outputs[i] = output
