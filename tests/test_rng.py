@@ -272,6 +272,22 @@ def test_rng_each_random_function_draws_from_the_cell(name: str) -> None:
     assert not _equal(first, other)  # and the cell's seed decides it
 
 
+@pytest.mark.parametrize("name", ["rand_like", "randn_like"])
+def test_rng_a_like_function_works_under_vmap_in_a_cell(name: str) -> None:
+    # torch.func's transforms refuse requires_grad_ at all, even requires_grad_(False).
+    draw = getattr(torch, name)
+
+    class Noise(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.vmap(lambda r: r + draw(r), randomness="different")(x)
+
+    model = GPipe(nn.Sequential(nn.Linear(3, 3), Noise()), [1, 1], chunks=2)
+    torch.manual_seed(5)
+    first = model(torch.ones(4, 3))
+    torch.manual_seed(5)
+    assert torch.equal(model(torch.ones(4, 3)), first)
+
+
 def test_rng_a_generator_given_explicitly_is_kept() -> None:
     def draw() -> Tensor:
         return torch.rand(5, generator=torch.Generator().manual_seed(1))

@@ -70,6 +70,10 @@ def is_recomputing() -> bool:
             if not is_recomputing():
                 self.calls += 1
             return self.body(x)
+
+    Draw no random numbers in such a branch: the recomputation must draw what the
+    forward drew, in the same order, or every later draw of the cell (Dropout's mask)
+    comes out other than the forward's.
     """
     return bool(getattr(_flags, "recomputing", False))
 

@@ -85,7 +85,8 @@ def _like(method: str) -> Handler:
             out.random_(int(low), int(high), **more)
         else:
             getattr(out, method)(**more)
-        return out.requires_grad_(grad)
+        # Only where asked: under torch.func's transforms requires_grad_ raises at all.
+        return out.requires_grad_(True) if grad else out
 
     return handler
 

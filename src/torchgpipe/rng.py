@@ -11,8 +11,9 @@ function mode on the cell's thread gives every random function the cell's own
 ``torch.Generator`` (one per device, seeded from the cell's seed), as the function's
 ``generator=`` argument (``random_functions.py`` holds the table). Forward and
 recomputation start from the same seed, so they draw the same numbers. The
-process-wide generators are never set, only read once per forward for the seed, so
-other threads' draws are left as they were::
+process-wide generators are never set, only drawn from once per forward for the
+seed (which moves the default CPU generator on by one draw, in eval and under no_grad
+too), so other threads' draws are left as they were::
 
     forward starts:  seed = draw from torch's default CPU generator
     cell (i, j):     seed_ij = mix(seed, i, j)
