@@ -29,15 +29,20 @@ def _convnet(momentum: float | None = 0.1) -> nn.Sequential:
     ).double()
 
 
-def test_convert_replaces_every_batch_norm_sharing_parameters_and_buffers() -> None:
+def test_convert_defers_every_batch_norm_in_place() -> None:
     model = nn.Sequential(
         nn.BatchNorm1d(3), nn.Sequential(nn.BatchNorm2d(3), MyBatchNorm(3)), nn.BatchNorm3d(3)
     ).eval()
+    layers = [model[0], model[1][0], model[1][1], model[2]]
+    classes = [type(m) for m in layers]
     before = dict(model.state_dict(keep_vars=True))
     converted = convert_deferred_batch_norm(model)
-    assert len(converted) == 4
-    assert all(type(m) is DeferredBatchNorm for m in converted)
-    assert not any(type(m) in (nn.BatchNorm1d, MyBatchNorm) for m in model.modules())
+    assert converted == layers  # the layers themselves, not copies
+    for layer, cls in zip(layers, classes, strict=True):
+        assert isinstance(layer, DeferredBatchNorm)
+        assert isinstance(layer, cls)
+        assert type(layer).__name__ == f"Deferred{cls.__name__}"
+    assert type(model[0]) is type(convert_deferred_batch_norm(nn.BatchNorm1d(2))[0])  # one per class
     after = model.state_dict(keep_vars=True)
     assert list(after) == list(before)
     assert all(after[k] is before[k] for k in before)  # the same tensors, not copies
@@ -160,7 +165,7 @@ def test_a_failed_forward_leaves_no_partial_statistics() -> None:
     # The failed call's micro-batches updated the statistics (the mini-batch was seen),
     # and nothing of it leaks into the next mini-batch's average.
     assert int(deferred.num_batches_tracked) in (1, 2)
-    assert not deferred._moments
+    assert not deferred._deferred_tally.moments
 
 
 def test_deferred_batch_norm_must_be_a_bool() -> None:
@@ -262,7 +267,7 @@ def test_deferred_batch_norm_classmethod_converts_nested_modules() -> None:
     assert converted is model  # replaced in place, as 0.0.7 did
     layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     assert len(layers) == 3
-    assert all(type(m) is DeferredBatchNorm for m in layers)
+    assert all(isinstance(m, DeferredBatchNorm) for m in layers)
     assert [m.chunks for m in layers] == [4, 4, 4]  # the deferred one already there too
     assert model[2] is inner
     after = model.state_dict(keep_vars=True)
@@ -273,11 +278,11 @@ def test_deferred_batch_norm_classmethod_converts_nested_modules() -> None:
 def test_deferred_batch_norm_classmethod_converts_a_batch_norm_itself() -> None:
     bn = nn.BatchNorm2d(3).eval()
     deferred = DeferredBatchNorm.convert_deferred_batch_norm(bn, chunks=2)
-    assert type(deferred) is DeferredBatchNorm
+    assert deferred is bn  # in place: the layer itself, now deferred
+    assert isinstance(deferred, DeferredBatchNorm)
+    assert isinstance(deferred, nn.BatchNorm2d)
     assert deferred.chunks == 2
     assert not deferred.training
-    assert deferred.weight is bn.weight
-    assert deferred.running_mean is bn.running_mean
     assert DeferredBatchNorm.convert_deferred_batch_norm(deferred) is deferred
 
 
@@ -469,7 +474,7 @@ def test_convert_replaces_a_layer_under_every_name() -> None:
     model = GPipe(copy.deepcopy(plain), [1, 1], chunks=4, deferred_batch_norm=True)
     block = model[1]
     # One deferred layer for the one layer: both names, and the identity, kept.
-    assert type(block.bn_a) is DeferredBatchNorm
+    assert isinstance(block.bn_a, DeferredBatchNorm)
     assert block.bn_a is block.bn_b
     x = torch.randn(16, 4, dtype=torch.float64)
     model(x)

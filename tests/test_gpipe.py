@@ -564,3 +564,61 @@ def test_a_gpipe_called_from_a_gpipe_inside_its_partition_is_refused() -> None:
     assert _FROM_INSIDE in str(error)
     layer.call = lambda: inner[0](x)  # a layer of the inner GPipe, called alone, is fine
     assert _raised_within_a_minute(lambda: outer(x).sum().backward()) is None
+
+
+class _Announcing:
+    """A lock that sets ``waiting`` when a thread other than ``owner`` comes to take it."""
+
+    def __init__(self, lock: Any, owner: int) -> None:
+        self.lock, self.owner = lock, owner
+        self.waiting = threading.Event()
+
+    def __enter__(self) -> None:
+        if threading.get_ident() != self.owner:
+            self.waiting.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_a_second_threads_call_does_not_reset_deferred_batch_norm_under_way() -> None:
+    # Thread A's forward stops after its first micro-batch left the batch norm until
+    # thread B has come to the workers' lock: B's call must not have told the deferred
+    # batch norm about its micro-batches yet, or A's statistics would start over halfway.
+    # (A schedule's step holds the workers from its start: Workers.exclusive.)
+    started = threading.Event()
+    calls = []
+
+    class Gate(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            calls.append(None)
+            if len(calls) == 1:
+                started.set()
+            elif len(calls) == 2:
+                assert lock.waiting.wait(timeout=30)
+            return x
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.BatchNorm1d(3, momentum=None), Gate(), nn.Identity())
+    plain = copy.deepcopy(layers)
+    model = GPipe(layers, [2, 1], chunks=4, deferred_batch_norm=True)
+    lock = _Announcing(model.workers._lock, threading.get_ident())
+    model.workers._lock = lock  # type: ignore[assignment]
+    a, b = torch.randn(8, 3) + 5, torch.randn(8, 3) - 5
+
+    def call(x: Tensor) -> None:
+        with torch.no_grad():  # training mode: the statistics are tracked
+            model(x)
+
+    other = threading.Thread(target=lambda: (started.wait(timeout=30), call(b)))
+    other.start()
+    call(a)
+    other.join(timeout=60)
+    assert not other.is_alive()
+    plain(a)
+    plain(b)
+    bn, plain_bn = model[0], plain[0]
+    assert bn.num_batches_tracked == plain_bn.num_batches_tracked == 2
+    torch.testing.assert_close(bn.running_mean, plain_bn.running_mean)
+    torch.testing.assert_close(bn.running_var, plain_bn.running_var)

@@ -10,6 +10,23 @@ the running statistics once, after the last micro-batch of the mini-batch, from 
 mean and variance of the whole mini-batch: what plain ``BatchNorm`` tracks when it sees
 the mini-batch at once. Recomputation in backward neither merges nor updates.
 
+Conversion changes the class of each layer, not the layer: ``BatchNorm2d`` becomes
+``DeferredBatchNorm2d``, a subclass of both ``BatchNorm2d`` and
+:class:`DeferredBatchNorm` made once per class, whose ``forward`` is the deferred one::
+
+    DeferredMyNorm -> MyNorm -> BatchNorm2d -> DeferredBatchNorm -> _BatchNorm
+                      (its forward,           (the deferred        (BatchNorm's,
+                       super().forward ->)     forward)             never reached)
+
+A copy would lose what the layer is beyond its weight and running statistics: a
+subclass's forward, parameters and buffers (and the state dict keys with them), hooks,
+parametrizations, and ``isinstance(layer, nn.BatchNorm2d)``, which code that freezes
+batch norm layers relies on. The deferred state lives in plain attributes, so the state
+dict stays the plain model's. A class whose forward is torch's own but not
+``BatchNorm``'s cannot be deferred this way and is refused (quantized batch norm, a
+subclass's forward over ``SyncBatchNorm``'s); ``SyncBatchNorm`` itself is deferred where
+it would not synchronize (one process) and refused in training where it would.
+
 A layer may be called more than once per micro-batch (a block applied twice, one layer
 registered under two names). Plain ``BatchNorm`` then updates its running statistics
 once per call, from that call's input over the mini-batch; so the deferred layer keeps
@@ -38,13 +55,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar, overload
+from dataclasses import dataclass, field
+from typing import Any, SupportsIndex, TypeVar, cast, overload
 
 import torch
 from torch import Tensor, nn
 from torch.nn.functional import batch_norm
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from torchgpipe.checkpoint import is_recomputing
 
@@ -55,6 +74,20 @@ TModule = TypeVar("TModule", bound=nn.Module)
 # What a layer has merged of its j-th calls: samples per channel, mean, and the sum of
 # squared deviations from the mean.
 Moments = tuple[Tensor, Tensor, Tensor]
+
+
+@dataclass
+class _Tally:
+    """Where a deferred layer is in its mini-batch.
+
+    One attribute for all of it, with a name no subclass of ``BatchNorm`` is likely to
+    use: a converted layer keeps its own attributes beside it.
+    """
+
+    cell: object | None = None  # the enter_cell() token of the latest call
+    begun: int = 0  # the micro-batches of the mini-batch begun
+    calls: int = 0  # the calls in the current one
+    moments: dict[int, Moments] = field(default_factory=dict)  # the j-th calls', by j
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -75,6 +108,10 @@ class DeferredBatchNorm(_BatchNorm):
         for micro_batch in batch.chunk(4):
             bn(micro_batch)  # the running statistics change after the fourth
 
+    Converted layers (:func:`convert_deferred_batch_norm`) are instances of this class
+    too, and still of their own: ``isinstance(layer, DeferredBatchNorm)`` tells a
+    deferred layer, whatever its class was.
+
     Args:
         *args: ``BatchNorm``'s positional arguments (``num_features``, ``eps``, ...).
         chunks: the micro-batches of a mini-batch, until :meth:`expect` says otherwise.
@@ -88,6 +125,8 @@ class DeferredBatchNorm(_BatchNorm):
     chunks: int
     """The micro-batches of a mini-batch: the running statistics change after so many."""
 
+    _deferred_tally: _Tally
+
     def __init__(self, *args: Any, chunks: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.track_running_stats, bool):
@@ -98,19 +137,12 @@ class DeferredBatchNorm(_BatchNorm):
                 f"pass the number of micro-batches by keyword: "
                 f"DeferredBatchNorm({self.num_features}, chunks=...)"
             )
-        self._cell: object | None = None  # the enter_cell() token of the latest call
-        self._begun = 0  # the micro-batches of the mini-batch begun
-        self._calls = 0  # the calls in the current one
-        self._moments: dict[int, Moments] = {}  # what the j-th calls merged, by j
-        # torch's class of the layer this one replaces (from_batch_norm), whose check of
-        # the input's dimensions this one keeps: BatchNorm2d takes only 4-D input, say.
-        self._checks_as: type[_BatchNorm] | None = None
         self.expect(chunks)
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if self._checks_as is not None:
-            self._checks_as._check_input_dim(self, input)  # the same ValueError as it
-        elif input.dim() < 2:
+        # Only where the class has no check of its own: a converted BatchNorm2d keeps
+        # BatchNorm2d's (4-D input), which comes first in its class's order.
+        if input.dim() < 2:
             raise ValueError(
                 f"DeferredBatchNorm expects input of at least 2 dimensions (batch, "
                 f"channels, ...), got {input.dim()}"
@@ -124,7 +156,7 @@ class DeferredBatchNorm(_BatchNorm):
             ValueError: ``chunks`` is not positive.
         """
         self.chunks = _check_chunks(chunks)
-        self._cell, self._begun, self._calls, self._moments = None, 0, 0, {}
+        self._deferred_tally = _Tally()
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` as ``BatchNorm`` would; in training mode, merge its statistics.
@@ -154,74 +186,8 @@ class DeferredBatchNorm(_BatchNorm):
             )
         output = batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         if self.track_running_stats and not is_recomputing():
-            self._merge(input.detach())  # once batch_norm took it: a refused call counts not
+            _merge(self, input.detach())  # once batch_norm took it: a refused call counts not
         return output
-
-    def _merge(self, x: Tensor) -> None:
-        cell = getattr(_cells, "token", None)
-        if cell is None or cell is not self._cell:  # a micro-batch begins
-            self._cell = cell
-            if self._begun >= self.chunks:  # on its own: no expect() between mini-batches
-                self._begun, self._moments = 0, {}
-            self._begun += 1
-            self._calls = 0
-        j = self._calls
-        self._calls += 1
-        moments = _merged(self._moments.pop(j, None), x)
-        if self._begun == self.chunks:  # the last micro-batch: the j-th calls are complete
-            self._commit(*moments)
-        else:
-            self._moments[j] = moments
-
-    def _commit(self, count: Tensor, mean: Tensor, m2: Tensor) -> None:
-        """Track the mini-batch's statistics as ``BatchNorm`` tracks a batch's.
-
-        What is None is skipped, as ``BatchNorm`` skips it: a running mean or variance
-        set to None is not updated, and without ``num_batches_tracked``,
-        ``momentum=None`` averages with a factor of 0 (the statistics stay as they are).
-        """
-        variance = m2 / (count - 1) if count > 1 else m2 / count
-        factor = 0.0 if self.momentum is None else self.momentum
-        with torch.no_grad():
-            if self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-                if self.momentum is None:  # a cumulative average over the mini-batches
-                    factor = 1.0 / float(self.num_batches_tracked)
-            if self.running_mean is not None:
-                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-            if self.running_var is not None:
-                self.running_var.lerp_(variance.to(self.running_var.dtype), factor)
-
-    @classmethod
-    def from_batch_norm(cls, module: _BatchNorm) -> DeferredBatchNorm:
-        """A deferred copy of ``module`` that shares its parameters and buffers."""
-        deferred = cls(
-            module.num_features,
-            eps=module.eps,
-            momentum=module.momentum,
-            affine=module.affine,
-            track_running_stats=module.track_running_stats,
-            device="meta",
-        )
-        deferred.weight, deferred.bias = module.weight, module.bias
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            deferred.register_buffer(name, getattr(module, name))
-        deferred.train(module.training)
-        # The check of torch's class among its bases (BatchNorm2d's: 4-D input), if one
-        # has its own: a subclass's may read attributes of its own, which this layer
-        # lacks, and _NormBase's raises NotImplementedError (a class built on
-        # _BatchNorm directly, as mmengine's _BatchNormXd, gets the check for 2-D up).
-        deferred._checks_as = next(
-            (
-                c
-                for c in type(module).__mro__
-                if c.__module__.startswith("torch.nn.")
-                and "_check_input_dim" in vars(c)
-                and c is not _NormBase
-            ),
-            None,
-        )
-        return deferred
 
     @overload
     @classmethod
@@ -235,27 +201,21 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
-        """``module`` with every batch-norm layer deferred over ``chunks`` micro-batches.
+        """``module``, its batch-norm layers deferred over ``chunks`` micro-batches.
 
-        The layers inside ``module`` are replaced in place, as by
-        :func:`convert_deferred_batch_norm`, sharing their parameters and buffers;
-        ``module`` itself is returned, or a deferred copy of it when it is a batch-norm
-        layer (which cannot replace itself in place). Deferred layers already there
-        now expect ``chunks`` micro-batches too. Example::
+        The layers are converted in place, as by :func:`convert_deferred_batch_norm`,
+        ``module`` itself too if it is a batch-norm layer; ``module`` is returned.
+        Deferred layers already there now expect ``chunks`` micro-batches too. Example::
 
             model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
 
         Raises:
             TypeError: ``chunks`` is not an int.
-            ValueError: ``chunks`` is not positive, or a lazy batch-norm layer has not
-                been initialized yet.
+            ValueError: ``chunks`` is not positive, or a layer cannot be deferred (see
+                :func:`convert_deferred_batch_norm`); nothing is converted then.
         """
-        chunks = _check_chunks(chunks)  # before anything is replaced
-        layers = convert_deferred_batch_norm(module)
-        if isinstance(module, _BatchNorm) and not isinstance(module, DeferredBatchNorm):
-            module = cls.from_batch_norm(module)
-            layers.append(module)
-        for layer in layers:
+        chunks = _check_chunks(chunks)  # before anything is converted
+        for layer in convert_deferred_batch_norm(module):
             layer.expect(chunks)
         return module
 
@@ -263,6 +223,57 @@ class DeferredBatchNorm(_BatchNorm):
         """BatchNorm's description, and the micro-batches of a mini-batch."""
         base = super().extra_repr()  # type: ignore[no-untyped-call]  # unannotated in torch
         return f"{base}, chunks={self.chunks}"
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """How pickle and ``copy`` rebuild a converted layer: by the class it came from.
+
+        Pickle finds a class by its qualified name, and the deferred classes are made at
+        run time, under no name in this module: a converted layer names its own class's
+        base, from which the unpickling process makes the deferred class again.
+        """
+        base = type(self).__bases__[0]
+        if _derived.get(base) is not type(self):
+            return super().__reduce_ex__(protocol)
+        return (_remade, (base,), self.__getstate__())  # type: ignore[no-untyped-call]  # torch's
+
+
+def _merge(layer: DeferredBatchNorm, x: Tensor) -> None:
+    # Functions, not methods: a converted layer's class may have methods of any name.
+    tally = layer._deferred_tally
+    cell = getattr(_cells, "token", None)
+    if cell is None or cell is not tally.cell:  # a micro-batch begins
+        tally.cell = cell
+        if tally.begun >= layer.chunks:  # on its own: no expect() between mini-batches
+            tally.begun, tally.moments = 0, {}
+        tally.begun += 1
+        tally.calls = 0
+    j = tally.calls
+    tally.calls += 1
+    moments = _merged(tally.moments.pop(j, None), x)
+    if tally.begun == layer.chunks:  # the last micro-batch: the j-th calls are complete
+        _commit(layer, *moments)
+    else:
+        tally.moments[j] = moments
+
+
+def _commit(layer: _BatchNorm, count: Tensor, mean: Tensor, m2: Tensor) -> None:
+    """Track the mini-batch's statistics as ``BatchNorm`` tracks a batch's.
+
+    What is None is skipped, as ``BatchNorm`` skips it: a running mean or variance
+    set to None is not updated, and without ``num_batches_tracked``,
+    ``momentum=None`` averages with a factor of 0 (the statistics stay as they are).
+    """
+    variance = m2 / (count - 1) if count > 1 else m2 / count
+    factor = 0.0 if layer.momentum is None else layer.momentum
+    with torch.no_grad():
+        if layer.num_batches_tracked is not None:
+            layer.num_batches_tracked.add_(1)
+            if layer.momentum is None:  # a cumulative average over the mini-batches
+                factor = 1.0 / float(layer.num_batches_tracked)
+        if layer.running_mean is not None:
+            layer.running_mean.lerp_(mean.to(layer.running_mean.dtype), factor)
+        if layer.running_var is not None:
+            layer.running_var.lerp_(variance.to(layer.running_var.dtype), factor)
 
 
 def _merged(moments: Moments | None, x: Tensor) -> Moments:
@@ -314,30 +325,39 @@ def _check_chunks(chunks: int) -> int:
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
-    """Replace, in place, every batch-norm layer inside ``module`` with a deferred one.
+    """Defer, in place, every batch-norm layer inside ``module`` (``module`` too, if one).
 
-    Parameters and buffers are shared with the layers replaced, so ``state_dict()``
-    keys and values stay as they were. A layer under several names is replaced by one
-    deferred layer under all of them. Returns the deferred layers, each once.
+    Each layer stays the object it was, with its parameters, buffers, hooks and
+    parametrizations, and stays an instance of its class (``nn.BatchNorm2d``, a subclass
+    of yours): its class becomes a subclass of that class and of
+    :class:`DeferredBatchNorm`, whose ``forward`` is the deferred one (a subclass's
+    forward still runs, and its ``super().forward(x)`` is deferred). ``state_dict()``
+    keys and values stay as they were. Returns the deferred layers, each once, those
+    deferred before included.
 
     In a pipeline, a layer called several times per micro-batch tracks each call apart
     (see the module's docstring); called on its own, each call is a micro-batch.
 
-    Layers that do not track running statistics are replaced too (torchgpipe 0.0.7
+    Layers that do not track running statistics are converted too (torchgpipe 0.0.7
     left them alone): a deferred layer follows ``BatchNorm``'s rules as they stand at
-    each call, so it computes what the layer replaced would, even if tracking is turned
-    on or off after the conversion. It keeps the replaced class's check of the input's
-    dimensions (``BatchNorm2d`` takes 4-D input only).
+    each call, so it computes what the plain layer would, even if tracking is turned on
+    or off after the conversion.
 
     Raises:
-        ValueError: a lazy batch-norm layer has not been initialized yet.
+        ValueError: a lazy batch-norm layer has not been initialized yet, or a layer's
+            forward is torch's own but not ``BatchNorm``'s (quantized batch norm, a
+            subclass's forward over ``SyncBatchNorm``'s), so that no deferred forward
+            can take its place. Every such layer is named, and nothing is converted.
     """
+    layers = [
+        (name or "(the module itself)", m)
+        for name, m in module.named_modules()  # each layer once, under its first name
+        if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm)
+    ]
     lazy = [
-        name or "(the module itself)"
-        for name, m in module.named_modules()
-        if isinstance(m, _BatchNorm)
-        and isinstance(m, LazyModuleMixin)
-        and m.has_uninitialized_params()
+        name
+        for name, m in layers
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
     ]
     if lazy:
         raise ValueError(
@@ -345,20 +365,113 @@ def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:
             f"on a sample batch before converting them to DeferredBatchNorm (as GPipe's "
             f"deferred_batch_norm=True does)"
         )
-    # Per layer replaced (kept alive, so that its id stays its own): its deferred layer,
-    # one for every name it has (named_children() would skip all names but the first).
-    replaced: dict[int, tuple[_BatchNorm, DeferredBatchNorm]] = {}
-    for parent in list(module.modules()):
-        for name, child in list(parent._modules.items()):
-            if isinstance(child, _BatchNorm) and not isinstance(child, DeferredBatchNorm):
-                if id(child) not in replaced:
-                    replaced[id(child)] = (child, DeferredBatchNorm.from_batch_norm(child))
-                setattr(parent, name, replaced[id(child)][1])
-    converted = [deferred for _, deferred in replaced.values()]
-    converted.extend(
-        m for m in module.modules() if isinstance(m, DeferredBatchNorm) and m not in converted
+    refused = [
+        f"{name} ({why})" for name, m in layers if (why := _refusal(_own_class(m))) is not None
+    ]
+    if refused:
+        raise ValueError(
+            f"batch-norm layers cannot be deferred: {'; '.join(refused)}; use torch's "
+            f"BatchNorm1d/2d/3d there, or a subclass whose forward calls BatchNorm's "
+            f"(super().forward), or pass deferred_batch_norm=False"
+        )
+    for _, layer in layers:
+        layer.__class__ = _deferred_class_of(layer)
+        cast(DeferredBatchNorm, layer).expect(1)
+    return [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+
+
+# Per batch-norm class, its deferred class: made once, kept as long as the process (as
+# classes are). A parametrized layer's class is its own (see _deferred_class_of).
+_derived: dict[type, type[DeferredBatchNorm]] = {}
+_derived_lock = threading.Lock()
+
+
+def _deferred_class(cls: type) -> type[DeferredBatchNorm]:
+    with _derived_lock:
+        derived = _derived.get(cls)
+        if derived is None:
+            namespace: dict[str, Any] = {"__module__": __name__, "__doc__": cls.__doc__}
+            if _forward_of(cls, from_torch=False) is nn.SyncBatchNorm:
+                namespace["forward"] = _unsynchronized_forward
+            bases = (cls, DeferredBatchNorm)
+            derived = cast(
+                type[DeferredBatchNorm], type(f"Deferred{cls.__name__}", bases, namespace)
+            )
+            _derived[cls] = derived
+    return derived
+
+
+def _remade(base: type) -> DeferredBatchNorm:
+    """An empty layer of ``base``'s deferred class, for pickle to fill (``__reduce_ex__``)."""
+    cls = _deferred_class(base)
+    return cls.__new__(cls)
+
+
+def _own_class(layer: nn.Module) -> type:
+    """``layer``'s class, beneath the one a parametrization gave it."""
+    return parametrize.type_before_parametrizations(layer)
+
+
+def _deferred_class_of(layer: _BatchNorm) -> type[DeferredBatchNorm]:
+    if not parametrize.is_parametrized(layer):
+        return _deferred_class(type(layer))
+    # torch.nn.utils.parametrize gave the layer a class of its own on top of its class,
+    # with a property per parametrized tensor. The deferred class goes beneath a copy of
+    # it: removing the last parametrization puts back the class beneath, deferred still.
+    parametrized = type(layer)
+    namespace = {
+        k: v for k, v in vars(parametrized).items() if k not in ("__dict__", "__weakref__")
+    }
+    base = _deferred_class(_own_class(layer))
+    return cast(type[DeferredBatchNorm], type(f"Parametrized{base.__name__}", (base,), namespace))
+
+
+def _forward_of(cls: type, *, from_torch: bool) -> type:
+    """The first class in ``cls``'s order with a ``forward`` (of torch's, if ``from_torch``)."""
+    return next(
+        c
+        for c in cls.__mro__
+        if "forward" in vars(c) and (not from_torch or c.__module__.startswith("torch."))
     )
-    return converted
+
+
+def _refusal(cls: type) -> str | None:
+    """Why no deferred forward can take the place of ``cls``'s batch norm, or None."""
+    theirs = _forward_of(cls, from_torch=True)
+    if theirs is _BatchNorm or (
+        theirs is nn.SyncBatchNorm and _forward_of(cls, from_torch=False) is theirs
+    ):
+        return None
+    if theirs is nn.SyncBatchNorm:
+        return f"{cls.__qualname__}'s forward runs SyncBatchNorm's, not BatchNorm's"
+    return f"{cls.__qualname__}'s forward is {theirs.__module__}.{theirs.__qualname__}'s"
+
+
+def _unsynchronized_forward(self: DeferredBatchNorm, input: Tensor) -> Tensor:
+    """A deferred ``SyncBatchNorm``'s forward: where it would not synchronize, BatchNorm's.
+
+    ``SyncBatchNorm`` synchronizes in training where ``torch.distributed`` runs a group
+    of several processes, and otherwise is ``BatchNorm``. Deferred batch norm does not
+    synchronize: there, it would silently normalize with one process's statistics.
+    """
+    if self.training and (size := _synchronized_processes(self)) > 1:
+        raise ValueError(
+            f"a deferred SyncBatchNorm would synchronize its statistics across the {size} "
+            f"processes of its group, which deferred batch norm does not do; replace the "
+            f"model's SyncBatchNorm layers with BatchNorm1d/2d/3d, or pass "
+            f"deferred_batch_norm=False to keep them synchronizing per micro-batch"
+        )
+    return DeferredBatchNorm.forward(self, input)
+
+
+def _synchronized_processes(layer: nn.Module) -> int:
+    """The processes a ``SyncBatchNorm`` in training synchronizes with: 1, where none."""
+    # Read only, as SyncBatchNorm reads it: the core never starts torch.distributed.
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return 1
+    group = getattr(layer, "process_group", None) or distributed.group.WORLD
+    return int(distributed.get_world_size(group))
 
 
 @contextmanager

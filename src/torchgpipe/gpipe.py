@@ -6,6 +6,7 @@ import numbers
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal, TypeAlias, get_args, overload
 
 import torch
@@ -284,13 +285,17 @@ class GPipe(PlacedModule, StageHolder):
         self.workers.check_caller()  # before the deferred batch norms and ties change
         batches = scatter(input, self.chunks)
         m = len(batches)
-        self.expect_micro_batches(m)
         training = self.training and torch.is_grad_enabled()
         stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
+        # Deferred batch norm learns m once the workers are this call's, not before: a
+        # call of another thread may be running.
+        expect = partial(self.expect_micro_batches, m)
         if not self._ties:
-            return gather(pipeline.run(stages, self.workers, batches))
+            return gather(pipeline.run(stages, self.workers, batches, expect))
         self._ties.begin()
-        return gather(self._ties.after_backward(pipeline.run(stages, self.workers, batches)))
+        return gather(
+            self._ties.after_backward(pipeline.run(stages, self.workers, batches, expect))
+        )
 
     # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
 

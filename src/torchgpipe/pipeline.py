@@ -40,7 +40,7 @@ then wait for the workers, whose own ``backward`` on that GPU needs that very th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,8 +80,15 @@ def workers_run_backward(devices: Sequence[torch.device]) -> bool:
     return all(device.type == "cpu" for device in devices)
 
 
-def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
+def run(
+    stages: Stages,
+    workers: Workers,
+    batches: list[Any],
+    before: Callable[[], None] | None = None,
+) -> list[Any]:
     """Run every micro-batch through every stage; return the outputs in order.
+
+    ``before`` is called once the workers are this run's (``Workers.run``).
 
     Raises:
         BaseException: the first exception that a cell raised, with a note naming the
@@ -104,7 +111,7 @@ def run(stages: Stages, workers: Workers, batches: list[Any]) -> list[Any]:
     stage_graphs = wants_grad and workers_run_backward(list(devices.values()))
     step = Step(n, m)
     run = StepRun(stages, None, _table(n, m), step, batches, [], [], connected=not stage_graphs)
-    workers.run(run, "forward", describe)
+    workers.run(run, "forward", describe, before)
     run.hand_over()
     if not stage_graphs:
         return step.outputs
@@ -162,14 +169,16 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
         )
     table = steps.table(m)
     weights = loss_weights(sizes, steps.reduction)
-    model.expect_micro_batches(m)
     stages = model.stages_for(m)
     record = Step(len(stages.inbound), m)
     run = StepRun(stages, steps.loss_fn, table, record, batches, targets, weights)
     devices = model.devices
     try:
         model.workers.run(
-            run, "all", lambda action: f"stage {action.stage} on {devices[action.stage]}"
+            run,
+            "all",
+            lambda action: f"stage {action.stage} on {devices[action.stage]}",
+            partial(model.expect_micro_batches, m),
         )
     finally:
         run.hand_over()

@@ -333,8 +333,18 @@ class Workers:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["n"])  # type: ignore[misc]
 
-    def run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
+    def run(
+        self,
+        run: StepRun,
+        phase: Phase,
+        describe: Callable[[Action], str],
+        before: Callable[[], None] | None = None,
+    ) -> None:
         """Run each rank's actions of ``phase``; return when all are done.
+
+        ``before``, when given, is called once these workers are the caller's, before
+        any action: what gets a run's shared state ready (deferred batch norm's count of
+        micro-batches) must not reset another thread's run under way.
 
         Raises:
             BaseException: the first failure of an action, with a note saying where
@@ -344,12 +354,18 @@ class Workers:
         """
         self.check_caller()
         try:
-            self._run(run, phase, describe)
+            self._run(run, phase, describe, before)
         except BaseException:
             run.step.drop()  # the cells' tensors go now, not when the traceback is collected
             raise
 
-    def _run(self, run: StepRun, phase: Phase, describe: Callable[[Action], str]) -> None:
+    def _run(
+        self,
+        run: StepRun,
+        phase: Phase,
+        describe: Callable[[Action], str],
+        before: Callable[[], None] | None,
+    ) -> None:
         step, ranks = run.step, len(run.table.ranks)
         if ranks > self.n:  # before any job goes out: the others would wait for its rank
             raise ValueError(
@@ -359,6 +375,8 @@ class Workers:
         inline = _plain_thread()
         runs, held = (*_within.runs, self), _within.held
         with self._lock, _working_for(runs, held):
+            if before is not None:
+                before()
             pool = self.pool
             if pool is None or pool.pid != os.getpid():
                 pool = self.pool = WorkerPool(self.n)
