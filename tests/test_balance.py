@@ -16,7 +16,7 @@ import torchgpipe.balance
 from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size, balance_by_time, profile
 from torchgpipe.balance.blockpartition import solve
-from torchgpipe.skip import Namespace
+from torchgpipe.skip import Namespace, pop, skippable
 
 
 def _largest(costs: list[float], balance: list[int]) -> float:
@@ -306,11 +306,11 @@ def test_balancing_rejects_bad_arguments() -> None:
     x = torch.randn(2, 2)
     with pytest.raises(ValueError, match="cannot split 2 layers into 3 partitions"):
         balance_by_time(3, model, x, device="cpu")
-    with pytest.raises(ValueError, match="timeout must be positive"):
+    with pytest.raises(ValueError, match="timeout must be a finite positive number"):
         balance_by_time(2, model, x, timeout=0, device="cpu")
     with pytest.raises(ValueError, match="chunks must be a positive number of micro-batches"):
         balance_by_size(2, model, x, chunks=0, device="cpu")
-    with pytest.raises(ValueError, match="param_scale must be non-negative"):
+    with pytest.raises(ValueError, match="param_scale must be a finite non-negative number"):
         balance_by_size(2, model, x, param_scale=-1.0, device="cpu")
     with pytest.raises(TypeError, match=r"balancing takes an nn\.Sequential"):
         balance_by_size(1, nn.Linear(2, 2), x, device="cpu")  # type: ignore[arg-type]
@@ -394,3 +394,59 @@ def test_balancing_on_cuda_leaves_the_model_on_its_device() -> None:
     assert sum(balance_by_time(2, model, x, timeout=0.01, device="cuda")) == len(model)
     assert sum(balance_by_size(2, model, x, device="cuda")) == len(model)
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+class _Shift(nn.Module):
+    """Embeds ids after adding one to them in place (as some tokenizer layers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.embedding(ids.add_(1))
+
+
+@pytest.mark.parametrize("by", ["time", "size"])
+def test_balancing_leaves_an_integer_sample_as_it_was(by: str) -> None:
+    model = nn.Sequential(_Shift(), nn.Linear(4, 4), nn.Tanh())
+    ids = torch.zeros(8, dtype=torch.long)
+    if by == "time":
+        balance_by_time(2, model, ids, timeout=0.05)
+    else:
+        balance_by_size(2, model, ids, chunks=2)
+    assert torch.equal(ids, torch.zeros(8, dtype=torch.long))
+
+
+def test_balance_by_size_takes_lazy_layers() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(4))
+    assert sum(balance_by_size(2, model, torch.randn(8, 3), chunks=2)) == 3
+
+
+@skippable(pop=["skip"])
+class _PopDoubleInPlace(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip.mul_(2)
+
+
+@pytest.mark.parametrize("by", ["time", "size"])
+def test_balancing_takes_a_layer_that_changes_its_popped_skip_in_place(by: str) -> None:
+    model = nn.Sequential(StashLinear(), nn.Linear(4, 4), _PopDoubleInPlace())
+    x = torch.randn(8, 4)
+    if by == "time":
+        assert sum(balance_by_time(2, model, x, timeout=0.05)) == 3
+    else:
+        assert sum(balance_by_size(2, model, x, chunks=2)) == 3
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, math.inf, math.nan, "1", None, True])
+def test_balance_by_time_refuses_a_timeout_not_finite_positive(timeout: Any) -> None:
+    with pytest.raises(ValueError, match="timeout must be a finite positive number"):
+        balance_by_time(1, nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2), timeout=timeout)
+
+
+@pytest.mark.parametrize("scale", [-1.0, math.inf, math.nan, "2", None])
+def test_balance_by_size_refuses_a_param_scale_not_finite_non_negative(scale: Any) -> None:
+    with pytest.raises(ValueError, match="param_scale must be a finite non-negative number"):
+        balance_by_size(1, nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2), param_scale=scale)

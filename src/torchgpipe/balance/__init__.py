@@ -14,6 +14,8 @@ exact (see ``blockpartition.py``). Example::
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -62,12 +64,12 @@ def balance_by_time(
         TypeError: ``partitions`` is not an integer, ``module`` is not an
             ``nn.Sequential``, or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, a
-            non-positive ``timeout``, a model on the meta device, or a ``device`` that
-            is not available or is ``'meta'``.
+            ``timeout`` that is not a finite positive number, a model on the meta
+            device, or a ``device`` that is not available or is ``'meta'``.
     """
     partitions = _check(partitions, module)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    if not _real(timeout) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite positive number of seconds, got {timeout!r}")
     times = layerwise_time(module, sample, timeout=timeout, device=_device(device))
     return solve(times, partitions)
 
@@ -106,13 +108,14 @@ def balance_by_size(
             fraction, ``4.0``, counts as one, as in :class:`~torchgpipe.GPipe`),
             ``module`` is not an ``nn.Sequential``, or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, ``chunks``
-            not positive, a negative ``param_scale``, a model on the meta device, or a
-            ``device`` that is not available or is ``'meta'``.
+            not positive, a ``param_scale`` that is not a finite non-negative number,
+            a model on the meta device, or a ``device`` that is not available or is
+            ``'meta'``.
     """
     partitions = _check(partitions, module)
     chunks = check_chunks(chunks)  # as GPipe checks it
-    if not param_scale >= 0:
-        raise ValueError(f"param_scale must be non-negative, got {param_scale!r}")
+    if not _real(param_scale) or not 0 <= param_scale < math.inf:
+        raise ValueError(f"param_scale must be a finite non-negative number, got {param_scale!r}")
     sizes = layerwise_size(
         module, input, chunks=chunks, param_scale=param_scale, device=_device(device)
     )
@@ -138,3 +141,8 @@ def _device(device: Device | None) -> torch.device:
     if device is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return as_device(device)  # checked as GPipe checks its devices: 'meta' is refused
+
+
+def _real(x: object) -> bool:
+    """Whether ``x`` is a real number (an int, a float, a NumPy scalar; not a bool)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -31,10 +31,18 @@ __all__ = ["layerwise_size", "layerwise_time"]
 
 
 class _DetachingTracker(SkipTracker):
-    """Keeps stashed skips as fresh leaves, so a popping layer's backward stops there."""
+    """Keeps stashed skips as fresh leaves, so a popping layer's backward stops there.
+
+    A pop gets a copy of the leaf (``_fresh_input``'s way): the popping layer may
+    modify it in place, which a leaf that wants a gradient refuses.
+    """
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         super().stash(key, None if tensor is None else _leaf(tensor))
+
+    def pop(self, key: SkipKey) -> Tensor | None:
+        tensor = super().pop(key)
+        return None if tensor is None else tensor.clone()
 
 
 def _leaf(x: Tensor) -> Tensor:
@@ -43,8 +51,11 @@ def _leaf(x: Tensor) -> Tensor:
 
 
 def _fresh_input(value: Any) -> Any:
-    """Leaves that need grad, then clones of them that a layer may modify in place."""
-    return map_tensors(lambda x: _leaf(x).clone() if _differentiable(x) else x.detach(), value)
+    """Copies that a layer may modify in place: of new leaves where they can want a grad.
+
+    Integer tensors are copied too: the caller's sample must come out as it went in.
+    """
+    return map_tensors(lambda x: _leaf(x).clone(), value)
 
 
 def _differentiable(x: Tensor) -> bool:
@@ -129,7 +140,6 @@ def layerwise_size(
         for layer in _copies(module, device):
             value = _fresh_input(value)
             known = {_storage(x) for x in _tensors(value)}
-            known |= {_storage(p) for p in layer.parameters()}
             saved: dict[tuple[int, str], int] = {}
 
             def pack(x: Tensor, saved: dict[tuple[int, str], int] = saved) -> Tensor:
@@ -138,6 +148,8 @@ def layerwise_size(
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 output = layer(value)
+            # After the call: a lazy layer makes its parameters there.
+            known |= {_storage(p) for p in layer.parameters()}
             for y in _tensors(output):
                 saved[_storage(y)] = y.untyped_storage().nbytes()
             activations = sum(size for key, size in saved.items() if key not in known)
