@@ -147,7 +147,7 @@ def test_backward_inputs_a_second_backward_is_still_refused() -> None:
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("how", ["backward", "inputs", "grad"])
 def test_backward_inputs_a_hook_runs_once_with_the_whole_gradient(
-    how: str, checkpoint: str, backward_by: str
+    how: str, checkpoint: str
 ) -> None:
     plain = _layers()
     model = GPipe(copy.deepcopy(plain), [2, 3], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
@@ -185,6 +185,51 @@ def test_backward_inputs_a_hook_runs_once_with_the_whole_gradient(
     _assert_same(_grads(model), _grads(plain))
 
 
+@pytest.mark.parametrize("how", ["inputs", "grad"])
+def test_backward_inputs_reaching_a_checkpointed_cell_with_hooked_parameters_is_refused(
+    how: str, engine_backward: None
+) -> None:
+    # The engine's way: such a cell keeps its parameters out of its node (a plain
+    # backward accumulates them itself, running their hooks per micro-batch).
+    model = GPipe(_layers(), [2, 3], chunks=3, checkpoint="always")
+    _p(model, 2).register_hook(lambda grad: grad)
+    x = torch.randn(6, 4, requires_grad=True)
+    loss = model(x).square().sum()
+    run = (
+        (lambda: loss.backward(inputs=[x]))
+        if how == "inputs"
+        else (lambda: torch.autograd.grad(loss, [x]))
+    )
+    with pytest.raises(RuntimeError, match=r"reached the checkpointed cell 1B2.*hooks"):
+        run()
+
+
+class _Scaled(nn.Module):
+    """A linear map times a tensor that is not a registered parameter (kept in a list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.kept = [torch.tensor(1.5, requires_grad=True)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.kept[0]
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_backward_inputs_a_plain_backward_reaches_tensors_that_are_not_parameters(
+    checkpoint: str, backward_by: str
+) -> None:
+    torch.manual_seed(0)
+    model = GPipe(nn.Sequential(_Scaled(), nn.Tanh()), [1, 1], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
+    plain = nn.Sequential(_Scaled(), nn.Tanh())
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    torch.testing.assert_close(model[0].kept[0].grad, plain[0].kept[0].grad)
+
+
 class Unused(nn.Module):
     """Identity, with a parameter the forward does not use."""
 
@@ -197,12 +242,9 @@ class Unused(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["backward", "inputs"])
-def test_backward_inputs_a_hooked_parameter_the_forward_left_unused(
-    how: str, backward_by: str
-) -> None:
+def test_backward_inputs_a_hooked_parameter_the_forward_left_unused(how: str) -> None:
     # Given None, the engine would call its hook with None; it gets zeros instead (the
     # plain model calls no hook and leaves .grad None: the one difference, see README).
-    # In the engine's way the checkpointed cell (the first micro-batch's) gives them.
     model = GPipe(nn.Sequential(nn.Linear(4, 4), Unused()), [1, 1], chunks=2)
     spare = _p(model, 1, "spare")
     seen: list[Tensor] = []

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torchgpipe.batchnorm import enter_cell, leave_cell
 from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
+from torchgpipe.grad_hooks import hooked
 from torchgpipe.guards import Restore
 from torchgpipe.microbatch import Spec, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
@@ -238,10 +239,15 @@ def call_stage(
 
 
 def _params(run: StepRun, s: int) -> list[Tensor]:
-    """Stage ``s``'s parameters that want a gradient, once per run (``checkpoint``'s)."""
+    """Stage ``s``'s parameters that want a gradient, once per run (``checkpoint``'s).
+
+    None where one has a hook: a checkpointed cell's plain backward accumulates into
+    ``.grad`` itself and gives the engine None for them, which it would hand the hooks.
+    """
     params = run.params.get(s)
     if params is None:
-        params = run.params[s] = trainable_params([run.partitions[s]])
+        params = trainable_params([run.partitions[s]])
+        params = run.params[s] = [] if any(map(hooked, params)) else params
     return params
 
 

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torchgpipe.grad_hooks import hooked, silenced
 from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import Spec, distinct_tensors, flatten, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness
@@ -126,6 +125,7 @@ class _Cell:
         self.record: Callable[[str, float, float], None] | None = None
         self.name = "B"  # in torch.profiler traces
         self.params: list[Tensor] = []  # inputs of the autograd function after the tensors
+        self.withheld = False  # parameters that want a gradient, not among params
 
     def call(self, tensors: Sequence[Tensor]) -> Any:
         return self.function(unflatten(_with_tensors(self.leaves, tensors), self.spec))
@@ -171,22 +171,34 @@ class _Checkpointed(torch.autograd.Function):
                 f"cell {cell.name}, whose recomputed graph is not differentiable again; "
                 f"use checkpoint='never' for gradients of gradients (a gradient penalty)"
             )
+        # A plain backward(): neither inputs= nor autograd.grad.
+        plain = torch.autograd._is_checkpoint_valid()
+        if not plain and cell.withheld:
+            raise RuntimeError(
+                f"torchgpipe: backward(inputs=...) or torch.autograd.grad reached the "
+                f"checkpointed cell {cell.name} of a partition whose backward runs in "
+                f"PyTorch's engine (a GPU's) and whose parameters have hooks (or are "
+                f"computed from other tensors): its recomputation cannot hand their "
+                f"gradients to the engine. Use checkpoint='never' for these, or a plain "
+                f"backward() and .grad"
+            )
         try:
-            return _recompute_backward(ctx, cell, grads, needs)
+            return _recompute_backward(ctx, cell, grads, needs, plain)
         except BaseException as error:
             add_note(error, f"torchgpipe: raised in {cell.name} (a checkpointed cell's backward)")
             raise
 
 
 def _recompute_backward(
-    ctx: Any, cell: _Cell, grads: tuple[Tensor | None, ...], needs: tuple[bool, ...]
+    ctx: Any, cell: _Cell, grads: tuple[Tensor | None, ...], needs: tuple[bool, ...], plain: bool
 ) -> tuple[Tensor | None, ...]:
-    """Recompute ``cell`` and backpropagate ``grads`` through it.
+    """Recompute ``cell`` and backpropagate ``grads`` through it; the gradients it gives.
 
-    Returns the gradients of its inputs and of its parameters, which the engine takes
-    in as it does the plain model's: it accumulates, captures or drops each as the
-    backward under way asks (``inputs=``, ``torch.autograd.grad``), and adds up every
-    micro-batch's share of a parameter's gradient before its hooks and ``.grad``.
+    In a ``plain`` backward every leaf the recomputed graph reaches accumulates its
+    ``.grad`` here, as reentrant checkpointing does (tensors a layer uses that are not
+    its registered parameters included), and the engine gets None for the parameters
+    given as inputs. Otherwise (``inputs=``, ``torch.autograd.grad``) it gets their
+    gradients, and accumulates, captures or drops each as for the plain model's graph.
     """
     # The guard holds until the recomputed graph is through: what it restores may be
     # saved in that graph.
@@ -201,25 +213,23 @@ def _recompute_backward(
         pairs = [
             (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
         ]
-        wanted = [x for x, need in zip(inputs, needs, strict=True) if need] + cell.params
-        found: Sequence[Tensor | None] = [None] * len(wanted)
-        if pairs and wanted:
-            with silenced(cell.params):  # the engine calls them once, on the sum
-                found = torch.autograd.grad(
-                    [y for y, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
-                )
+        ys, gs = [y for y, _ in pairs], [g for _, g in pairs]
+        wanted = [x for x, need in zip(inputs, needs, strict=True) if need]
+        if plain:
+            if pairs:
+                torch.autograd.backward(ys, gs)
+            found: Sequence[Tensor | None] = [x.grad for x in wanted] + [None] * len(cell.params)
+        else:
+            wanted += cell.params
+            found = [None] * len(wanted)
+            if pairs and wanted:
+                found = torch.autograd.grad(ys, wanted, gs, allow_unused=True)
         if cell.record is not None:
             cell.record("recompute", started, recomputed)
             cell.record("backward", recomputed, time.perf_counter())
     got = iter(found)
     grads_in = [next(got) if need else None for need in needs]
-    # A parameter the cell left unused: None, which the engine drops, but that it would
-    # hand to the parameter's hooks as it is: those get zeros (as from the workers).
-    grads_params = [
-        g if g is not None or not hooked(p) else torch.zeros_like(p)
-        for p, g in zip(cell.params, got, strict=True)
-    ]
-    return (None, None, *grads_in, *grads_params)
+    return (None, None, *grads_in, *got)
 
 
 def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any], list[Any]]:
@@ -327,9 +337,10 @@ def checkpoint(
     ``record``, when given, is told the spans of the recomputation and the backward;
     ``name`` names the recomputation and backward in ``torch.profiler`` traces.
     ``trainable`` says whether a parameter of ``function`` wants a gradient, and
-    ``params`` lists those parameters: inputs of the cell's autograd node, so that the
-    engine sees the cell reach them and takes in their gradients itself (see
-    :func:`_recompute_backward`).
+    ``params`` lists those parameters (leaves, unhooked: all or none): inputs of the
+    cell's autograd node, so that ``backward(inputs=...)`` and ``torch.autograd.grad``
+    reach the cell and get their gradients (see :func:`_recompute_backward`); where
+    some are left out, those backward passes are refused at the cell.
     """
     leaves, spec = flatten(value)
     shell, distinct = _without_tensors(leaves)
@@ -339,6 +350,7 @@ def checkpoint(
     cell.record = record
     cell.name = name
     cell.params = list(params)
+    cell.withheld = trainable and not cell.params
     tensors = tuple(distinct)
     # The phony makes the outputs want a gradient when a parameter does and none is given
     # in ``params``. With nothing to train and no input wanting a gradient, the outputs

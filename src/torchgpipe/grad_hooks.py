@@ -42,17 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = [
-    "SUMS_SHARES",
-    "Aside",
-    "Fate",
-    "dense",
-    "hooked",
-    "hooks_once",
-    "silenced",
-    "summed",
-    "when_taken",
-]
+__all__ = ["SUMS_SHARES", "Aside", "Fate", "dense", "hooked", "hooks_once", "summed", "when_taken"]
 
 _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
@@ -132,23 +122,6 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
                 for hook in list((p._post_accumulate_grad_hooks or {}).values()):
                     if _counts(hook, False):
                         hook(p)
-
-
-@contextmanager
-def silenced(params: Iterable[Tensor]) -> Iterator[None]:
-    """Every hook of ``params`` silent while entered (put back even where the block raises).
-
-    Around a backward that computes gradients the engine will take in later, as the
-    plain model's: a checkpointed cell's own backward in the engine's way
-    (``checkpoint.py``), whose ``torch.autograd.grad`` would otherwise call the hooks of
-    the parameters it captures, once per micro-batch.
-    """
-    hooks = [_Silenced(p) for p in params]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.restore()
 
 
 def when_taken(handed: Sequence[tuple[Tensor, Fate]], done: Callable[[], None]) -> None:
