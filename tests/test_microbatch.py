@@ -1,5 +1,5 @@
 import dataclasses
-from collections import Counter, OrderedDict, defaultdict, namedtuple
+from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
 from dataclasses import dataclass, field
 
 import pytest
@@ -404,3 +404,15 @@ def test_a_dict_dataclass_field_that_is_not_an_item_is_refused_by_name() -> None
     batch["x"] = torch.ones(4)
     with pytest.raises(TypeError, match="'ids' hold tensors but are not among its items"):
         scatter(batch, 2)
+
+
+@pytest.mark.parametrize("holder", [set, frozenset, deque])
+def test_a_set_or_deque_of_tensors_is_refused(holder: type) -> None:
+    # Neither split nor given gradients: each micro-batch would get the whole tensor.
+    with pytest.raises(TypeError, match=rf"input\[1\] is a {holder.__name__} holding tensors"):
+        scatter((torch.ones(4, 2), holder([torch.ones(4, 2)])), 2)
+
+
+def test_a_set_of_plain_values_passes() -> None:
+    (_, tags), _ = scatter((torch.ones(4, 2), {"a", "b"}), 2)
+    assert tags == {"a", "b"}

@@ -20,7 +20,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import reprlib
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,6 +139,8 @@ def _check_opaque(obj: Any, leaf: Any) -> None:
             if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
                 state[slot] = getattr(obj, slot)
     attributes = [name for name, v in state.items() if _holds_tensor(v, set())]
+    if isinstance(obj, AbstractSet | deque) and any(_holds_tensor(v, set()) for v in obj):
+        attributes.append("items")  # a set or deque: neither split nor given gradients
     if attributes:
         raise _OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
 
@@ -163,7 +167,14 @@ def _dataclass_template(value: Any, names: tuple[str, ...]) -> Any:
 def _opaque_error(value: Any, name: str, opaque: _OpaqueLeaf) -> TypeError:
     path = _path_to(value, opaque.leaf, name) or name
     kind = ("dataclass " if opaque.dataclass_ else "") + type(opaque.leaf).__name__
-    where = ", ".join(repr(a) for a in opaque.attributes)
+    if opaque.attributes == ["items"]:
+        return TypeError(
+            f"{path} is a {kind} holding tensors; the pipeline splits into micro-batches "
+            f"and cuts between partitions only the tensors in tuples, lists, dicts and "
+            f"dataclass fields, so these would be neither split nor given gradients; "
+            f"hold them in a tuple or list instead"
+        )
+    where = ", ".join(repr(a) for a in opaque.attributes if a != "items")
     fields = " but are not fields" if opaque.dataclass_ else ""
     if opaque.dataclass_ and isinstance(opaque.leaf, dict):
         fields = (
