@@ -546,7 +546,14 @@ def test_rng_a_recomputation_drawing_more_from_its_own_generator_fails(where: st
         else:  # computed in the recomputation of the checkpointed last cells only
             ScheduleGPipe(model, noisy).step(torch.randn(4, 4), torch.randn(4, 4))
 
-    with pytest.raises(RuntimeError, match="with a generator of its own more often"):
+    # The layer's extra call is refused as any random call its forward did not make;
+    # the loss's (the forward computes none) at the generator it brings.
+    match = (
+        "called rand as its random call 1, where its forward called nothing more"
+        if where == "layer"
+        else "with a generator of its own more often"
+    )
+    with pytest.raises(RuntimeError, match=match):
         run()
 
 
@@ -661,3 +668,44 @@ def test_the_seed_comes_from_the_cpu_generator_whatever_the_default_device() -> 
     torch.manual_seed(5)
     with torch.device("meta"):  # a default device that a context leaves as it was
         assert draw_seed() == expected  # a meta draw would have no value at all
+
+
+class _TagsOnce(nn.Module):
+    """Draws a tag outside recomputation only (as README warns against), then Dropout."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not is_recomputing():
+            self.tag = torch.rand(())
+        return F.dropout(x, 0.5)
+
+
+@pytest.mark.parametrize(
+    "layer", [_TagsOnce, lambda: nn.Sequential(nn.LazyLinear(4), nn.Dropout(0.5))]
+)
+@pytest.mark.parametrize("backward_by", ["workers", "engine"], indirect=True)
+def test_rng_a_recomputation_that_draws_otherwise_than_its_forward_is_refused(
+    layer: Callable[[], nn.Module], backward_by: str
+) -> None:
+    # Its Dropout masks would not be the forward's: a silently wrong gradient.
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), layer()), [1, 1], chunks=2, checkpoint="always")
+    loss = model(torch.randn(4, 4, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match=r"recomputation of a checkpointed cell called dropout"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backward_by", ["workers", "engine"], indirect=True)
+def test_rng_a_recomputation_that_stops_short_passes_the_check(backward_by: str) -> None:
+    # A lazy layer draws its weights in the first forward only; nothing is drawn after,
+    # so the recomputation's numbers are the forward's (none): as the plain model.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3))
+    plain(torch.randn(2, 4))  # its weights made, to be overwritten
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3)), [1, 1], chunks=2,
+                  checkpoint="always")  # fmt: skip
+    x = torch.randn(4, 4)
+    out = model(x)  # the lazy layer makes its weights in this forward
+    plain.load_state_dict(model.state_dict())
+    out.sum().backward()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -12,6 +12,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from torchgpipe.batchnorm import enter_cell, leave_cell
 from torchgpipe.checkpoint import checkpoint, differentiable
@@ -241,13 +242,15 @@ def call_stage(
 def _params(run: StepRun, s: int) -> list[Tensor]:
     """Stage ``s``'s parameters that want a gradient, once per run (``checkpoint``'s).
 
-    None where one has a hook: a checkpointed cell's plain backward accumulates into
-    ``.grad`` itself and gives the engine None for them, which it would hand the hooks.
+    None where one has a hook (a checkpointed cell's plain backward accumulates into
+    ``.grad`` itself and gives the engine None for them, which it would hand the hooks),
+    or is a lazy module's not made yet (its first forward makes it, changing its shape).
     """
     params = run.params.get(s)
     if params is None:
         params = trainable_params([run.partitions[s]])
-        params = run.params[s] = [] if any(map(hooked, params)) else params
+        withheld = any(hooked(p) or is_lazy(p) for p in params)
+        params = run.params[s] = [] if withheld else params
     return params
 
 

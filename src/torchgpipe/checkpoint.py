@@ -255,17 +255,24 @@ def aliases(leaves: Sequence[Any]) -> list[Any]:
 
 
 @contextmanager
-def recomputing(randomness: CellRandomness, state: ThreadState | None = None) -> Iterator[None]:
+def recomputing(
+    randomness: CellRandomness, state: ThreadState | None = None, loss: bool = False
+) -> Iterator[None]:
     """Around a cell's recomputation: the forward's random numbers, ``is_recomputing()``.
 
     ``state``, when given, is the caller's (grad mode forced on): the engine's thread,
     where a connected cell recomputes, has none of it; a rank's loop has entered it.
+    ``loss`` says the recomputation computes a loss its forward did not.
+
+    Raises:
+        RuntimeError: the recomputation called another random function than its
+            forward did at that point (its numbers would not be the forward's).
     """
     with ExitStack() as stack:
         if state is not None:
             stack.enter_context(state.apply(grad_enabled=True))
         stack.enter_context(set_flag("recomputing"))
-        stack.enter_context(randomness.replay())
+        stack.enter_context(randomness.replay(loss))
         yield
 
 

@@ -430,7 +430,7 @@ class StepRun:
         loss_fn = self.loss_fn if s == self.n - 1 else None  # the loss is part of the cell
         target = self._target(s, i, cell) if loss_fn is not None else None
         loss = None
-        with recomputing(cell.randomness):  # the rank's loop entered the caller's state
+        with recomputing(cell.randomness, loss=loss_fn is not None):  # (state: the loop's)
             leaves, aliased = fresh_leaves(cell.leaves, needs_per_leaf(cell))
             cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
             result = self._call(s, unflatten(aliased, cell.spec))

@@ -99,7 +99,13 @@ def random_functions() -> list[str]:
 class _CellGenerators(TorchFunctionMode):
     """Hands the cell's own generator to every random function called on this thread."""
 
-    def __init__(self, seed: int, given: list[Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        given: list[Tensor] | None = None,
+        replays: _CellGenerators | None = None,
+        more: bool = False,
+    ) -> None:
         super().__init__()
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -107,6 +113,13 @@ class _CellGenerators(TorchFunctionMode):
         # the forward, replayed by the recomputation (``given`` is the forward's list).
         self._record: list[Tensor] | None = [] if given is None else None
         self._replay = iter(given) if given is not None else None
+        # The random functions called, in order: a recomputation (``replays`` is its
+        # forward) must call the forward's, or its numbers from there on would differ
+        # from the forward's, silently. It may stop short (a lazy module's first forward
+        # made its weights) and, with ``more`` (a loss the forward did not compute), go on.
+        self.calls: list[Any] = []
+        self._replays = replays
+        self._more = more
 
     def generator(self, device: torch.device | str | int | None) -> torch.Generator | None:
         """The cell's generator for ``device``, made (and seeded) on first use."""
@@ -134,6 +147,9 @@ class _CellGenerators(TorchFunctionMode):
         handler = HANDLERS.get(func)
         if handler is None:  # most functions draw nothing: the fast way through
             return func(*args, **kwargs) if kwargs else func(*args)
+        if self._replays is not None:
+            self._check_call(func, self._replays.calls)
+        self.calls.append(func)
         kwargs = kwargs or {}
         if (
             kwargs.get("generator") is not None
@@ -143,6 +159,22 @@ class _CellGenerators(TorchFunctionMode):
         if "generator" in kwargs:  # generator=None, as torch.nn.init passes it on
             kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
         return handler(self, func, args, kwargs)
+
+    def _check_call(self, func: Any, forward: list[Any]) -> None:
+        """Refuse a recomputation's call of ``func`` where its forward called another."""
+        k = len(self.calls)
+        if (k < len(forward) and forward[k] is func) or (k >= len(forward) and self._more):
+            return
+        was = _name(forward[k]) if k < len(forward) else "nothing more"
+        raise RuntimeError(
+            f"torchgpipe: the recomputation of a checkpointed cell called {_name(func)} "
+            f"as its random call {k + 1}, where its forward called {was}, so its random "
+            f"numbers (Dropout's masks) from there on would not be the forward's and the "
+            f"gradients would be wrong: a layer draws only when not recomputing (under "
+            f"'if not is_recomputing()') or only when recomputing, or a lazy module "
+            f"(LazyLinear) made its weights in the forward. Draw alike in both (run one "
+            f"plain forward before wrapping lazy modules), or use checkpoint='never'"
+        )
 
     def _given(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with a generator of the caller's own (a layer's ``self.generator``).
@@ -248,11 +280,23 @@ class CellRandomness:
             self._forward = _CellGenerators(self.seed)
         return self._forward
 
-    def replay(self) -> _CellGenerators:
-        """Enter around the recomputation: it draws the numbers the forward drew."""
+    def replay(self, loss: bool = False) -> _CellGenerators:
+        """Enter around the recomputation: it draws the numbers the forward drew.
+
+        The recomputation must call the forward's random functions in the forward's
+        order; it may call fewer, and with ``loss`` (it computes a loss the forward did
+        not) more.
+
+        Raises:
+            RuntimeError: at a call of another random function than the forward's.
+        """
         forward = self._forward
         given = forward._record if forward is not None else None
-        return _CellGenerators(self.seed, given if given is not None else [])
+        return _CellGenerators(self.seed, given if given is not None else [], forward, loss)
+
+
+def _name(func: Any) -> str:
+    return str(getattr(func, "__name__", func))
 
 
 def _resolve(device: torch.device | str | int | None) -> torch.device:
