@@ -64,6 +64,20 @@ def test_demo_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         demo.parse_args(["--quick", "--timeline", "/no/such/folder/t.png"])
     assert "no folder '/no/such/folder' to draw it in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--quick", "--timeline", "t.xyz"])
+    assert "draws .png, .svg, .pdf, .jpg, .jpeg files, not .xyz" in capsys.readouterr().err
+
+    for lr in ("-1", "0", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--quick", "--lr", lr])
+        assert "--lr must be a positive finite number" in capsys.readouterr().err
+
+
+def test_demo_names_the_timeline_as_it_is_drawn() -> None:
+    # With no suffix, matplotlib draws a PNG and adds ".png": the demo says so.
+    assert demo.parse_args(["--quick", "--timeline", "step"]).timeline == "step.png"
+    assert demo.parse_args(["--quick", "--timeline", "step.svg"]).timeline == "step.svg"
 
 
 def test_demo_options_override_the_preset():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import sys
 import time
@@ -77,6 +78,7 @@ _QUICK = Config(
     checkpoint="except_last", lr=1e-2, seed=0, timeline="gpipe-timeline.png",
 )  # fmt: skip
 _POSITIVE = ("steps", "partitions", "chunks", "batch_size", "width", "layers")
+_PICTURES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")  # what --timeline can draw
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
@@ -121,6 +123,8 @@ def parse_args(argv: Sequence[str] | None) -> Config:
             parser.error(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(config, name)}"
             )
+    if not 0 < config.lr < math.inf:
+        parser.error(f"--lr must be a positive finite number, got {config.lr}")
     if config.partitions > config.layers + 1:
         parser.error(
             f"--partitions {config.partitions} is more than the model's {config.layers + 1} "
@@ -129,6 +133,15 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     folder = os.path.dirname(os.path.abspath(config.timeline)) if config.timeline else ""
     if folder and not os.path.isdir(folder):
         parser.error(f"--timeline {config.timeline!r}: no folder {folder!r} to draw it in")
+    if config.timeline:
+        suffix = os.path.splitext(config.timeline)[1].lower()
+        if not suffix:  # what matplotlib would draw, named as it is
+            config = replace(config, timeline=config.timeline + ".png")
+        elif suffix not in _PICTURES:
+            parser.error(
+                f"--timeline {config.timeline!r}: draws {', '.join(_PICTURES)} files, "
+                f"not {suffix}; name the file with one of those"
+            )
     return config
 
 
