@@ -1,5 +1,6 @@
 """Schedules as data: text form, validation with a dry run, simulation, grid."""
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -230,6 +231,16 @@ def test_interleaving_refuses_a_bad_number_of_virtual_stages() -> None:
         interleaved_one_f_one_b(2, 4, 1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"v \(the number of virtual stages .* got 0"):
         interleaved_one_f_one_b(2, 4, 0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_simulate_refuses_a_cost_not_finite_or_negative(bad: float) -> None:
+    # -1 gave a makespan, NaN a bubble of 0.
+    with pytest.raises(ValueError, match=r"0F0 costs .*: give finite costs, not negative"):
+        simulate(one_f_one_b(2, 2), {"F": bad, "B": 2})
+    with pytest.raises(ValueError, match=r"costs .*: give finite costs, not negative"):
+        simulate(one_f_one_b(2, 2), lambda a: bad if a.kind == "B" else 1.0)
+    assert simulate(one_f_one_b(2, 2), {"F": 0, "B": 1}).makespan == 2 + 2 - 1
 
 
 def test_simulate_names_the_kinds_of_action_without_a_cost() -> None:

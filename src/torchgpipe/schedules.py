@@ -16,14 +16,13 @@ Dependencies: ``F(s, i)`` after ``F(s - 1, i)``; ``B(s, i)`` after ``F(s, i)`` a
 every action is there once, on the rank of its stage, and that a dry run finishes; it
 names the step and the ranks where a bad table stalls. :func:`simulate` gives the
 makespan, the bubble fraction and the most micro-batches whose activations each stage
-holds at once, for given costs per kind of action.
-
-This module knows nothing of torch: the executors follow these tables; they do not
-decide them.
+holds at once, for given costs per kind of action. This module knows nothing of torch:
+the executors follow these tables; they do not decide them.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -174,11 +173,9 @@ class Schedule:
                 f"Schedule.parse: {text!r} holds no actions; write one line of actions per "
                 f"rank, as in '0F0 0B0\\n1F0 1B0'"
             )
-        return cls(
-            stages if stages is not None else 1 + max(a.stage for a in actions),
-            micro_batches if micro_batches is not None else 1 + max(a.i for a in actions),
-            ranks,
-        )
+        stages = 1 + max(a.stage for a in actions) if stages is None else stages
+        m = 1 + max(a.i for a in actions) if micro_batches is None else micro_batches
+        return cls(stages, m, ranks)
 
     def grid(self, *, steps: Sequence[Sequence[Action | None]] | None = None) -> str:
         """The table as text, a rank per row; with ``steps``, aligned by step (``.`` idle)."""
@@ -312,7 +309,8 @@ def simulate(
 
     Raises:
         ScheduleError: the schedule is not valid (see :meth:`Schedule.validate`).
-        ValueError: ``costs`` lacks a kind of action that the table has.
+        ValueError: ``costs`` lacks a kind of action that the table has, or gives one
+            a cost that is negative or not finite.
     """
     schedule.validate()
     if not callable(costs):
@@ -366,8 +364,10 @@ def timeline(
                 needs = action.needs(schedule.stages)
                 if any(d not in end for d in needs):
                     break
-                begin = max([free[r], *(end[d] for d in needs)])
-                start[action], end[action] = begin, begin + cost(action)
+                begin, took = max([free[r], *(end[d] for d in needs)]), cost(action)
+                if not 0 <= took < math.inf:  # NaN too
+                    raise ValueError(f"{action} costs {took}: give finite costs, not negative")
+                start[action], end[action] = begin, begin + took
                 free[r] = end[action]
                 position[r] += 1
                 remaining -= 1
