@@ -408,7 +408,10 @@ def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
             f"has {size} but {'; '.join(mismatched)}; every tensor leaf must share dim 0"
         )
     if size == 0:
-        raise ValueError(f"the {name} is an empty batch ({first_path} has size 0 in dim 0)")
+        raise ValueError(
+            f"the {name} is an empty batch ({first_path} has size 0 in dim 0), which "
+            f"splits into no micro-batch; skip empty batches before the pipeline"
+        )
     return size
 
 
@@ -454,7 +457,10 @@ def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
                 )
         return first
     if not all(is_tensor):
-        raise TypeError(f"{path} is a tensor in some micro-batches and not in others")
+        raise TypeError(
+            f"{path} is a tensor in some micro-batches and not in others; the outputs "
+            f"are joined leaf by leaf: return a tensor there from every micro-batch"
+        )
     if any(x.dim() == 0 for x in column):
         raise ValueError(
             f"{path} is a 0-dim tensor, which has no batch dimension to gather along; "
