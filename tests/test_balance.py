@@ -16,7 +16,7 @@ import torchgpipe.balance
 from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size, balance_by_time, profile
 from torchgpipe.balance.blockpartition import solve
-from torchgpipe.skip import Namespace, pop, skippable
+from torchgpipe.skip import Namespace, pop, skippable, stash
 
 
 def _largest(costs: list[float], balance: list[int]) -> float:
@@ -450,3 +450,27 @@ def test_balance_by_time_refuses_a_timeout_not_finite_positive(timeout: Any) -> 
 def test_balance_by_size_refuses_a_param_scale_not_finite_non_negative(scale: Any) -> None:
     with pytest.raises(ValueError, match="param_scale must be a finite non-negative number"):
         balance_by_size(1, nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2), param_scale=scale)
+
+
+@skippable(stash=["skip"])
+class _StashBig(nn.Module):
+    """Stashes a large tensor made from its input, and passes the input on."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x.repeat(1, 1000))
+        return x
+
+
+@skippable(pop=["skip"])
+class _PopSum(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip.sum()
+
+
+def test_balance_by_size_counts_the_skips_a_layer_stashes() -> None:
+    model = nn.Sequential(_StashBig(), nn.Linear(4, 4), _PopSum())
+    sizes = profile.layerwise_size(
+        model, torch.randn(8, 4), chunks=1, param_scale=0.0, device=torch.device("cpu")
+    )
+    assert sizes[0] >= 8 * 4000 * 4  # the stashed (8, 4000) float tensor

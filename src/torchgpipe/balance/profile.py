@@ -37,7 +37,13 @@ class _DetachingTracker(SkipTracker):
     modify it in place, which a leaf that wants a gradient refuses.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.stashed: list[Tensor] = []  # since last emptied: memory a layer left behind
+
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
+        if tensor is not None:
+            self.stashed.append(tensor)
         super().stash(key, None if tensor is None else _leaf(tensor))
 
     def pop(self, key: SkipKey) -> Tensor | None:
@@ -75,9 +81,10 @@ def _copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
 
 
 @contextmanager
-def _profiling() -> Iterator[None]:
-    with use_tracker(_DetachingTracker()), torch.enable_grad(), own_generators():
-        yield
+def _profiling() -> Iterator[_DetachingTracker]:
+    tracker = _DetachingTracker()
+    with use_tracker(tracker), torch.enable_grad(), own_generators():
+        yield tracker
 
 
 def layerwise_time(
@@ -129,14 +136,14 @@ def layerwise_size(
     Parameters that need grad count ``param_scale`` times (the gradient and optimizer
     state come with them); frozen ones count once.
 
-    A layer's activations are its output and the tensors it saves for backward, but
-    neither its input (the previous layer's output) nor its parameters, each storage
-    counted once.
+    A layer's activations are its output, the skips it stashes (kept until a later
+    layer pops them) and the tensors it saves for backward, but neither its input (the
+    previous layer's output) nor its parameters, each storage counted once.
     """
     micro_batch = scatter(map_tensors(lambda x: x.to(device), input), chunks)[0]
     sizes = []
     value = micro_batch
-    with _profiling():
+    with _profiling() as tracker:
         for layer in _copies(module, device):
             value = _fresh_input(value)
             known = {_storage(x) for x in _tensors(value)}
@@ -150,8 +157,10 @@ def layerwise_size(
                 output = layer(value)
             # After the call: a lazy layer makes its parameters there.
             known |= {_storage(p) for p in layer.parameters()}
-            for y in _tensors(output):
+            # Its outputs, and its skips: kept until a later layer pops them.
+            for y in [*_tensors(output), *tracker.stashed]:
                 saved[_storage(y)] = y.untyped_storage().nbytes()
+            tracker.stashed.clear()
             activations = sum(size for key, size in saved.items() if key not in known)
             trained = sum(_bytes(p) for p in layer.parameters() if p.requires_grad)
             frozen = sum(_bytes(p) for p in layer.parameters() if not p.requires_grad)
