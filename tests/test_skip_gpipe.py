@@ -138,6 +138,22 @@ def test_a_skip_changed_in_place_on_its_way_is_refused(
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_skipped_micro_batch_is_not_refused_for_another_changed_in_place(
+    checkpoint: str, backward_by: str
+) -> None:
+    # The stashed inputs are slices of one batch, sharing its version: the in-place
+    # ReLU on the next micro-batch moves it, but changes nothing this skip holds.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.ReLU(inplace=True), StashLinear(), nn.Linear(4, 4), PopAdd())
+    model = GPipe(copy.deepcopy(plain), [2, 1, 1], chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    model(x.clone()).square().sum().backward()
+    plain(x.clone()).square().sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_a_skip_changed_in_place_within_its_own_partition_is_fine() -> None:
     # Stash and pop in one partition: autograd sees the change, as in the plain model.
     torch.manual_seed(0)

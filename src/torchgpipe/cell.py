@@ -144,10 +144,12 @@ class SkipVersions:
     through it; the pipeline's would see the new values without the gradient's way
     through them, a silently wrong gradient. Such a skip is refused where it is popped
     (in one process: across processes the popping rank gets a copy, made when sent).
+    A tensor that shares its memory with others (a slice of a larger one) is not
+    checked: its version moves with theirs.
     """
 
     def __init__(self) -> None:
-        self._sent: dict[tuple[SkipKey, int], list[int]] = {}
+        self._sent: dict[tuple[SkipKey, int], list[int | None]] = {}
 
     def sent(self, key: SkipKey, i: int, value: Any) -> Any:
         """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is."""
@@ -170,8 +172,17 @@ class SkipVersions:
         return value
 
 
-def _versions(value: Any) -> list[int]:
-    return [x._version for x in flatten(value)[0] if isinstance(x, Tensor)]
+def _versions(value: Any) -> list[int | None]:
+    """The version of each tensor of ``value`` that has its memory to itself, else None.
+
+    A tensor in a larger memory (a micro-batch, a slice of the whole input) shares its
+    version with the rest: a layer changing another micro-batch in place would move it.
+    """
+    return [
+        x._version if x.untyped_storage().nbytes() <= x.numel() * x.element_size() else None
+        for x in flatten(value)[0]
+        if isinstance(x, Tensor)
+    ]
 
 
 def detach_all(leaves: list[Any]) -> list[Any]:
