@@ -130,6 +130,32 @@ def test_keyword_inputs_and_structured_outputs() -> None:
         stages({"x": x})
 
 
+class _KeywordOnlyAfterADefault(nn.Module):
+    """``forward(x, extra=None, *, feats)``: a given default before a keyword-only one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, extra: Tensor | None = None, *, feats: Tensor) -> Tensor:
+        h = self.first(x) + feats
+        if extra is not None:
+            h = h * extra
+        return self.second(h)
+
+
+def test_a_given_default_before_a_keyword_only_argument_splits() -> None:
+    # fx wrote the given argument with its default before the keyword-only one: a
+    # SyntaxError in its generated code.
+    torch.manual_seed(0)
+    model = _KeywordOnlyAfterADefault()
+    x, extra, feats = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    stages = split(model, {"x": x, "extra": extra, "feats": feats}, at=["second"])
+    got = stages({"x": x, "extra": extra, "feats": feats})
+    torch.testing.assert_close(got, model(x, extra, feats=feats), rtol=0, atol=0)
+
+
 def test_state_dict_keys_are_the_models_and_load_both_ways() -> None:
     model, ids, _ = _gpt()
     stages = split(model, ids, at=["blocks.2"])

@@ -186,6 +186,10 @@ def trace_forward(module: nn.Module, through: set[str], concrete: dict[str, Any]
     for node in reversed(list(graph.nodes)):
         if node in doomed:
             graph.erase_node(node)
+        elif node.op == "placeholder":
+            # Given, so its default is never used; and kept, a default before a
+            # keyword-only argument without one makes fx write invalid Python.
+            node.args = ()
     return graph
 
 
