@@ -1,15 +1,22 @@
 """Deferred batch norm, and plain batch norm under checkpointing."""
 
 import copy
+import pickle
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
-from torchgpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from torchgpipe.batchnorm import (
+    DeferredBatchNorm,
+    convert_deferred_batch_norm,
+    expect_micro_batches,
+)
 from torchgpipe.microbatch import scatter
 
 
@@ -42,7 +49,9 @@ def test_convert_defers_every_batch_norm_in_place() -> None:
         assert isinstance(layer, DeferredBatchNorm)
         assert isinstance(layer, cls)
         assert type(layer).__name__ == f"Deferred{cls.__name__}"
-    assert type(model[0]) is type(convert_deferred_batch_norm(nn.BatchNorm1d(2))[0])  # one per class
+    assert type(model[0]) is type(
+        convert_deferred_batch_norm(nn.BatchNorm1d(2))[0]
+    )  # one per class
     after = model.state_dict(keep_vars=True)
     assert list(after) == list(before)
     assert all(after[k] is before[k] for k in before)  # the same tensors, not copies
@@ -208,7 +217,7 @@ def test_float32_statistics_keep_their_precision_with_large_means(chunks: int) -
 
 def test_lazy_batch_norm_must_be_initialized_first() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d())
-    with pytest.raises(ValueError, match=r"\['1'\] are lazy and not initialized yet"):
+    with pytest.raises(ValueError, match=r"1 \(lazy, not initialized yet: run the model once"):
         GPipe(model, [1, 1], deferred_batch_norm=True)
     assert not isinstance(model[1], DeferredBatchNorm)  # nothing was changed
     model(torch.randn(3, 4))  # initialized by a first run, it converts
@@ -517,3 +526,452 @@ def test_a_layer_on_its_own_counts_each_call_as_a_micro_batch() -> None:
     torch.testing.assert_close(layer.running_mean, plain.running_mean)
     torch.testing.assert_close(layer.running_var, plain.running_var)
     assert int(layer.num_batches_tracked) == 1
+
+
+# Conversion in place: each layer stays the object it was, an instance of its class,
+# with everything it holds. A fresh DeferredBatchNorm took its place before, with its
+# weight and running statistics only.
+
+
+class _ScaledBatchNorm(nn.BatchNorm1d):
+    """A subclass with a forward, a parameter and a buffer of its own."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.gain = nn.Parameter(torch.linspace(0.5, 2.0, num_features))
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, num_features))
+
+    def forward(self, input: Tensor) -> Tensor:
+        return super().forward(input) * self.gain + self.offset
+
+
+class _Positive(nn.Module):
+    """A parametrization: the weight used is positive."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight.abs() + 0.5
+
+
+def _mlp_with(layer: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 4), layer, nn.Linear(4, 2)).double()
+
+
+def _check_against_the_plain_model(plain: nn.Module, model: GPipe, chunks: int) -> None:
+    """The pipeline's outputs, gradients, running statistics and state dict are the plain
+    model's: each micro-batch through a copy of it for the outputs and gradients, the
+    whole mini-batch through it for the running statistics."""
+    assert list(model.state_dict()) == list(plain.state_dict())
+    per_micro_batch = copy.deepcopy(plain)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    expected = torch.cat([per_micro_batch(piece) for piece in scatter(x, chunks)])
+    expected.square().sum().backward()
+    output = model(x)
+    output.square().sum().backward()
+    torch.testing.assert_close(output, expected)
+    grads = dict(per_micro_batch.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads[name].grad, msg=name)
+    plain(x)
+    _assert_same_running_stats(model, plain)
+    model.eval()
+    plain.eval()
+    torch.testing.assert_close(model(x), plain(x))
+    model.train()
+    plain.train()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_subclass_keeps_its_forward_parameters_and_buffers(checkpoint: str) -> None:
+    # Its forward, gain and offset were dropped: the outputs differed, and the plain
+    # model's state dict no longer loaded ("Unexpected key(s): 1.gain, 1.offset").
+    plain = _mlp_with(_ScaledBatchNorm(4))
+    model = GPipe(
+        copy.deepcopy(plain), [2, 1], chunks=2, checkpoint=checkpoint, deferred_batch_norm=True
+    )
+    assert isinstance(model[1], _ScaledBatchNorm)
+    assert isinstance(model[1], DeferredBatchNorm)
+    _check_against_the_plain_model(plain, model, chunks=2)
+    model.load_state_dict(plain.state_dict())  # strict: the keys are the plain model's
+
+
+def test_a_subclass_keeps_its_own_input_check() -> None:
+    class Only3d(nn.BatchNorm1d):
+        def _check_input_dim(self, input: Tensor) -> None:
+            if input.dim() != 3:
+                raise ValueError(f"Only3d takes (N, C, L), got {input.dim()}-D")
+
+    model = GPipe(nn.Sequential(Only3d(4)), [1], chunks=2, deferred_batch_norm=True)
+    with pytest.raises(ValueError, match=r"Only3d takes \(N, C, L\), got 2-D"):
+        model(torch.randn(8, 4))
+
+
+def test_hooks_on_a_layer_still_run() -> None:
+    # The hooks stayed on the layer replaced: they ran no more under the pipeline.
+    calls: list[str] = []
+
+    def before(module: nn.Module, args: tuple[Tensor]) -> None:
+        calls.append("pre")
+
+    def after(module: nn.Module, args: tuple[Tensor], output: Tensor) -> Tensor:
+        calls.append("hook")
+        return output * 0.5 + 1
+
+    plain = _mlp_with(nn.BatchNorm1d(4))
+    plain[1].register_forward_pre_hook(before)
+    plain[1].register_forward_hook(after)
+    model = GPipe(
+        copy.deepcopy(plain), [2, 1], chunks=2, checkpoint="never", deferred_batch_norm=True
+    )
+    _check_against_the_plain_model(plain, model, chunks=2)  # the hook halves the output
+    calls.clear()
+    model(torch.randn(8, 3, dtype=torch.float64))
+    assert calls == ["pre", "hook"] * 2  # once per micro-batch, as any layer's
+
+
+def test_a_parametrized_weight_is_kept() -> None:
+    # Refused before, with torch's "cannot assign 'torch.DoubleTensor' as parameter".
+    plain = _mlp_with(nn.BatchNorm1d(4))
+    parametrize.register_parametrization(plain[1], "weight", _Positive())
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2, deferred_batch_norm=True)
+    assert isinstance(model[1], DeferredBatchNorm)
+    assert parametrize.is_parametrized(model[1], "weight")
+    assert type(plain[1]).__name__ == "ParametrizedBatchNorm1d"  # the plain one untouched
+    _check_against_the_plain_model(plain, model, chunks=2)
+    # Removing the parametrization puts back the class beneath it: the deferred one.
+    parametrize.remove_parametrizations(model[1], "weight")
+    assert type(model[1]).__name__ == "DeferredBatchNorm1d"
+    model(torch.randn(8, 3, dtype=torch.float64))
+    assert int(model[1].num_batches_tracked) == 2
+
+
+def test_deferred_layers_are_still_instances_of_their_class() -> None:
+    # isinstance(layer, nn.BatchNorm2d) was False after conversion: freezing batch norm
+    # layers by their class, a common idiom, silently left them training.
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2, deferred_batch_norm=True)
+    for m in (plain, model):
+        for layer in m.modules():
+            if isinstance(layer, nn.BatchNorm2d):
+                layer.eval()
+    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    torch.testing.assert_close(model(x), plain(x))
+    _assert_same_running_stats(model, plain)
+    assert int(model[1].num_batches_tracked) == 0
+
+
+def test_gpipe_defers_the_users_own_layers() -> None:
+    # GPipe takes the user's layers; the user's references to them stay the model's.
+    bn = nn.BatchNorm1d(4).double()
+    layers = nn.Sequential(nn.Linear(3, 4).double(), bn)
+    plain = copy.deepcopy(layers)
+    model = GPipe(layers, [1, 1], chunks=2, deferred_batch_norm=True)
+    assert model[1] is bn
+    assert layers[1] is bn
+    assert isinstance(bn, DeferredBatchNorm)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    model(x)
+    plain(x)
+    torch.testing.assert_close(bn.running_mean, plain[1].running_mean)
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_a_converted_layer_survives_pickle_and_deepcopy() -> None:
+    # Its class is made at run time; pickle names the class it was made from instead.
+    model = DeferredBatchNorm.convert_deferred_batch_norm(_mlp_with(_ScaledBatchNorm(4)), chunks=3)
+    for again in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert type(again[1]) is type(model[1])
+        assert again[1].chunks == 3
+        assert list(again.state_dict()) == list(model.state_dict())
+        x = torch.randn(6, 3, dtype=torch.float64)
+        torch.testing.assert_close(again.eval()(x), model.eval()(x))
+
+
+def test_sync_batch_norm_in_one_process_is_deferred() -> None:
+    plain = _mlp_with(nn.SyncBatchNorm(4))
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2, deferred_batch_norm=True)
+    assert isinstance(model[1], nn.SyncBatchNorm)
+    assert isinstance(model[1], DeferredBatchNorm)
+    _check_against_the_plain_model(plain, model, chunks=2)
+
+
+def test_sync_batch_norm_that_would_synchronize_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Deferred batch norm does not synchronize: that silently normalized and tracked
+    # one process's statistics where SyncBatchNorm would have used the group's.
+    model = GPipe(_mlp_with(nn.SyncBatchNorm(4)), [2, 1], chunks=2, deferred_batch_norm=True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="across the 2 processes of its group"):
+        model(x)
+    model.eval()
+    model(x)  # evaluation synchronizes nothing
+
+
+class _OwnSyncForward(nn.SyncBatchNorm):
+    """A forward of its own over SyncBatchNorm's, beneath which nothing can be put."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return super().forward(input) * 2
+
+
+def test_convert_refuses_every_layer_whose_forward_it_cannot_take_over() -> None:
+    model = nn.Sequential(
+        nn.Linear(3, 4), _OwnSyncForward(4), nn.BatchNorm1d(4), nn.Sequential(_OwnSyncForward(4))
+    )
+    message = (
+        r"cannot be deferred: 1 \(_OwnSyncForward's forward runs SyncBatchNorm's, not "
+        r"BatchNorm's\); 3\.0 \(.*\); use torch's BatchNorm1d/2d/3d there"
+    )
+    with pytest.raises(ValueError, match=message):
+        GPipe(model, [2, 2], deferred_batch_norm=True)
+    assert type(model[2]) is nn.BatchNorm1d  # nothing was converted
+    assert type(model[1]) is _OwnSyncForward
+
+
+# Found by review of the conversion in place.
+
+
+class _BatchNormAct(nn.BatchNorm1d):
+    """Batch norm done by its own forward, with F.batch_norm (timm's BatchNormAct2d)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        output = F.batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias,
+            self.training, self.momentum, self.eps,
+        )  # fmt: skip
+        return F.relu(output)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_subclass_forward_that_does_batch_norm_itself_is_refused(checkpoint: str) -> None:
+    # Converted but never deferred: its statistics were updated per micro-batch, and
+    # under checkpointing its recomputation updated them again (8 where 4).
+    plain = _mlp_with(_BatchNormAct(4))
+    model = GPipe(
+        copy.deepcopy(plain), [2, 1], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True
+    )
+    x = torch.randn(16, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"_BatchNormAct\.forward changed its running statis"):
+        model(x)
+    with pytest.raises(ValueError, match=r"call super\(\)\.forward\(input\) to normalize"):
+        model[1](torch.randn(8, 4, dtype=torch.float64))  # on its own too
+    # Without deferral: once per micro-batch, as the plain layer fed each in turn.
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=4, checkpoint=checkpoint)
+    model(x).square().sum().backward()
+    for piece in scatter(x, 4):
+        plain(piece)
+    _assert_same_statistics(model[1], plain[1])
+    assert int(model[1].num_batches_tracked) == 4
+
+
+class _FrozenInTraining(nn.BatchNorm1d):
+    """A forward that normalizes with the running statistics, and leaves them be."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+        )
+
+
+def test_a_subclass_forward_that_keeps_the_statistics_as_they_are_runs() -> None:
+    plain = _mlp_with(_FrozenInTraining(4))
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(16, 3, dtype=torch.float64)
+    torch.testing.assert_close(model(x), plain(x))
+    _assert_same_statistics(model[1], plain[1])
+
+
+class _CountingBatchNorm(nn.BatchNorm1d):
+    """BatchNorm's forward, and a count of its own calls in ``num_batches_tracked``."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        output = super().forward(input)
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return output
+
+
+def test_a_recomputation_puts_back_what_a_deferred_subclass_forward_changes() -> None:
+    # Deferred layers were left out of freeze_running_stats: what a subclass's forward
+    # changed besides the deferred statistics, its recomputation changed again.
+    plain = _mlp_with(_CountingBatchNorm(4))
+    x = torch.randn(16, 3, dtype=torch.float64)
+    counts = []
+    for checkpoint in ("always", "never"):
+        model = GPipe(
+            copy.deepcopy(plain), [2, 1], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True
+        )
+        model(x).square().sum().backward()
+        counts.append(int(model[1].num_batches_tracked))
+    assert counts == [5, 5]  # one mini-batch, and four calls of its own
+
+
+class _Decaying(nn.BatchNorm1d):
+    """A buffer of its own that its forward changes: a scale halved at each call."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.register_buffer("scale", torch.ones(num_features))
+
+    def forward(self, input: Tensor) -> Tensor:
+        output = super().forward(input) * self.scale
+        if self.training:
+            self.scale = self.scale * 0.5
+        return output
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_batch_norm_subclass_buffer_is_restored_for_the_recomputation(deferred: bool) -> None:
+    # A batch-norm layer's buffers were all left to freeze_running_stats, which knows
+    # the running statistics only: the recomputation read the scale the later
+    # micro-batches had left, and the gradients differed from the plain model's.
+    plain = nn.Sequential(nn.Linear(3, 4), _Decaying(4), nn.Linear(4, 2)).double()
+    model = GPipe(
+        copy.deepcopy(plain), [1, 2], chunks=4, checkpoint="always", deferred_batch_norm=deferred
+    )
+    x = torch.randn(16, 3, dtype=torch.float64)
+    model(x).square().sum().backward()
+    torch.cat([plain(piece) for piece in scatter(x, 4)]).square().sum().backward()
+    for (name, ours), (_, theirs) in zip(
+        model.named_parameters(), plain.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+    torch.testing.assert_close(model[1].scale, plain[1].scale)
+
+
+def test_other_holders_of_a_converted_layer_see_it_deferred() -> None:
+    # Documented, not refused: a DeferredBatchNorm of one's own inside a GPipe without
+    # the flag is torchgpipe 0.0.7's usage. Give GPipe a copy to keep the layer plain.
+    bn = nn.BatchNorm1d(4).double()
+    other = nn.Sequential(nn.Identity(), bn)  # another model holding the same layer
+    model = GPipe(nn.Sequential(nn.Identity(), bn), [1, 1], chunks=2, deferred_batch_norm=True)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    model(x)
+    assert isinstance(other[1], DeferredBatchNorm)
+    assert int(bn.num_batches_tracked) == 1
+    other(x)
+    assert int(bn.num_batches_tracked) == 1  # the first of 2 micro-batches, as GPipe's
+    other(x)
+    assert int(bn.num_batches_tracked) == 2
+
+
+class _GhostBatchNorm(nn.BatchNorm1d):
+    """Normalizes ``chunks`` virtual batches apart: an attribute ``chunks`` of its own."""
+
+    def __init__(self, num_features: int, chunks: int) -> None:
+        super().__init__(num_features)
+        self.chunks = chunks
+
+    def forward(self, input: Tensor) -> Tensor:
+        normalize = super().forward  # outside the comprehension, its own scope on 3.11
+        return torch.cat([normalize(piece) for piece in input.chunk(self.chunks)])
+
+
+class _WithExpect(nn.BatchNorm1d):
+    """A method ``expect`` of its own."""
+
+    def expect(self, shape: tuple[int, ...]) -> None:
+        raise AssertionError("the user's expect, called by the library")
+
+
+@pytest.mark.parametrize("layer", [_GhostBatchNorm(4, chunks=2), _WithExpect(4)])
+def test_a_subclass_keeps_its_own_chunks_and_expect(layer: nn.Module) -> None:
+    # The deferred layer's chunks overwrote the ghost batch norm's at each mini-batch
+    # (4 virtual batches where 2); a class's own expect was called in its place.
+    plain = _mlp_with(layer)
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(16, 3, dtype=torch.float64)
+    expected = torch.cat([copy.deepcopy(plain)(piece) for piece in scatter(x, 4)])
+    torch.testing.assert_close(model(x), expected)
+    if isinstance(layer, _GhostBatchNorm):
+        assert model[1].chunks == 2
+        return
+    plain(x)
+    _assert_same_statistics(model[1], plain[1])
+
+
+def test_chunks_of_a_layer_on_its_own_is_set_through_the_tally() -> None:
+    layer = DeferredBatchNorm(4, chunks=2).double()
+    layer.chunks = 3
+    for _ in range(2):
+        layer(torch.randn(4, 4, dtype=torch.float64))
+    assert int(layer.num_batches_tracked) == 0  # 3 micro-batches now
+    expect_micro_batches(layer, 2)
+    assert layer.chunks == 2
+    with pytest.raises(ValueError, match="chunks must be a positive number"):
+        layer.chunks = 0
+
+
+def test_float16_running_variance_stays_finite() -> None:
+    # The variance, over float16's largest value, was cast before the blend: inf.
+    x = (torch.randn(64, 4, generator=torch.Generator().manual_seed(0)) * 300).half()
+    plain = nn.BatchNorm1d(4).half()
+    deferred = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain), chunks=2)
+    plain(x)
+    for piece in x.chunk(2):
+        deferred(piece)
+    torch.testing.assert_close(deferred.running_var, plain.running_var, rtol=2e-3, atol=0)
+    torch.testing.assert_close(deferred.running_mean, plain.running_mean, rtol=2e-3, atol=0.1)
+
+
+class _Positives(nn.Module):
+    """The rows whose first value is positive: none in some micro-batches."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[x[:, 0] > 0]
+
+
+def test_an_empty_micro_batch_leaves_the_statistics_as_batch_norm_does() -> None:
+    # Its mean, 0 / 0, made the running statistics NaN.
+    plain = nn.Sequential(_Positives(), nn.BatchNorm1d(2)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(16, 2, dtype=torch.float64).abs()
+    x[4:8, 0] = -1  # the second micro-batch has none
+    model(x)
+    plain(x)
+    _assert_same_statistics(model[1], plain[1])
+    nothing = -x.abs()
+    model(nothing)  # every micro-batch empty: counted, the statistics as they are
+    plain(nothing)
+    _assert_same_statistics(model[1], plain[1])
+    assert int(model[1].num_batches_tracked) == 2
+
+
+class _Registered(nn.BatchNorm1d):
+    """Subclasses must name a key (a registry of classes)."""
+
+    def __init_subclass__(cls, key: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+
+
+class _Mine(_Registered, key="mine"):
+    pass
+
+
+def test_a_class_that_refuses_a_subclass_is_named_and_nothing_converted() -> None:
+    # The layers before it were converted, and the class's TypeError came out bare.
+    model = nn.Sequential(nn.BatchNorm1d(4), _Mine(4))
+    with pytest.raises(ValueError, match=r"1 \(_Mine refused a subclass: TypeError\(.*'key'"):
+        GPipe(model, [1, 1], deferred_batch_norm=True)
+    assert type(model[0]) is nn.BatchNorm1d
+    assert type(model[1]) is _Mine
+
+
+def test_a_shallow_copy_has_a_tally_of_its_own() -> None:
+    layer = DeferredBatchNorm(4, chunks=2, momentum=None).double()
+    first, second = torch.randn(2, 8, 4, dtype=torch.float64)
+    layer(first)
+    twin = copy.copy(layer)  # shares the running statistics, as a shallow copy does
+    twin(second)
+    layer(second)  # its own second micro-batch: it updates too
+    assert int(layer.num_batches_tracked) == 2
+
+
+def _assert_same_statistics(ours: nn.Module, theirs: nn.Module) -> None:
+    assert isinstance(ours, _BatchNorm)
+    assert isinstance(theirs, _BatchNorm)
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+    torch.testing.assert_close(ours.running_var, theirs.running_var)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked)

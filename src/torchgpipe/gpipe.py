@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import pipeline
-from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.batchnorm import convert_deferred_batch_norm, expect_micro_batches
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
@@ -93,11 +93,13 @@ class GPipe(PlacedModule, StageHolder):
             batch is smaller).
         checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the last)
             or ``'never'``. Nothing is checkpointed in eval mode or without grad.
-        deferred_batch_norm: replace every batch-norm layer with a
-            :class:`~torchgpipe.batchnorm.DeferredBatchNorm` (in place, sharing its
-            parameters and buffers), whose running statistics are updated once per
-            mini-batch from the statistics of the whole mini-batch. Without it, each
-            micro-batch updates them, once (recomputation does not).
+        deferred_batch_norm: make every batch-norm layer a
+            :class:`~torchgpipe.batchnorm.DeferredBatchNorm`, whose running statistics
+            are updated once per mini-batch from the statistics of the whole
+            mini-batch. In place: each layer stays the object it was (its class becomes
+            a deferred subclass of its own), so whatever else holds it sees it
+            deferred. Without it, each micro-batch updates them, once (recomputation
+            does not).
         init: for a model built on the meta device (``with torch.device("meta")``),
             a function that fills each layer once it is allocated on its partition's
             device. Default: each module's own ``reset_parameters()``
@@ -174,8 +176,8 @@ class GPipe(PlacedModule, StageHolder):
         state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
         fill = check_materializable(layers, init=init, state_dict=state_dict)
         # Every check has passed: from here on the module is changed (batch norm layers
-        # replaced in place, as torchgpipe did) and placed; a refusal that comes only
-        # now (a reset that left a tensor unfilled) puts it back as it was.
+        # given a deferred class; torchgpipe also changed the model in place) and placed;
+        # a refusal that comes only now (a reset that left a tensor unfilled) puts it back.
         undo = Undo(module, loaded=fill.loaded(layers))
         try:
             self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
@@ -344,8 +346,9 @@ class GPipe(PlacedModule, StageHolder):
 
     def expect_micro_batches(self, m: int) -> None:
         """Tell deferred batch norm layers that the next mini-batch comes in ``m`` pieces."""
+        # A function, not layer.expect(m): a layer's class may have an expect of its own.
         for layer in self._deferred:
-            layer.expect(m)
+            expect_micro_batches(layer, m)
 
     def stages_for(self, m: int) -> Stages:
         """The partitions as the stages of a training step of ``m`` micro-batches.

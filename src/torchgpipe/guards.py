@@ -9,12 +9,16 @@ state the forward computed from:
   forward used the tensors it was given, which are gone from the modules by the time
   of backward: the recomputation puts them back (so their gradients are theirs).
 - Batch norm's running statistics are updated by the forward and put back after the
-  recomputation (:func:`~torchgpipe.batchnorm.freeze_running_stats`). Training-mode
-  batch norm does not read them, so the recomputation computes what the forward did.
+  recomputation (:func:`freeze_running_stats`). Training-mode batch norm does not read
+  them, so the recomputation computes what the forward did. Deferred batch norm's too:
+  the deferred forward leaves them alone in a recomputation, but a subclass's forward
+  around it may change them besides (batchnorm.py refuses one that changes them
+  instead of calling it).
 - Any other buffer that a layer changes in its forward (spectral norm's power
-  iteration, a step counter) is set, for the recomputation, to a copy of the value the
-  cell's forward started from, and then back to the value the later forwards left:
-  the recomputed weight is the forward's, and the buffer ends as in the plain model.
+  iteration, a step counter, a batch-norm subclass's own buffer) is set, for the
+  recomputation, to a copy of the value the cell's forward started from, and then back
+  to the value the later forwards left: the recomputed weight is the forward's, and
+  the buffer ends as in the plain model.
 
 Which buffers a forward changes (in place, or by assigning a new tensor) is learned at
 the partition's first checkpointed forward, which keeps a copy of each before it runs;
@@ -30,16 +34,18 @@ from the modules as they are then) lives with the run and its cells.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torchgpipe.batchnorm import DeferredBatchNorm, freeze_running_stats
+__all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards", "freeze_running_stats"]
 
-__all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards"]
+# What batch norm tracks, which freeze_running_stats puts back: not kept as other buffers.
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 # Per buffer: the tensor before the forward, its version then, and a copy where needed.
 Kept = list[tuple[Tensor, int, Tensor | None]]
@@ -78,12 +84,15 @@ class RunGuard:
         self.parameters: list[tuple[nn.Module, str]] = []
         for module in guard.partition.modules():
             self.parameters += [(module, n) for n, p in module._parameters.items() if p is not None]
-            if isinstance(module, DeferredBatchNorm):
-                continue  # its recomputation never updates what it tracks
+            tracked: tuple[str, ...] = ()
             if isinstance(module, _BatchNorm) and module.track_running_stats:
-                self.batch_norms.append(module)
-                continue
-            self.buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
+                self.batch_norms.append(module)  # deferred too: see the module's docstring
+                tracked = _RUNNING_STATS
+            self.buffers += [
+                (module, n)
+                for n, b in module._buffers.items()
+                if b is not None and n not in tracked
+            ]
         self.used: list[Tensor | None] | None = None  # the parameters the forwards used
         self.swaps: Swaps | None = None  # those the modules no longer hold, once checked
 
@@ -197,3 +206,24 @@ class RunGuards:
                 return None
             made = self._made[s] = guard.for_run()
         return made
+
+
+@contextmanager
+def freeze_running_stats(modules: Sequence[_BatchNorm]) -> Iterator[None]:
+    """Put the running statistics of ``modules`` back as they were when the block ends."""
+    saved = [[t.clone() for t in _tracked(m) if t is not None] for m in modules]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, tensors in zip(modules, saved, strict=True):
+                current = [t for t in _tracked(m) if t is not None]
+                for now, before in zip(current, tensors, strict=True):
+                    # Through .data: the graphs of other micro-batches saved these
+                    # tensors (batch norm's backward in training mode does not read
+                    # them), and a version bump would fail their backward's checks.
+                    now.data.copy_(before)
+
+
+def _tracked(m: _BatchNorm) -> tuple[Tensor | None, ...]:
+    return (m.running_mean, m.running_var, m.num_batches_tracked)

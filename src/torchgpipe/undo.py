@@ -15,8 +15,8 @@ __all__ = ["Undo"]
 class Undo:
     """What every module of a model holds now: its parameters, buffers and children.
 
-    Building on a model changes it in place: batch norm layers replaced by deferred
-    ones, tied weights given a copy per partition, meta layers allocated and filled,
+    Building on a model changes it in place: batch norm layers given a deferred
+    class, tied weights given a copy per partition, meta layers allocated and filled,
     layers moved to their devices. Some refusals come only once that began (a reset
     that left a tensor as allocated, another process that failed to start); calling
     the ``Undo`` then puts every module's tensors and children back, the values of the
@@ -33,6 +33,8 @@ class Undo:
         self._kept = [
             (
                 m,
+                type(m),  # deferred batch norm changes a layer's class
+                set(vars(m)),  # and adds attributes
                 dict(m._parameters),
                 dict(m._buffers),
                 dict(m._modules),
@@ -48,7 +50,10 @@ class Undo:
 
     def __call__(self) -> None:
         """Put back what every module held when the ``Undo`` was made."""
-        for module, parameters, buffers, children, data in self._kept:
+        for module, cls, names, parameters, buffers, children, data in self._kept:
+            module.__class__ = cls
+            for name in set(vars(module)) - names:
+                delattr(module, name)
             _refill(module._parameters, parameters)
             _refill(module._buffers, buffers)
             _refill(module._modules, children)

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torchgpipe.batchnorm import convert_deferred_batch_norm
+from torchgpipe.batchnorm import convert_deferred_batch_norm, expect_micro_batches
 from torchgpipe.devices import Device, PlacedModule, as_device
 from torchgpipe.distributed.checks import check_placement, check_rank, fingerprint, start_together
 from torchgpipe.distributed.collect import clip_across, collect, refuse
@@ -430,8 +430,8 @@ class PipelineStage(PlacedModule, StageHolder):
 
     def expect_micro_batches(self, m: int) -> None:
         """Tell this process's deferred batch norm layers the next step's ``m``."""
-        for layer in self._deferred:
-            layer.expect(m)
+        for layer in self._deferred:  # not layer.expect: its class may have its own
+            expect_micro_batches(layer, m)
 
     def _owner(self, stage: int) -> int:
         return stage % self.world_size
