@@ -458,11 +458,11 @@ def _checked_forward(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
         output = own(self, *args, **kwargs)
         if tally.forwards == forwards and not _same(before, _running_stats(self)):
             raise ValueError(
-                f"{name}.forward changed its running statistics without calling "
-                f"BatchNorm's forward (super().forward), which deferred batch norm "
-                f"replaces: they were updated per micro-batch, not once per mini-batch; "
-                f"make {name}.forward call super().forward(input) to normalize, or pass "
-                f"deferred_batch_norm=False"
+                f"{name}.forward changed its running statistics without reaching the "
+                f"deferred forward (it calls F.batch_norm, or BatchNorm's forward by name, "
+                f"not super().forward): they were updated for this micro-batch, not once "
+                f"per mini-batch. Make {name}.forward call super().forward(input); or build "
+                f"the model anew (its layers stay converted), with deferred_batch_norm=False"
             )
         return output
 
