@@ -337,3 +337,19 @@ def test_copies_of_a_gpipe_with_skips_work(isolated: bool, how: str) -> None:
     x = torch.randn(4, 3)
     torch.testing.assert_close(copied(x), model(x))
     assert [r.crosses for r in copied.skip_layout.routes] == [True]
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_a_skip_that_is_the_output_itself_in_the_callers_graph_is_not_refused(
+    checkpoint: str, engine_backward: None
+) -> None:
+    # One micro-batch on the engine's way: the cell hands on the very tensor it stashed,
+    # and autograd sees the in-place change, as in the plain model.
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), nn.ReLU(inplace=True), nn.Linear(4, 4), PopAdd())
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=1, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(4, 4)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

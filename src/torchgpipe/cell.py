@@ -148,18 +148,33 @@ class SkipVersions:
     checked: its version moves with theirs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, m: int) -> None:
         self._sent: dict[tuple[SkipKey, int], list[int | None]] = {}
+        self._one = m == 1  # micro-batches of the step
 
-    def sent(self, key: SkipKey, i: int, value: Any) -> Any:
-        """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is."""
-        self._sent[(key, i)] = _versions(value)
+    def sent(self, key: SkipKey, i: int, value: Any, output: Any = None) -> Any:
+        """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is.
+
+        A tensor that is one of ``output``'s, the very object, is not checked where the
+        step has one micro-batch: a cell in the caller's graph then hands both on as
+        they are (no phony joins its successor's input), and autograd sees a change
+        made to it in place, as in the plain model.
+        """
+        same = {id(x) for x in flatten(output)[0] if isinstance(x, Tensor) and self._one}
+        versions = _versions(value)
+        tensors = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
+        self._sent[(key, i)] = [
+            None if id(x) in same else v for x, v in zip(tensors, versions, strict=True)
+        ]
         return value
 
     def check(self, key: SkipKey, i: int, value: Any) -> Any:
         """``value``, the skip popped, unless it changed in place since it was sent."""
         sent = self._sent.pop((key, i), None)
-        if sent is not None and sent != _versions(value):
+        now = _versions(value)
+        if sent is not None and any(
+            a is not None and a != b for a, b in zip(sent, now, strict=True)
+        ):
             raise RuntimeError(
                 f"torchgpipe: the skip {key} of micro-batch {i} was changed in "
                 f"place between its stash and its pop, by a layer of a partition between "
@@ -253,9 +268,10 @@ def call_stage(
 def _params(run: StepRun, s: int) -> list[Tensor]:
     """Stage ``s``'s parameters that want a gradient, once per run (``checkpoint``'s).
 
-    None where one has a hook (a checkpointed cell's plain backward accumulates into
-    ``.grad`` itself and gives the engine None for them, which it would hand the hooks),
-    or is a lazy module's not made yet (its first forward makes it, changing its shape).
+    None of them where one has a hook (a checkpointed cell's plain backward accumulates
+    into ``.grad`` itself and gives the engine None for them, which it would hand the
+    hooks), or is a lazy module's not made yet (its first forward makes it, changing its
+    shape).
     """
     params = run.params.get(s)
     if params is None:

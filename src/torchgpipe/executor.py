@@ -167,7 +167,7 @@ class StepRun:
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
         self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
-        self.skips = SkipVersions()
+        self.skips = SkipVersions(len(step.outputs))
 
     # The rank's loop.
 
@@ -275,7 +275,7 @@ class StepRun:
             if s + 1 < self.n:
                 post.put(("F", s + 1, i), output)
                 for key, skip in outbound.items():
-                    post.put(("S", key, i), self.skips.sent(key, i, skip))
+                    post.put(("S", key, i), self.skips.sent(key, i, skip, output))
             else:
                 step.outputs[i] = output
             return
