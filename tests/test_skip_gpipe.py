@@ -353,3 +353,54 @@ def test_a_skip_that_is_the_output_itself_in_the_callers_graph_is_not_refused(
     plain(x).square().sum().backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@skippable(stash=["skip"])
+class _StashSlice(nn.Module):
+    """Stashes a slice of its linear map, and returns the whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = self.linear(x)
+        yield stash("skip", y[:, :2])
+        return y
+
+
+@skippable(pop=["skip"])
+class _PopPadded(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + torch.cat([skip, skip], dim=1)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_slice_of_a_layers_output_changed_in_place_on_its_way_is_refused(
+    checkpoint: str, backward_by: str
+) -> None:
+    # Only slices of the step's input are left unchecked (their versions move together).
+    model = GPipe(
+        nn.Sequential(_StashSlice(), nn.ReLU(inplace=True), nn.Linear(4, 4), _PopPadded()),
+        [1, 1, 1, 1],
+        chunks=2,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+    )
+    with pytest.raises(RuntimeError, match=r"skip 'skip' of micro-batch 0 was changed in"):
+        model(torch.randn(4, 4))
+
+
+def test_a_checkpointed_cell_stashing_its_output_for_one_micro_batch_is_checked(
+    engine_backward: None,
+) -> None:
+    # One micro-batch, but checkpointed: the recomputation rebuilds the graph, which the
+    # change in place is not part of, so the very tensor handed on is checked too.
+    model = GPipe(
+        nn.Sequential(StashOutput(), nn.ReLU(inplace=True), nn.Linear(4, 4), PopAdd()),
+        [1, 1, 1, 1],
+        chunks=1,
+        checkpoint="always",
+    )
+    with pytest.raises(RuntimeError, match=r"skip 'skip' of micro-batch 0 was changed in"):
+        model(torch.randn(4, 4))

@@ -144,34 +144,35 @@ class SkipVersions:
     through it; the pipeline's would see the new values without the gradient's way
     through them, a silently wrong gradient. Such a skip is refused where it is popped
     (in one process: across processes the popping rank gets a copy, made when sent).
-    A tensor that shares its memory with others (a slice of a larger one) is not
-    checked: its version moves with theirs.
+    Not checked: a tensor that wants no gradient (nothing is lost), and a micro-batch of
+    the step's input, whose version moves with the other micro-batches'.
     """
 
-    def __init__(self, m: int) -> None:
+    def __init__(self, m: int, checkpoint_stop: int, batches: list[Any]) -> None:
         self._sent: dict[tuple[SkipKey, int], list[int | None]] = {}
-        self._one = m == 1  # micro-batches of the step
+        # One micro-batch, not checkpointed: see sent().
+        self._one = m == 1 and checkpoint_stop == 0
+        self._inputs = {
+            x.untyped_storage().data_ptr() for x in flatten(batches)[0] if isinstance(x, Tensor)
+        }
 
     def sent(self, key: SkipKey, i: int, value: Any, output: Any = None) -> Any:
         """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is.
 
         A tensor that is one of ``output``'s, the very object, is not checked where the
-        step has one micro-batch: a cell in the caller's graph then hands both on as
-        they are (no phony joins its successor's input), and autograd sees a change
-        made to it in place, as in the plain model.
+        step has one micro-batch, not checkpointed: a cell in the caller's graph then
+        hands both on as they are (no phony joins its successor's input), and autograd
+        sees a change made to it in place, as in the plain model.
         """
         same = {id(x) for x in flatten(output)[0] if isinstance(x, Tensor) and self._one}
-        versions = _versions(value)
         tensors = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
-        self._sent[(key, i)] = [
-            None if id(x) in same else v for x, v in zip(tensors, versions, strict=True)
-        ]
+        self._sent[(key, i)] = [None if id(x) in same else self._version(x) for x in tensors]
         return value
 
     def check(self, key: SkipKey, i: int, value: Any) -> Any:
         """``value``, the skip popped, unless it changed in place since it was sent."""
         sent = self._sent.pop((key, i), None)
-        now = _versions(value)
+        now = [self._version(x) for x in flatten(value)[0] if isinstance(x, Tensor)]
         if sent is not None and any(
             a is not None and a != b for a, b in zip(sent, now, strict=True)
         ):
@@ -186,18 +187,10 @@ class SkipVersions:
             )
         return value
 
-
-def _versions(value: Any) -> list[int | None]:
-    """The version of each tensor of ``value`` that has its memory to itself, else None.
-
-    A tensor in a larger memory (a micro-batch, a slice of the whole input) shares its
-    version with the rest: a layer changing another micro-batch in place would move it.
-    """
-    return [
-        x._version if x.untyped_storage().nbytes() <= x.numel() * x.element_size() else None
-        for x in flatten(value)[0]
-        if isinstance(x, Tensor)
-    ]
+    def _version(self, x: Tensor) -> int | None:
+        if not x.requires_grad or x.untyped_storage().data_ptr() in self._inputs:
+            return None
+        return x._version
 
 
 def detach_all(leaves: list[Any]) -> list[Any]:

@@ -167,7 +167,7 @@ class StepRun:
         self._cpu = all(device.type == "cpu" for device in stages.devices.values())
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
         self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
-        self.skips = SkipVersions(len(step.outputs))
+        self.skips = SkipVersions(len(step.outputs), self.checkpoint_stop, batches)
 
     # The rank's loop.
 
