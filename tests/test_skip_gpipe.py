@@ -103,15 +103,19 @@ RememberPop = skippable(pop=["skip"])(Remember)
 
 @skippable(stash=["skip"])
 class StashOutput(nn.Module):
-    """A linear map, which it returns and stashes as 'skip' (one tensor, two ways)."""
+    """A linear map, which it returns and stashes as 'skip' (one tensor, two ways).
 
-    def __init__(self) -> None:
+    With ``part``, it stashes the first ``part`` features only: a slice of its output.
+    """
+
+    def __init__(self, part: int | None = None) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
+        self.part = part
 
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
         y = self.linear(x)
-        yield stash("skip", y)
+        yield stash("skip", y if self.part is None else y[:, : self.part])
         return y
 
 
@@ -355,20 +359,6 @@ def test_a_skip_that_is_the_output_itself_in_the_callers_graph_is_not_refused(
         torch.testing.assert_close(p.grad, q.grad)
 
 
-@skippable(stash=["skip"])
-class _StashSlice(nn.Module):
-    """Stashes a slice of its linear map, and returns the whole."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        y = self.linear(x)
-        yield stash("skip", y[:, :2])
-        return y
-
-
 @skippable(pop=["skip"])
 class _PopPadded(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
@@ -382,7 +372,7 @@ def test_a_slice_of_a_layers_output_changed_in_place_on_its_way_is_refused(
 ) -> None:
     # Only slices of the step's input are left unchecked (their versions move together).
     model = GPipe(
-        nn.Sequential(_StashSlice(), nn.ReLU(inplace=True), nn.Linear(4, 4), _PopPadded()),
+        nn.Sequential(StashOutput(part=2), nn.ReLU(inplace=True), nn.Linear(4, 4), _PopPadded()),
         [1, 1, 1, 1],
         chunks=2,
         checkpoint=checkpoint,  # type: ignore[arg-type]

@@ -164,7 +164,7 @@ class SkipVersions:
         hands both on as they are (no phony joins its successor's input), and autograd
         sees a change made to it in place, as in the plain model.
         """
-        same = {id(x) for x in flatten(output)[0] if isinstance(x, Tensor) and self._one}
+        same = {id(x) for x in flatten(output)[0] if isinstance(x, Tensor)} if self._one else ()
         tensors = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
         self._sent[(key, i)] = [None if id(x) in same else self._version(x) for x in tensors]
         return value
