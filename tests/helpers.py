@@ -87,6 +87,18 @@ class PopAdd(nn.Module):
         return x + skip
 
 
+class BackwardFails(torch.autograd.Function):
+    """Identity whose backward raises ``ArithmeticError("in backward")``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ArithmeticError("in backward")
+
+
 class OnBackward(torch.autograd.Function):
     """Identity whose backward calls ``call()`` before the gradient goes on.
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import PopAdd, StashLinear
+from helpers import BackwardFails, PopAdd, StashLinear
 from test_transparency import (
     MODELS,
     _assert_same_grads,
@@ -328,16 +328,6 @@ class FailAt(nn.Module):
         if self.seen == self.calls:
             raise self.error
         return x
-
-
-class BackwardFails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise ArithmeticError("in backward")
 
 
 class FailsBackward(nn.Module):
