@@ -447,6 +447,25 @@ def test_a_peer_lost_after_its_end_came_is_not_the_cause_of_a_failure() -> None:
     assert "rank 1 (stages [1]) died or cannot be reached" in str(failure)
 
 
+def test_a_peer_lost_before_its_end_came_is_not_the_cause_where_others_lost_another() -> None:
+    # Rank 0 ended on rank 1's death and exited before its end reached rank 3: rank 3
+    # lost both, rank 2 (whose end came) lost rank 1 only. The one the most ranks lost,
+    # rank 1, is the cause (the lower rank was reported now and then: a flaky CI run).
+    from torchgpipe.distributed.exchange import Exchange
+
+    exchange = Exchange.__new__(Exchange)
+    exchange.rank = 3
+    exchange.stages = {0: (0,), 1: (1,), 2: (2,), 3: (3,)}
+    exchange.tag = "start"
+    exchange.halted = True
+    status = {"failed": True, "error": None, "lost": {1: "died"}, "tag": "start"}
+    exchange.ends = {2: (status, [])}
+    exchange.lost = {0: "closed its transport", 1: "died or cannot be reached"}
+    failure = exchange.remote_failure()
+    assert failure is not None
+    assert failure.rank == 1
+
+
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
     # Rank 0 sent its end, then died while its last transfers were under way: the
     # others' step halted for that loss alone, which names it.

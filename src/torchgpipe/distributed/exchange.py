@@ -33,12 +33,11 @@ same operations, and the process group is left clean for the next step. A failin
 rank sends ``end`` at once, which stops the takes waiting on the others; they send
 theirs in turn. So a failure anywhere makes every rank fail, naming the rank, the stage
 and the action where it started. A rank that dies is seen by the transport
-(``TransportError``) and reported the same way.
+(``TransportError``) and reported the same way, as the rank the most others lost.
 
-An exchange serves one call made by every process at once (a step, ``collect.py``). A
-peer's first value opens its call, tagged by its key's first element (``"start"``); a
-wait for a value of a peer whose call has another tag ends at once, and each ``end``
-names its sender's call: a process making another call fails the others, named, at once.
+An exchange serves one call of every process (a step, ``collect.py``), tagged by its
+first key's first element; a wait on a peer in another call ends at once, and each
+``end`` names its sender's call: a process in another call fails the others, named.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from __future__ import annotations
 import pickle
 import threading
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -114,9 +114,8 @@ def describe(
     error: BaseException, action: Action | None, rank: int, stages: tuple[int, ...], m: int | None
 ) -> dict[str, Any]:
     """What other ranks are told of ``error``, raised here in ``action`` (if any)."""
-    where = ""
-    if action is not None:
-        where = f" in {action} ({KIND_NAMES[action.kind]} of micro-batch {action.i} of {m})"
+    kind = KIND_NAMES[action.kind] if action is not None else ""
+    where = "" if action is None else f" in {action} ({kind} of micro-batch {action.i} of {m})"
     return {
         "rank": rank,
         "stages": stages,
@@ -443,13 +442,15 @@ class Exchange(Mailbox):
                 action=first["action"],
                 remote_traceback=first["traceback"],
             )
-        lost = dict(self.lost)
+        lost, seen = dict(self.lost), Counter(list(self.lost))
         for status, _ in self.ends.values():
             for peer, reason in status["lost"].items():
                 lost.setdefault(int(peer), reason)
+                seen[int(peer)] += 1
         lost.pop(self.rank, None)  # a peer lost after its end came: the cause if none else
         if lost := {p: r for p, r in lost.items() if p not in self.ends} or lost:
-            peer = min(lost)
+            # The one most ranks lost: the dead one, not one lost to some after its end.
+            peer = min(lost, key=lambda p: (-seen[p], p))
             return RemoteError(
                 f"rank {peer} (stages {list(self.stages[peer])}) {lost[peer]}",
                 rank=peer,
