@@ -449,8 +449,7 @@ class Exchange(Mailbox):
                 seen[int(peer)] += 1
         lost.pop(self.rank, None)  # a peer lost after its end came: the cause if none else
         if lost := {p: r for p, r in lost.items() if p not in self.ends} or lost:
-            # The one most ranks lost: the dead one, not one lost to some after its end.
-            peer = min(lost, key=lambda p: (-seen[p], p))
+            peer = min(lost, key=lambda p: (-seen[p], p))  # most lost it: the dead one
             return RemoteError(
                 f"rank {peer} (stages {list(self.stages[peer])}) {lost[peer]}",
                 rank=peer,
