@@ -3,6 +3,7 @@
 import copy
 import gc
 import json
+import pickle
 import sys
 import time
 import weakref
@@ -202,6 +203,66 @@ def test_chrome_export(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert all(e["dur"] >= 0 for e in spans)
     names = [e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"]
     assert names == ["partition 0", "partition 1"]
+    # Perfetto takes process 0 for the kernel's idle process.
+    assert {e["pid"] for e in data["traceEvents"]} == {1}
+    assert not _misnested(spans)
+
+
+def _misnested(spans: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The pairs of "X" events on one row that overlap in part (Perfetto cannot draw)."""
+    bad = []
+    for tid in {e["tid"] for e in spans}:
+        row = sorted((e for e in spans if e["tid"] == tid), key=lambda e: (e["ts"], -e["dur"]))
+        for k, a in enumerate(row):
+            for b in row[k + 1 :]:
+                a_end, b_end = a["ts"] + a["dur"], b["ts"] + b["dur"]
+                if a["ts"] < b["ts"] < a_end - 1e-3 and b_end > a_end + 1e-3:
+                    bad.append((a["name"], b["name"]))
+    return bad
+
+
+def test_chrome_export_nests_spans_that_overlap_in_part() -> None:
+    # Backward spans of neighbouring micro-batches may overlap in part in the engine;
+    # Perfetto draws one row as a stack of nested spans, so the export cuts the earlier
+    # short, and the events keep what was recorded.
+    trace = Trace(2)
+    trace.record(0, 1, "backward", 0.0, 4.0)
+    trace.record(0, 1, "recompute", 1.0, 3.0)  # nested in the first: left alone
+    trace.record(0, 0, "backward", 2.0, 6.0)  # overlaps both in part
+    trace.record(0, 0, "recompute", 5.0, 5.5)
+    trace.record(1, 0, "backward", 3.0, 7.0)  # another row: left alone
+    recorded = list(trace.events)
+    spans = [e for e in trace.chrome()["traceEvents"] if e["ph"] == "X"]
+    assert not _misnested(spans)
+    assert trace.events == recorded
+    shown = {(e["tid"], e["cat"], e["args"]["micro_batch"]): e for e in spans}
+    assert shown[(0, "backward", 1)]["dur"] == pytest.approx(2e6)  # cut at 2.0
+    assert shown[(0, "backward", 1)]["args"]["recorded_dur"] == pytest.approx(4e6)
+    assert shown[(0, "recompute", 1)]["dur"] == pytest.approx(1e6)  # cut at 2.0 too
+    for key in [(0, "backward", 0), (0, "recompute", 0), (1, "backward", 0)]:
+        event = next(e for e in recorded if (e.j, e.kind, e.i) == key)
+        assert shown[key]["dur"] == pytest.approx(event.duration * 1e6)
+        assert "recorded_dur" not in shown[key]["args"]
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_trace_round_trip(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The bug: a Trace held a threading.Lock, so it could not be copied or saved.
+    model = _model("except_last")
+    with model.trace() as trace:
+        model(torch.randn(8, 4)).sum().backward()
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(trace))
+    elif how == "deepcopy":
+        twin = copy.deepcopy(trace)
+    else:
+        torch.save(trace, tmp_path / "trace.pt")
+        twin = torch.load(tmp_path / "trace.pt", weights_only=False)
+    assert twin == trace
+    assert twin.events == trace.events
+    assert str(twin.summary()) == str(trace.summary())
+    twin.record(0, 0, "copy", 0.0, 1.0)  # a lock of its own, and events of its own
+    assert len(twin.events) == len(trace.events) + 1
 
 
 def test_timeline_picture(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -294,17 +355,25 @@ def test_a_traced_forward_without_backward_leaves_no_hook_and_frees_the_trace(
 
 
 def _graph_hooks(output: Tensor) -> int:
-    """How many post hooks the nodes of ``output``'s graph hold."""
+    """How many hooks and pre-hooks the nodes of ``output``'s graph hold."""
     stack, seen, count = [output.grad_fn], set(), 0
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        probe = node.register_hook(lambda grad_inputs, grad_outputs: None)
+        count += _node_hooks(node)
+        stack += [n for n, _ in node.next_functions]
+    return count
+
+
+def _node_hooks(node: Any) -> int:
+    """How many hooks and pre-hooks ``node`` holds."""
+    count = 0
+    for register in (node.register_hook, node.register_prehook):
+        probe = register(lambda *grads: None)
         count += len(probe.hooks_dict_ref()) - 1  # the node's hooks share one dict
         probe.remove()
-        stack += [n for n, _ in node.next_functions]
     return count
 
 
@@ -339,21 +408,29 @@ def test_engine_backward_spans_of_the_first_partition_follow_each_other(spare: b
     for j in range(2):  # the engine runs micro-batch i's cell before i - 1's, whole
         for i in range(1, m):
             assert backward[(i, j)].end <= backward[(i - 1, j)].start
-    assert _graph_hooks(out) == 0  # removed as the spans ended, the graph kept
+    assert _graph_hooks(out) > 0  # the graph is kept: it may run again
+    out.sum().backward()
+    assert len([e for e in trace.events if e.kind == "backward"]) == 2 * 2 * m
+    assert _graph_hooks(out) == 0  # removed with the graph, freed by that backward
     assert not model[0].spare._post_accumulate_grad_hooks
 
 
 @pytest.mark.usefixtures("engine_backward")
-def test_engine_backward_that_stops_short_of_a_cell_removes_its_hooks() -> None:
+def test_engine_backward_that_stops_short_of_a_cell_keeps_its_hooks_for_the_next() -> None:
     # Only the first layer's bias: its weight's part of the graph never runs, so the
-    # first partition's spans cannot end. No span, rather than a wrong one, and no hook
-    # left behind once the backward is over.
+    # first partition's spans cannot end. No span, rather than a wrong one; the hooks
+    # stay while the graph is kept, and a full backward through it records the spans,
+    # then leaves no hook behind.
     model = _first_partition_with_a_spare_weight(2)
     with model.trace() as trace:
         out = model(torch.randn(8, 8))
     assert _graph_hooks(out) > 0
     torch.autograd.grad(out.sum(), [model[0].linear.bias], retain_graph=True)
     assert {e.j for e in trace.events if e.kind == "backward"} == {1}
+    assert _graph_hooks(out) > 0
+    out.sum().backward()
+    spans = [(e.j, e.i) for e in trace.events if e.kind == "backward"]
+    assert sorted(spans) == sorted([(0, 0), (0, 1)] + 2 * [(1, 0), (1, 1)])
     assert _graph_hooks(out) == 0
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
@@ -556,3 +633,152 @@ def test_a_first_partition_whose_output_the_next_ignores_records_its_span(
     backward = _by_cell(trace.events, "backward")
     assert set(backward) == {(i, j) for i in range(2) for j in range(2)}
     assert all(span.start <= span.end for span in backward.values())
+
+
+def _scaled_first_layer() -> tuple[GPipe, Tensor]:
+    """A pipeline, and a weight for its first layer that the caller computes.
+
+    Called through ``torch.func.functional_call``, the first partition reads the
+    caller's graph: the node of ``weight * scale``, shared by every micro-batch.
+    """
+    model = GPipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), [1, 1], chunks=4,
+                  checkpoint="never")  # fmt: skip
+    scale = torch.tensor(2.0, requires_grad=True)
+    return model, model[0].weight * scale
+
+
+@pytest.mark.usefixtures("engine_backward")
+def test_engine_backward_spans_end_at_the_cells_own_nodes_not_the_callers() -> None:
+    # The bug: the first partition's input needs no gradient, and the walk for the last
+    # nodes of its graph went on into the caller's: each micro-batch's span ended at the
+    # caller's node, run once all of them were done, so the spans nested.
+    model, weight = _scaled_first_layer()
+    with model.trace() as trace:
+        out = torch.func.functional_call(model, {"0.weight": weight}, (torch.randn(8, 8),))
+    assert _node_hooks(weight.grad_fn) == 0
+    out.sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    assert set(backward) == {(i, j) for i in range(4) for j in range(2)}
+    for j in range(2):
+        for i in range(1, 4):
+            assert backward[(i, j)].end <= backward[(i - 1, j)].start
+    assert _node_hooks(weight.grad_fn) == 0
+
+
+@pytest.mark.usefixtures("engine_backward")
+def test_engine_traced_forward_under_functional_call_leaves_no_hook_and_frees_the_trace() -> None:
+    # The bug: hooks on the caller's node outlived the traced forward, kept the ended
+    # trace alive, and a later backward of the caller's through that node added spans
+    # to it.
+    model, weight = _scaled_first_layer()
+    with model.trace() as trace:
+        out = torch.func.functional_call(model, {"0.weight": weight}, (torch.randn(8, 8),))
+    count = len(trace.events)
+    del out  # a traced forward whose backward never runs
+    gc.collect()
+    assert _node_hooks(weight.grad_fn) == 0
+    (weight * 1).sum().backward()  # the caller's own backward
+    assert len(trace.events) == count
+    alive = weakref.ref(trace)
+    del trace
+    gc.collect()
+    assert alive() is None
+
+
+class _Keeps(nn.Linear):
+    """A layer that keeps its last output: the caller may backpropagate from it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.kept = super().forward(x)
+        return self.kept
+
+
+@pytest.mark.usefixtures("engine_backward")
+def test_engine_backward_that_reaches_no_output_of_a_cell_records_nothing() -> None:
+    # A backward of the caller's through the cell's own nodes (here from a tensor the
+    # layer kept; or through the caller's graph the cell reads) runs hooked nodes
+    # without any gradient reaching the cell's outputs: not the cell's backward.
+    model = GPipe(nn.Sequential(_Keeps(8, 8), nn.Linear(8, 8)), [1, 1], chunks=2,
+                  checkpoint="never")  # fmt: skip
+    weight = model[0].weight * torch.tensor(2.0, requires_grad=True)
+    with model.trace() as trace:
+        out = torch.func.functional_call(model, {"0.weight": weight}, (torch.randn(4, 8),))
+    assert _graph_hooks(out) > 0
+    count = len(trace.events)
+    model[0].kept.sum().backward(retain_graph=True)
+    (weight * 1).sum().backward(retain_graph=True)
+    assert len(trace.events) == count
+    out.sum().backward()  # the pipeline's own: a span per cell
+    assert len(_by_cell(trace.events, "backward")) == 4
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 20 ms: another partition's work, in the engine."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(0.02)
+        return grad
+
+
+class _SlowInBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _SlowBackward.apply(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.usefixtures("engine_backward")
+def test_engine_backward_span_of_a_stashing_cell_starts_with_its_main_output() -> None:
+    # The bug: a cell's span started at the first gradient to reach any of its outputs.
+    # A skip's comes back from the last partition before the middle partition's slow
+    # backward has run, so the first partition's spans covered it: busy 97% of the
+    # time, where its own work takes a fraction of a millisecond per micro-batch.
+    from torchgpipe.skip import pop, skippable, stash
+
+    @skippable(stash=["skip"])
+    class Down(nn.Linear):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            return super().forward(x)
+
+    @skippable(pop=["skip"])
+    class Up(nn.Linear):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            return super().forward(x) + skip
+
+    layers = nn.Sequential(Down(8, 8), _SlowInBackward(), Up(8, 8))
+    model = GPipe(layers, [1, 1, 1], chunks=4, checkpoint="never")
+    with model.trace() as trace:
+        model(torch.randn(8, 8, requires_grad=True)).sum().backward()
+    backward = _by_cell(trace.events, "backward")
+    for i in range(4):  # the main output's gradient leaves partition 1's cell first
+        assert backward[(i, 1)].end <= backward[(i, 0)].start <= backward[(i, 0)].end
+    summary = trace.summary()
+    assert summary.busy[0] / summary.span < 0.5  # 20 ms sleeps, each covered 3 times
+    spans = [e for e in trace.chrome()["traceEvents"] if e["ph"] == "X"]
+    assert not _misnested(spans)
+
+
+@pytest.mark.usefixtures("engine_backward")
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("input_wants_grad", [False, True])
+def test_engine_backward_twice_through_a_kept_graph_records_a_span_each(
+    checkpoint: str, input_wants_grad: bool
+) -> None:
+    # The bug: a cell that is not checkpointed recorded the first backward through it
+    # only, where a checkpointed one recorded each.
+    model = _model(checkpoint, n=2, m=2)
+    with model.trace() as trace:
+        out = model(torch.randn(4, 4, requires_grad=input_wants_grad))
+    out.pow(2).mean().backward(retain_graph=True)  # two losses on one output
+    between = time.perf_counter()
+    out.abs().mean().backward()
+    for j in range(2):
+        for i in range(2):
+            spans = [e for e in trace.events if e.kind == "backward" and (e.j, e.i) == (j, i)]
+            assert len(spans) == 2, (j, i)
+            assert sum(e.end <= between for e in spans) == 1

@@ -13,14 +13,16 @@ While a trace is on, each cell records spans on the thread that runs them:
 - ``copy``: the cell's input moved to its partition's device;
 - ``forward``: the cell's forward (checkpointed or not);
 - ``recompute``: a checkpointed cell's forward, again, in backward;
-- ``backward``: the cell's backward (for a checkpointed cell, the backward of the
-  recomputed graph; otherwise from the moment its outputs' gradient arrives until its
-  input's gradient leaves, or, for an input that needs none, until the last node of
-  the micro-batch's own graph has run: see :class:`BackwardSpan`);
+- ``backward``: the cell's backward, one span per backward through it (for a
+  checkpointed cell, the backward of the recomputed graph; otherwise from the moment
+  the last of its outputs' gradients arrives until its inputs' gradients have left,
+  or, for an input that needs none, until the last node of the cell's own graph has
+  run: see :class:`~torchgpipe.trace_backward.BackwardSpan`);
 - ``weight``: with a schedule that splits the backward (zero bubble), the weight
   gradient, when it runs apart from the input gradient (``backward``).
 
-Off, the pipeline checks one attribute per cell and records nothing.
+Off, the pipeline checks one attribute per cell and records nothing. A trace pickles
+(``copy.deepcopy``, ``torch.save``) with its events.
 """
 
 from __future__ import annotations
@@ -28,19 +30,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
-from torch.autograd.graph import Node
 from torch.profiler import record_function
-from torch.utils.hooks import RemovableHandle
 
-from torchgpipe.microbatch import flatten, per_tensor, unflatten
+# BackwardSpan lives apart for its size; cells import it from here (not public).
+from torchgpipe.trace_backward import BackwardSpan as BackwardSpan
 
 __all__ = ["CellEvent", "Trace", "TraceSummary"]
 
@@ -129,7 +129,19 @@ class Trace:
     # time.time() - time.perf_counter() when the trace began: the events' times plus
     # this are on the wall clock, which processes share (see ``on_wall_clock``).
     origin: float = field(default_factory=lambda: time.time() - time.perf_counter())
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock cannot be pickled, and a copy's events are its own: it gets a new one.
+        with self._lock:  # a snapshot of the events, should a cell still record
+            state = self.__dict__.copy()
+            state["events"] = list(self.events)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def on_wall_clock(self) -> list[tuple[int, int, str, float, float, str]]:
         """The events as plain tuples, their times on the wall clock.
@@ -195,37 +207,43 @@ class Trace:
         return TraceSummary(self.n, m, span, busy, bubble, ideal, groups, rank_busy)
 
     def chrome(self) -> dict[str, Any]:
-        """The events in Chrome's trace format (microseconds; one row per partition)."""
+        """The events in Chrome's trace format (microseconds; one row per partition).
+
+        A row shows spans nested or apart, never overlapping in part, which Perfetto
+        cannot draw (backward spans of neighbouring micro-batches may, in autograd's
+        engine): where one starts inside an earlier one and ends after it, the earlier
+        is cut short at its start, with its recorded duration in ``args["recorded_dur"]``.
+        ``events`` keep the recorded times. Events are under process id 1: Perfetto
+        takes 0 for the kernel's idle process.
+        """
         begin = min((e.start for e in self.events), default=0.0)
         events: list[dict[str, Any]] = [
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": 0,
-                "args": {"name": "torchgpipe"},
-            },
+            {"name": "process_name", "ph": "M", "pid": _PID, "args": {"name": "torchgpipe"}},
             *(
                 {
                     "name": "thread_name",
                     "ph": "M",
-                    "pid": 0,
+                    "pid": _PID,
                     "tid": j,
                     "args": {"name": f"partition {j}"},
                 }
                 for j in range(self.n)
             ),
         ]
-        for e in sorted(self.events, key=lambda e: e.start):
+        for e, end in _nested(self.events):
+            args: dict[str, Any] = {"micro_batch": e.i, "partition": e.j, "thread": e.thread}
+            if end != e.end:
+                args["recorded_dur"] = e.duration * 1e6
             events.append(
                 {
                     "name": f"{e.kind[0].upper()}{e.i}",
                     "cat": e.kind,
                     "ph": "X",
-                    "pid": 0,
+                    "pid": _PID,
                     "tid": e.j,
                     "ts": (e.start - begin) * 1e6,
-                    "dur": e.duration * 1e6,
-                    "args": {"micro_batch": e.i, "partition": e.j, "thread": e.thread},
+                    "dur": (end - e.start) * 1e6,
+                    "args": args,
                 }
             )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -271,6 +289,30 @@ def _profiling() -> bool:
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
 
 
+_PID = 1  # Chrome's process id for every event: Perfetto takes 0 for the idle process
+
+
+def _nested(events: list[CellEvent]) -> list[tuple[CellEvent, float]]:
+    """The events by start, each with an end that nests it or sets it apart on its row.
+
+    On each row (partition), the spans still open when one starts hold it, the latest
+    innermost: those that end before it would end are cut short at its start (they
+    and what they hold all end there, still nested), the others hold it whole.
+    """
+    ends: dict[int, float] = {}
+    opened: dict[int, list[int]] = {}  # per row: indices of the open spans, outermost first
+    ordered = sorted(enumerate(events), key=lambda ie: (ie[1].start, -ie[1].end))
+    for index, e in ordered:
+        stack = opened.setdefault(e.j, [])
+        while stack and ends[stack[-1]] <= e.start:
+            stack.pop()  # over before this one starts
+        while stack and ends[stack[-1]] < e.end:  # overlaps it in part: cut short
+            ends[stack.pop()] = e.start
+        ends[index] = e.end
+        stack.append(index)
+    return [(e, ends[index]) for index, e in ordered]
+
+
 def _covered(intervals: list[tuple[float, float]]) -> float:
     """The total length of the union of ``intervals``."""
     total, reach = 0.0, float("-inf")
@@ -299,190 +341,3 @@ def _ranks(events: list[CellEvent], n: int) -> tuple[tuple[int, ...], ...]:
     for j in range(n):
         groups.setdefault(thread.get(j, j), []).append(j)
     return tuple(sorted(tuple(group) for group in groups.values()))
-
-
-class _Stamp(torch.autograd.Function):
-    """Identity whose backward calls ``stamp()``: marks when a gradient passes."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, stamp: Callable[[], None]) -> Tensor:
-        ctx.stamp = stamp
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.stamp()
-        return grad, None
-
-
-class BackwardSpan:
-    """Records the backward of a cell that is not checkpointed, in autograd's engine.
-
-    The cell's floating-point (or complex) outputs that need a gradient are marked, and
-    the first gradient to reach one starts the span. Its inputs that need a gradient
-    are marked too, and the span ends when the last of them that gets one has passed it
-    on. Which will get one is known only when the backward is over (a partition may
-    ignore an input), so where some did not, a callback of the engine's at the end of
-    the backward records the span, ending at the last that did. The engine interleaves
-    the nodes of neighbouring cells: a cell's span starts when the first gradient
-    reaches it (through a skip, say), so where gradients arrive or leave at several
-    points, the spans of neighbours may overlap. Where no input needs a gradient (the
-    first partition's input: token ids, or a batch that needs no gradient) the span
-    ends when the last node of the micro-batch's own graph has run: the cell's graph
-    ends at its parameters' gradient accumulators, shared by every micro-batch and run
-    once per backward, so it is the nodes just before them ("sinks") that tell. The
-    accumulation itself is in no cell's span. Nothing is made to need a gradient that
-    did not: tracing must not add work to what it measures.
-
-    A backward that runs some sinks only (an output the next partition ignores, or
-    ``torch.autograd.grad`` of only some tensors) records the span at its end, ending
-    at the last sink that ran; one that reaches no marked input records no span for
-    such a cell (a later backward through the same graph may).
-    """
-
-    def __init__(self, trace: Trace, j: int, i: int) -> None:
-        self._trace, self._j, self._i = trace, j, i
-        self._start: float | None = None
-        self._done = False
-        self._inputs = 0  # the marked inputs: the span ends at them, not at the sinks
-        self._left = 0  # how many of them passed a gradient on in this backward
-        self._last: tuple[float, str] | None = None  # when and where the last one did
-        self._sinks = self._waiting = 0  # the sinks, and those yet to run
-        self._task: int | None = None  # the backward (autograd's graph task) it started in
-        self._handles: list[RemovableHandle] = []
-
-    def mark_input(self, value: Any) -> Any:
-        """``value`` with each float (or complex) tensor needing a gradient marked.
-
-        The last of them to pass a gradient on ends the span. Where no input tensor
-        needs a gradient, the cell's graph says where its backward ends
-        (:meth:`mark_output`).
-        """
-        value, self._inputs = _mark_all(value, self._input_left)
-        return value
-
-    def mark_output(self, value: Any) -> Any:
-        """``value`` with each float (or complex) tensor needing a gradient marked.
-
-        The first of them that a gradient reaches starts the span.
-        Where no input was marked, a hook on each sink of the graph from ``value``
-        counts the sinks down. The hooks are on the micro-batch's own nodes, not on
-        anything the model keeps: they are removed when the span ends or when the
-        backward that started it is over, and a forward whose backward never runs takes
-        them away with its graph (which holds the span: nothing keeps the trace alive).
-        Finding the sinks walks the graph once, a microsecond or so per node, in the
-        cell's forward span.
-        """
-        if not self._inputs:
-            sinks = _sinks(value)
-            self._sinks = self._waiting = len(sinks)
-            self._handles = [node.register_hook(self._sink_ran) for node in sinks]
-        return _mark_all(value, self._begin)[0]
-
-    def _begin(self) -> None:
-        self._arrived()
-        if not self._inputs and self._waiting == 0:  # no node of its own: nothing to run
-            self._end()
-
-    def _arrived(self) -> None:
-        task = _graph_task()
-        if self._start is not None and (self._done or task == self._task):
-            return
-        # The first gradient here, or the first of a backward run again after one that
-        # failed before this span ended (its callback never ran): the span starts now.
-        self._start, self._task, self._waiting = time.perf_counter(), task, self._sinks
-        self._left, self._last = 0, None
-        if self._handles or self._inputs:  # however this backward ends: the hooks go,
-            # and an input that got no gradient does not keep the span from being recorded
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_over)
-
-    def _input_left(self) -> None:
-        self._arrived()
-        self._left += 1
-        self._last = (time.perf_counter(), threading.current_thread().name)
-        if self._left == self._inputs:
-            self._end()
-
-    def _sink_ran(self, grad_inputs: object, grad_outputs: object) -> None:
-        self._arrived()  # a gradient through another output may come first
-        self._waiting -= 1
-        self._last = (time.perf_counter(), threading.current_thread().name)
-        if self._waiting == 0:
-            self._end()
-
-    def _backward_over(self) -> None:
-        if not self._done and self._last is not None:
-            # Some input got no gradient, or some sink did not run (an output the next
-            # partition ignores, or autograd.grad of some tensors): what ran ends it.
-            self._done = True
-            end, thread = self._last
-            assert self._start is not None  # set by the first gradient here
-            self._trace.record(self._j, self._i, "backward", self._start, end, thread=thread)
-        if self._inputs:
-            return  # none passed one on: a later backward through the graph may
-        self._done = True  # ended, or never will
-        self._remove_hooks()
-
-    def _end(self) -> None:
-        if self._start is not None and not self._done:
-            self._done = True
-            self._trace.record(self._j, self._i, "backward", self._start, time.perf_counter())
-            self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def _sinks(value: Any) -> list[Node]:
-    """The nodes of the graph from ``value`` whose gradients go on to no other of them.
-
-    The graph stops at gradient accumulators (of parameters, shared by every
-    micro-batch). Every node runs before some sink, so once every sink has run, the
-    whole graph has.
-    """
-    stack = [
-        x.grad_fn for x in flatten(value)[0] if isinstance(x, Tensor) and x.grad_fn is not None
-    ]
-    seen: dict[int, Node] = {}  # by id: the engine's nodes compare by identity
-    sinks = []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        following = [n for n, _ in node.next_functions if n is not None and not _accumulator(n)]
-        stack.extend(following)
-        if not following:
-            sinks.append(node)
-    return sinks
-
-
-def _accumulator(node: Node) -> bool:
-    return type(node).__name__ == "AccumulateGrad"
-
-
-def _graph_task() -> int | None:
-    """The backward running now (an id of autograd's graph task), where torch says."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return None if current is None else int(current())
-
-
-def _mark_all(value: Any, callback: Callable[[], None]) -> tuple[Any, int]:
-    """``value`` with ``callback`` stamped on each float or complex tensor needing grad.
-
-    A tensor found twice is stamped once (:func:`per_tensor`); returns how many were.
-    """
-    leaves, spec = flatten(value)
-    marked = 0
-
-    def mark(x: Tensor) -> Tensor:
-        nonlocal marked
-        if x.requires_grad and (x.is_floating_point() or x.is_complex()):
-            marked += 1
-            return _Stamp.apply(x, callback)  # type: ignore[no-any-return,no-untyped-call]  # apply is unannotated
-        return x
-
-    leaves = per_tensor(mark, leaves)
-    return (unflatten(leaves, spec), marked) if marked else (value, 0)
