@@ -446,8 +446,10 @@ def test_what_a_reset_cannot_fill_comes_from_init_a_state_dict_or_a_real_layer()
     torch.testing.assert_close(model[0].mask, torch.ones(4, 4).tril())
     with torch.device("meta"):
         layers = nn.Sequential(_MaskedLinear(), _Rotary())
-    model = GPipe(layers, [1, 1], init=lambda layer: [t.fill_(2.0) for t in layer.buffers()])
+    # init must fill every tensor of the layer it is given, the weights as the buffers.
+    model = GPipe(layers, [1, 1], init=_fills_every_tensor(2.0))
     torch.testing.assert_close(model[1].frequencies, torch.full((4,), 2.0))
+    torch.testing.assert_close(model[0].weight.detach(), torch.full((4, 4), 2.0))
     # A layer built with values is kept as it is, its neighbours made from meta.
     with torch.device("meta"):
         first = nn.Linear(4, 4)
@@ -719,8 +721,31 @@ def test_a_refusal_once_building_began_puts_the_model_back_as_it_was() -> None:
     assert layers[0].weight is weight
     assert weight.is_meta
     assert all(t.is_meta for t in [*layers.parameters(), *layers.buffers()])
-    model = GPipe(layers, [2, 2], init=lambda layer: [t.fill_(0.5) for t in layer.parameters()])
+    # An init over the parameters alone would now be refused: the batch norm's running
+    # statistics are buffers, which init must fill too (here by the layer's own reset).
+    model = GPipe(layers, [2, 2], init=_parameters_and_statistics(0.5))
     assert all(bool((p == 0.5).all()) for p in model.parameters())
+    torch.testing.assert_close(model[1].running_var, torch.ones(4))
+
+
+def _fills_every_tensor(value: float) -> Callable[[nn.Module], None]:
+    def init(layer: nn.Module) -> None:
+        for tensor in [*layer.parameters(), *layer.buffers()]:
+            tensor.fill_(value)
+
+    return init
+
+
+def _parameters_and_statistics(value: float) -> Callable[[nn.Module], None]:
+    """Fills the parameters with ``value``; a batch norm's statistics, as its reset does."""
+
+    def init(layer: nn.Module) -> None:
+        for parameter in layer.parameters():
+            parameter.fill_(value)
+        if isinstance(layer, nn.modules.batchnorm._NormBase):
+            layer.reset_running_stats()
+
+    return init
 
 
 def test_a_stage_that_fails_to_start_leaves_every_processs_model_as_it_was() -> None:
@@ -1097,3 +1122,218 @@ def test_what_split_left_out_may_be_in_the_state_dict_it_fills_from() -> None:
     model = GPipe(stages, [1, 1], chunks=2, state_dict=plain.state_dict())
     x = torch.randn(6, 4)
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+# A module that two layers of one partition hold (not only a tied parameter): the
+# second layer used to be allocated whole again (to_empty), its shared tensors left as
+# uninitialized memory after the first layer had filled them.
+
+
+class _Gain(nn.Module):
+    """A weight its holder's reset fills; with ``resets``, one of its own too (zeros)."""
+
+    def __init__(self, resets: bool) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.empty(4))
+        if resets:
+            self.reset_parameters = lambda: nn.init.zeros_(self.g)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.g
+
+
+class _FillsGain(nn.Module):
+    def __init__(self, gain: _Gain) -> None:
+        super().__init__()
+        self.linear, self.gain = nn.Linear(4, 4), gain
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.gain.g)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gain(self.linear(x))
+
+
+class _ReusesGain(nn.Module):
+    """A later layer that holds the same _Gain; with ``redraws``, a reset that writes it."""
+
+    def __init__(self, gain: _Gain, redraws: bool) -> None:
+        super().__init__()
+        self.linear, self.gain = nn.Linear(4, 4), gain
+        if redraws:
+            self.reset_parameters = self._redraw
+
+    def _redraw(self) -> None:
+        self.linear.reset_parameters()
+        nn.init.normal_(self.gain.g)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gain(self.linear(x))
+
+
+def _shares_a_module(kind: str) -> nn.Sequential:
+    gain = _Gain(resets=kind == "own reset")
+    return nn.Sequential(_FillsGain(gain), _ReusesGain(gain, redraws=kind == "later reset"))
+
+
+@pytest.mark.parametrize("kind", ["no reset", "own reset", "later reset"])
+def test_a_module_two_layers_of_a_partition_hold_keeps_the_first_layers_values(
+    kind: str,
+) -> None:
+    plain = _shares_a_module(kind)
+    torch.full((1 << 16,), 123.0)  # junk in the allocator, where g was put before
+    with torch.device("meta"):
+        layers = _shares_a_module(kind)
+    model = GPipe(layers, [2])
+    assert model[0].gain is model[1].gain
+    assert _kaiming(model[1].linear.weight)  # the later layer's own tensors are filled
+    torch.testing.assert_close(model[0].gain.g, plain[0].gain.g, rtol=0, atol=0)
+
+
+def test_init_of_a_later_layer_leaves_a_module_an_earlier_layer_filled() -> None:
+    with torch.device("meta"):
+        layers = _shares_a_module("no reset")
+    given = iter([1.0, 2.0])  # the first layer's init fills 1, the second's 2
+    model = GPipe(layers, [2], init=lambda layer: _fills_every_tensor(next(given))(layer))
+    torch.testing.assert_close(model[0].gain.g.detach(), torch.ones(4))
+    torch.testing.assert_close(model[1].linear.weight.detach(), torch.full((4, 4), 2.0))
+
+
+def test_a_state_dict_without_a_modules_extra_state_is_refused() -> None:
+    # It was accepted, and the module kept the extra state it was built with.
+    plain = nn.Sequential(_Scaled(), nn.Identity())
+    saved = {k: v for k, v in plain.state_dict().items() if not k.endswith("_extra_state")}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0\._extra_state"'):
+        nn.Sequential(_Scaled(), nn.Identity()).load_state_dict(saved)
+    with torch.device("meta"):
+        layers = nn.Sequential(_Scaled(), nn.Identity())
+    with pytest.raises(ValueError, match=r"the state dict has no 0\._extra_state;"):
+        GPipe(layers, [1, 1], state_dict=saved)
+    assert on_meta(layers)
+
+
+class _Versioned(nn.Module):
+    """Version 1 saved half the gain: loading converts it, as torch's own modules do."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(3))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.g)
+
+    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
+        if (metadata.get("version") or 1) < 2:
+            state[prefix + "g"] = state[prefix + "g"] * 2
+        super()._load_from_state_dict(state, prefix, metadata, *args)
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_state_dict_loads_with_the_versions_its_metadata_records(version: int) -> None:
+    # The metadata was dropped: a current checkpoint was converted as an old one.
+    plain = nn.Sequential(nn.Identity(), _Versioned())
+    with torch.no_grad():
+        plain[1].g.fill_(5.0)
+    saved = plain.state_dict()
+    saved._metadata["1"]["version"] = version  # type: ignore[attr-defined]  # torch's own
+    loaded = nn.Sequential(nn.Identity(), _Versioned())
+    loaded.load_state_dict(saved)
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Identity(), _Versioned())
+    model = GPipe(layers, [1, 1], state_dict=saved)
+    torch.testing.assert_close(model[1].g, loaded[1].g, rtol=0, atol=0)
+    torch.testing.assert_close(model[1].g.detach(), torch.full((3,), 5.0 * (3 - version)))
+
+
+def test_an_init_that_leaves_a_buffer_unfilled_is_refused() -> None:
+    # Over the parameters alone, the batch norm's running statistics stayed garbage.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"layer 1: init left 1\.running_mean, 1\.running_var, 1\.num_batches_tracked as "
+        r"allocated .* call layer\.reset_running_stats\(\)",
+    ):
+        GPipe(layers, [2, 1], init=lambda layer: [p.fill_(0.5) for p in layer.parameters()])
+    assert all(t.is_meta for t in [*layers.parameters(), *layers.buffers()])
+    model = GPipe(layers, [2, 1], init=_parameters_and_statistics(0.5))
+    torch.testing.assert_close(model[1].running_mean, torch.zeros(8))
+    assert int(model[1].num_batches_tracked) == 0
+
+
+class _Slots(nn.Module):
+    """An integer buffer its reset fills in part only: the first half."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("idx", torch.empty(4, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        self.idx[:2] = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_a_wide_integer_buffer_a_reset_fills_in_part_is_refused(dtype: torch.dtype) -> None:
+    # It was accepted: any write counted, and the rest kept the mark (the lowest value).
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(2, 2), _Slots(dtype))
+    with pytest.raises(ValueError, match=r"reset_parameters\(\) left 1\.idx as allocated"):
+        GPipe(layers, [1, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8])
+def test_a_narrow_integer_buffer_counts_as_filled_once_written(dtype: torch.dtype) -> None:
+    # Their mark (True, 255, -128) is a plausible value: a write is all that is checked.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(2, 2), _Slots(dtype))
+    model = GPipe(layers, [1, 1])
+    assert not model[1].idx[:2].any()
+
+
+def test_lazy_layers_are_refused_before_anything_changes() -> None:
+    # torch's own errors came from inside the checks: "uninitialized parameter".
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"layer 0 \(LazyLinear\) holds uninitialized \(lazy\)"):
+        GPipe(layers, [1, 1])
+    layers(torch.randn(2, 3, device="meta"))  # what the refusal advises: shapes, no memory
+    assert layers[0].weight.shape == (4, 3)
+    assert _kaiming(GPipe(layers, [1, 1])[0].weight)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4))
+    with torch.device("meta"):
+        second = nn.Linear(4, 4)
+    mixed = nn.Sequential(nn.LazyLinear(4), second)  # a real lazy layer among meta ones
+    with pytest.raises(ValueError, match=r"layer 0 \(LazyLinear\) holds uninitialized"):
+        GPipe(mixed, [1, 1], state_dict=plain.state_dict())
+    assert second.weight.is_meta
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"state_dict": "ckpt/rank0.pt"}, r"got str 'ckpt/rank0\.pt'; load the file first"),
+        ({"state_dict": mlp().state_dict}, r"got method Module\.state_dict; call it"),
+        ({"state_dict": {0: torch.ones(1)}}, r"keys must be str .*, not int 0"),
+        (
+            {"state_dict": {**mlp().state_dict(), "0.weight": None}},
+            r"must hold a Tensor at the key of each .* holds 0\.weight \(NoneType None\)",
+        ),
+        ({"init": "xavier"}, r"init must be a function .* got str 'xavier'"),
+        ({"init": lambda: None}, r"init\(layer\), but function .* takes \(\); give it one"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused_up_front(
+    arguments: dict[str, Any], match: str
+) -> None:
+    layers = _on_meta()
+    with pytest.raises(TypeError, match=match):
+        GPipe(layers, [4, 4], **arguments)
+    assert all(p.is_meta for p in layers.parameters())
+    with pytest.raises(TypeError, match=match):  # the same checks, before any transport
+        PipelineStage(layers, [4, 4], **arguments)

@@ -1,11 +1,11 @@
-"""The modules' own resets of a layer just allocated, and the check that they filled it.
+"""The resets (or ``init``) of a layer just allocated, and the check that they filled it.
 
-:mod:`torchgpipe.materialize` trusts no reset blindly: each tensor a reset is to fill
-is marked first (NaN; a sentinel for integers), and one the resets left marked, wholly
-or in part, is refused once they ran (:func:`reset`). Which tensors a reset is to fill
-is decided before, from the layer's modules: a tensor's holders
-(:func:`tensor_holders`), a reset above one of them (:func:`under`), and the hooks
-that keep values where no reset writes (:func:`legacy_hooks`).
+:mod:`torchgpipe.materialize` trusts no reset, nor ``init``, blindly: each tensor a
+fill is to fill is marked first (NaN; a sentinel for integers), and one the fill left
+marked, wholly or in part, is refused once it ran (:func:`reset`, :func:`initialize`).
+Which tensors a reset is to fill is decided before, from the layer's modules: a
+tensor's holders (:func:`tensor_holders`), a reset above one of them (:func:`under`),
+and the hooks that keep values where no reset writes (:func:`legacy_hooks`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 __all__ = [
     "Holder",
+    "initialize",
     "join",
     "legacy_hooks",
     "own_tensors",
@@ -45,27 +46,99 @@ def own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 def reset(
     layer: nn.Module, held: list[Holder], watched: dict[int, tuple[int, Tensor]], prefix: str
 ) -> None:
-    """Reset every module of ``layer`` that can, children first; then tie what it ties.
+    """Reset the modules of ``layer``, children first, but those filled before; then tie.
 
-    ``held``: the layer's holders before allocation (:func:`materialize._holders`);
-    ``watched``: the meta tensors a reset is to fill (:attr:`Fill.watched`);
+    ``held``: the layer's holders before allocation (``materialize``'s ``_holders``);
+    ``watched``: the meta tensors a reset is to fill (``Fill.watched``);
     ``prefix``: what the layer's keys start with in the model's, for errors.
 
-    ``to_empty`` gave each holder of a tensor tied inside the layer (a head and an
+    Allocation gave each holder of a tensor tied inside the layer (a head and an
     embedding, a module and its parent) one of its own, and each module's reset fills
     its own, as the plain model's constructors did. Then every holder takes the tensor
     of the first holder that a reset filled: the first holder's, as ``head.weight =
     embedding.weight`` keeps the embedding's, unless nothing filled it (a parent that
     holds its child's weight and has no reset).
 
+    A module whose tensors were all real already (one an earlier layer of the partition
+    holds too, allocated and filled with it) is not reset again, and the resets that
+    run cannot change the tensors that were real before: their values are kept and put
+    back, as the earlier layer left them (:func:`_fill`).
+
     Each watched tensor is first marked: NaN when floating, an extreme value for
     integers (the lowest, or the highest when unsigned), ``True`` for booleans. A
-    holder's tensor counts as filled when a reset replaced it, or it holds no NaN
-    (floating), or, for integers, a reset wrote it in place (its version counter) or
-    through ``.data`` (its storage, or any value).
+    holder's tensor counts as filled when a reset replaced it, or it holds no mark:
+    no NaN (floating), no lowest value (signed integers of 16 bits or more, where the
+    lowest is no plausible value). For ``bool``, ``uint8``, ``int8`` and the other
+    unsigned integers, whose mark is a plausible value, a reset that wrote the tensor
+    in place (its version counter) or through ``.data`` (its storage) counts too, as
+    does any element other than the mark: there, a tensor filled only in part passes.
 
     Raises:
         ValueError: no reset filled a watched tensor, wholly, in any of its holders.
+    """
+    before = _filled_before(layer, held)
+    modules = [m for _, m in _children_first(layer, "") if id(m) not in before and reset_of(m)]
+
+    def run() -> None:
+        for module in modules:
+            reset = reset_of(module)
+            assert reset is not None  # chosen for having one
+            reset()
+
+    left = _fill(layer, held, watched, run, modules, prefix)
+    if left:
+        where = prefix.removesuffix(".") or type(layer).__name__
+        raise ValueError(
+            f"layer {where}: reset_parameters() left {', '.join(left)} as allocated "
+            f"(uninitialized memory, wholly or in part): fill it in the reset of the "
+            f"module that holds it, or pass init= or a state dict holding it, or build "
+            f"that layer outside the meta device"
+        )
+
+
+def initialize(
+    layer: nn.Module,
+    held: list[Holder],
+    watched: dict[int, tuple[int, Tensor]],
+    prefix: str,
+    init: Callable[[nn.Module], object],
+) -> None:
+    """Fill ``layer`` by ``init(layer)``, and check that it filled what it must.
+
+    ``watched``: every tensor ``init`` must fill (``Fill.watched``: all of the layer's
+    but a tie's later holders and empty ones), marked before and checked after, as
+    :func:`reset` does; the tensors real before (a module an earlier layer holds too)
+    keep the values that layer gave them, whatever ``init`` writes to them.
+
+    Raises:
+        ValueError: ``init`` left a watched tensor unfilled, wholly or in part.
+    """
+    left = _fill(layer, held, watched, lambda: init(layer), [layer], prefix)
+    if left:
+        where = prefix.removesuffix(".") or type(layer).__name__
+        raise ValueError(
+            f"layer {where}: init left {', '.join(left)} as allocated (uninitialized "
+            f"memory, wholly or in part), and init(layer) must fill every parameter and "
+            f"buffer of the layer it is given: fill them there (a batch norm's running "
+            f"statistics too: call layer.reset_running_stats(), or layer."
+            f"reset_parameters(), in init), or pass state_dict= holding them instead"
+        )
+
+
+def _fill(
+    layer: nn.Module,
+    held: list[Holder],
+    watched: dict[int, tuple[int, Tensor]],
+    run: Callable[[], object],
+    reached: list[nn.Module],
+    prefix: str,
+) -> list[str]:
+    """Mark what ``layer`` must fill, ``run`` the fill, and tie what it ties.
+
+    ``reached``: the modules ``run`` may write under; the tensors there that were real
+    before (not in ``held``) get their values back once it ran. Returns the keys of
+    the watched tensors it left marked (:func:`reset` says when a tensor counts as
+    filled); every other holder takes the tensor of its first that is filled.
     """
     paths: dict[int, str] = {}
     for path, module in layer.named_modules(remove_duplicate=False):
@@ -83,10 +156,9 @@ def reset(
     for group in groups.values():  # once every tensor is marked: versions as they are now
         for mark in group:
             mark.version, mark.pointer = mark.tensor._version, mark.tensor.data_ptr()
-    for _, module in _children_first(layer, ""):
-        reset = reset_of(module)
-        if reset is not None:
-            reset()
+    restore = _keep(reached, held)
+    run()
+    restore()
     left = []
     for group in groups.values():
         kept = next((mark.now() for mark in group if not mark.watched or mark.filled()), None)
@@ -94,20 +166,63 @@ def reset(
             left.append(group[0].shown)
             continue
         for mark in group:
-            table = (
-                mark.module._parameters
-                if mark.name in mark.module._parameters
-                else mark.module._buffers
-            )
-            table[mark.name] = kept  # type: ignore[assignment]  # a parameter's holder keeps one
-    if left:
-        where = prefix.removesuffix(".") or type(layer).__name__
-        raise ValueError(
-            f"layer {where}: reset_parameters() left {', '.join(left)} as allocated "
-            f"(uninitialized memory, wholly or in part): fill it in the reset of the "
-            f"module that holds it, or pass init= or a state dict holding it, or build "
-            f"that layer outside the meta device"
-        )
+            _table(mark.module, mark.name)[mark.name] = kept
+    return left
+
+
+def _filled_before(layer: nn.Module, held: list[Holder]) -> set[int]:
+    """The ``id`` of each module of ``layer`` whose tensors, in and under it, were all real.
+
+    Real before allocation (none in ``held``): an earlier layer of the partition holds
+    the module too, and filled them. A module with no tensor at all is not among them:
+    its reset runs, as it always did.
+    """
+    fresh = {(id(module), name) for _, module, name in held}
+    found: set[int] = set()
+
+    def visit(module: nn.Module) -> tuple[bool, bool]:  # holds a tensor; a fresh one
+        below = [visit(child) for child in module.children()]
+        mine = [(id(module), name) in fresh for name, _ in own_tensors(module)]
+        tensors = bool(mine) or any(t for t, _ in below)
+        new = any(mine) or any(f for _, f in below)
+        if tensors and not new:
+            found.add(id(module))
+        return tensors, new
+
+    visit(layer)
+    return found
+
+
+def _keep(reached: list[nn.Module], held: list[Holder]) -> Callable[[], None]:
+    """Keep the tensors under ``reached`` that ``held`` does not hold: real already.
+
+    An earlier layer of the partition allocated and filled them (a module two layers
+    hold). Returns what puts each back in its holder, with the values it has now: the
+    copies cost their memory while a layer is filled, and only where a later layer
+    reaches a module an earlier one holds.
+    """
+    fresh = {(id(module), name) for _, module, name in held}
+    slots = {
+        (id(module), name): (module, name, tensor)
+        for top in reached
+        for module in top.modules()
+        for name, tensor in own_tensors(module)
+        if (id(module), name) not in fresh
+    }
+    values = {id(tensor): tensor.detach().clone() for _, _, tensor in slots.values()}
+
+    def restore() -> None:
+        for module, name, tensor in slots.values():
+            _table(module, name)[name] = tensor
+            tensor.detach().copy_(values[id(tensor)])
+
+    return restore
+
+
+def _table(module: nn.Module, name: str) -> dict[str, Tensor]:
+    """Where ``module`` holds ``name``: its parameters, or else its buffers."""
+    table = module._parameters if name in module._parameters else module._buffers
+    return table  # type: ignore[return-value]  # None entries are never asked for
 
 
 def _slot(module: nn.Module, name: str) -> Tensor | None:
@@ -118,7 +233,7 @@ def _slot(module: nn.Module, name: str) -> Tensor | None:
 
 @dataclass
 class _Mark:
-    """A holder's tensor, marked (when ``watched``) before the resets ran."""
+    """A holder's tensor, marked (when ``watched``) before the fill ran."""
 
     tensor: Tensor
     module: nn.Module
@@ -141,9 +256,11 @@ class _Mark:
         flat = self.tensor.detach().reshape(-1)
         if self.tensor.is_floating_point() or self.tensor.is_complex():
             return not any(bool(part.isnan().any()) for part in flat.split(_PIECE))
+        mark = _sentinel(self.tensor.dtype)
+        if _implausible(self.tensor.dtype):  # the mark left anywhere is a hole
+            return not any(bool((part == mark).any()) for part in flat.split(_PIECE))
         if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
             return True
-        mark = _sentinel(self.tensor.dtype)
         return not all(bool((part == mark).all()) for part in flat.split(_PIECE))
 
 
@@ -156,6 +273,18 @@ def _sentinel(dtype: torch.dtype) -> bool | int:
         return True
     info = torch.iinfo(dtype)
     return info.max if info.min == 0 else info.min
+
+
+def _implausible(dtype: torch.dtype) -> bool:
+    """Whether ``dtype``'s mark is no plausible value: the lowest of a wide signed integer.
+
+    ``int16``, ``int32``, ``int64``. A ``bool``'s ``True``, ``uint8``'s 255 or
+    ``int8``'s -128 may well be what a reset meant to write (a mask, a byte).
+    """
+    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+        return False
+    info = torch.iinfo(dtype)
+    return info.min < 0 and info.bits > 8
 
 
 @functools.cache
