@@ -73,7 +73,7 @@ def train(backend: str, steps: int) -> None:
             y.to(stage.device) if stage.is_last else None,
         )
         optimizer.step()
-        if stage.rank == 0 and step % 5 == 0:
+        if stage.rank == 0 and (step % 5 == 0 or step == steps):
             print(f"step {step:2d}  loss {result.loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 

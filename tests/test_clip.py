@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import warnings
 from typing import Any
 
@@ -12,12 +13,12 @@ import pytest
 import torch
 from distributed_helpers import run_threads
 from nccl_rules import NCCLRules
-from test_tied import _data, _language_model
+from test_tied import VOCAB, WIDTH, Mean, _data, _language_model
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleGPipe
-from torchgpipe.distributed import PipelineStage, Transport
+from torchgpipe.distributed import PipelineStage, RemoteError, Transport
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
@@ -95,6 +96,125 @@ def test_arguments_as_torchs_clip_takes_them() -> None:
         torch.testing.assert_close(ours.grad, theirs.grad)
 
 
+# Norm types as torch's clip takes them: 0 counts the gradients that are not zero, a
+# negative p sums n ** p, -inf takes the smallest; a string that float() reads.
+NORM_TYPES = [0, 0.0, -1.0, -0.5, -math.inf, 0.5, 3, "2", "inf", "-inf", " 1e0 "]
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_every_norm_type_of_torchs_clip_gives_its_total_and_gradients(norm_type: Any) -> None:
+    # Before, norm_type 0, negative ones and -inf were refused, and of the strings
+    # only 'inf' was taken.
+    plain = _language_model()
+    model = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
+    ids, target = _data(0)
+    F.cross_entropy(model(ids), target).backward()
+    F.cross_entropy(plain(ids), target).backward()
+    max_norm = 1e-4  # below every total here but -0.5's: clipping is at work
+    total = model.clip_grad_norm_(max_norm, norm_type)
+    expected = nn.utils.clip_grad_norm_(plain.parameters(), max_norm, norm_type)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    ours = dict(model.named_parameters())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-5, atol=1e-9, msg=name)
+    assert torch.equal(model[4].weight.grad, model[0].weight.grad)  # the copies alike
+
+
+class _ComplexLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to(torch.complex64) @ self.w
+
+
+class _Abs(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.abs()
+
+
+def _complex_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_ComplexLinear(), _Abs(), nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0, 0, -1.0, -math.inf])
+def test_complex_gradients_are_clipped_as_torch_clips_them(norm_type: float) -> None:
+    # Regression: the norm of a complex gradient was asked for in float64, which
+    # torch refuses for complex input: every norm type raised.
+    plain = _complex_model()
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2)
+    x = torch.randn(4, 4)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    total = model.clip_grad_norm_(0.1, norm_type)
+    torch.testing.assert_close(total, nn.utils.clip_grad_norm_(plain.parameters(), 0.1, norm_type))
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def _with_grads(*dtypes: torch.dtype) -> tuple[GPipe, list[nn.Parameter]]:
+    """A GPipe of one parameter per dtype, each given a gradient; the same parameters apart."""
+    torch.manual_seed(0)
+    plain = [nn.Parameter(torch.randn(3).to(dtype)) for dtype in dtypes]
+    layers = [nn.Module() for _ in dtypes]
+    for layer, p in zip(layers, plain, strict=True):
+        layer.w = copy.deepcopy(p)
+        layer.w.grad = torch.randn(3).to(p.dtype)
+        p.grad = layer.w.grad.clone()
+    return GPipe(nn.Sequential(*layers), [len(layers)]), plain
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float64,),
+        (torch.float16,),
+        (torch.bfloat16,),
+        (torch.complex128,),
+        (torch.float32, torch.float64),
+        (torch.float16, torch.bfloat16),  # float32: the dtype that promotes both
+        (torch.float16, torch.complex64),
+    ],
+    ids=str,
+)
+def test_the_total_has_the_dtype_of_torchs(dtypes: tuple[torch.dtype, ...]) -> None:
+    # Regression: the total was always float32 (a float64 model's was rounded to it).
+    model, plain = _with_grads(*dtypes)
+    total = model.clip_grad_norm_(0.5)
+    expected = nn.utils.clip_grad_norm_(plain, 0.5)
+    assert total.dtype == expected.dtype
+    # Torch takes a half-precision gradient's norm in its dtype; this clip in float64.
+    low = {torch.float16, torch.bfloat16} & set(dtypes)
+    close = {"rtol": 1e-2, "atol": 1e-3} if low else {}
+    torch.testing.assert_close(total, expected, **close)
+    for ours, theirs in zip(model.parameters(), plain, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, **close)
+
+
+def test_no_gradient_gives_a_total_of_zero_in_the_default_dtype() -> None:
+    model, plain = _with_grads(torch.float64)
+    for p in [*model.parameters(), *plain]:
+        p.grad = None
+    for norm_type in (2.0, -1.0, -math.inf, 0):
+        total = model.clip_grad_norm_(0.5, norm_type)
+        expected = nn.utils.clip_grad_norm_(plain, 0.5, norm_type)
+        assert (
+            (total.dtype, total.item()) == (expected.dtype, expected.item()) == (torch.float32, 0)
+        )
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_foreach_is_taken_as_torchs_clip_takes_it(foreach: bool | None) -> None:
+    model, plain = _trained_pair()
+    total = model.clip_grad_norm_(0.1, 2.0, False, foreach)
+    expected = nn.utils.clip_grad_norm_(plain.parameters(), 0.1, 2.0, False, foreach)
+    torch.testing.assert_close(total, expected)
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 def _trained_pair() -> tuple[GPipe, nn.Module]:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -137,11 +257,13 @@ def test_numpy_numbers_as_torchs_clip_takes_them() -> None:
         ("1", 2.0, TypeError, "max_norm must be a real number, got '1' of type str"),
         (-1.0, 2.0, ValueError, r"max_norm must be a number >= 0 \(math.inf .*got -1.0"),
         (math.nan, 2.0, ValueError, "max_norm must be a number >= 0.*got nan"),
-        (1.0, 0.0, ValueError, "norm_type must be positive"),
-        (1.0, True, TypeError, "norm_type must be a real number, got True of type bool"),
+        (1.0, math.nan, ValueError, "norm_type must be a number, not NaN"),
+        (1.0, "nan", ValueError, "norm_type must be a number, not NaN.*got 'nan'"),
+        (1.0, "two", TypeError, r"norm_type must be a real number or a string that float\(\)"),
+        (1.0, True, TypeError, "norm_type must be a real number.*got True of type bool"),
         (np.bool_(True), 2.0, TypeError, "max_norm must be a real number, got np.True_"),
         (torch.tensor(True), 2.0, TypeError, "max_norm must be a real number"),
-        (1.0, 1j, TypeError, "norm_type must be a real number, got 1j of type complex"),
+        (1.0, 1j, TypeError, "norm_type must be a real number.*got 1j of type complex"),
     ],
 )
 def test_bad_arguments_are_refused(
@@ -154,7 +276,15 @@ def test_bad_arguments_are_refused(
 
 @pytest.mark.parametrize(
     ("world", "balance", "norm_type"),
-    [(2, [2, 3], 2.0), (3, [1, 2, 2], 2.0), (2, [2, 3], math.inf)],
+    [
+        (2, [2, 3], 2.0),
+        (3, [1, 2, 2], 2.0),
+        (2, [2, 3], math.inf),
+        # The parts of these combine otherwise: counts added, the smallest, n ** p added.
+        (2, [2, 3], 0.0),
+        (3, [1, 2, 2], -math.inf),
+        (2, [2, 3], -1.0),
+    ],
 )
 def test_processes_clip_by_one_norm_and_train_as_the_plain_model(
     world: int, balance: list[int], norm_type: float
@@ -228,3 +358,91 @@ def test_a_process_that_does_not_take_part_leaves_none_waiting() -> None:
     assert "rank 1 called stage.gather_trace() while this process called" in str(zero)
     assert isinstance(one, RuntimeError)
     assert "rank 0 called stage.clip_grad_norm_() while this process called" in str(one)
+
+
+class _ToDouble(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.double()
+
+
+def _mixed_model() -> nn.Sequential:
+    """Rank 0 (of balance [2, 3]): a complex64 weight; rank 1: float32, then float64."""
+    torch.manual_seed(0)
+    layers = [_ComplexLinear(), _Abs(), nn.Linear(4, 4), _ToDouble(), nn.Linear(4, 4).double()]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 0, -math.inf])
+def test_processes_give_torchs_total_in_its_dtype_for_complex_and_mixed_gradients(
+    norm_type: float,
+) -> None:
+    # Regression: a complex gradient made rank 0 raise, and rank 1 wait for its part;
+    # the total was float32, where torch's over float32 and float64 gradients is float64.
+    models = [_mixed_model() for _ in range(2)]
+    x, y = torch.randn(6, 4), torch.randn(6, 4, dtype=torch.float64)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=2)
+        Schedule1F1B(stage, F.mse_loss).step(
+            x if stage.is_first else None, y if stage.is_last else None
+        )
+        total = stage.clip_grad_norm_(0.01, norm_type)
+        return total, {name: p.grad for name, p in stage.named_parameters()}
+
+    results = run_threads(rank, 2, timeout=30.0)
+    plain = _mixed_model()
+    F.mse_loss(plain(x), y).backward()
+    expected = nn.utils.clip_grad_norm_(plain.parameters(), 0.01, norm_type)
+    assert expected.dtype == torch.float64
+    grads: dict[str, Tensor] = {}
+    for value in results:
+        assert not isinstance(value, BaseException), value
+        total, mine = value
+        assert total.dtype == torch.float64  # on rank 0 too, whose gradients are not
+        torch.testing.assert_close(total, expected)
+        grads.update(mine)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def _sparse_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, WIDTH, sparse=True)  # torch takes no norm of its gradient
+    return nn.Sequential(embedding, Mean(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, VOCAB))
+
+
+def test_a_process_that_fails_to_compute_its_part_fails_the_others_at_once() -> None:
+    # Regression: only refused arguments were told to the other processes; a failure in
+    # the norm of rank 0's gradients left rank 1 waiting until the transport's timeout,
+    # which then said that rank 0 had died.
+    models = [_sparse_model() for _ in range(2)]
+    ids, target = _data(0)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 2], transport=transport, chunks=2)
+        Schedule1F1B(stage, F.cross_entropy).step(
+            ids if stage.is_first else None, target if stage.is_last else None
+        )
+        failed, start = None, time.monotonic()
+        try:
+            stage.clip_grad_norm_(1.0)
+        except Exception as error:
+            failed = error
+        seconds = time.monotonic() - start
+        stage.zero_grad()  # no sparse gradient left: the next call runs as usual
+        return failed, seconds, stage.clip_grad_norm_(1.0)
+
+    results = run_threads(rank, 2, timeout=20.0)  # the transports wait 10 s at most
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    (own, own_seconds, own_next), (told, told_seconds, told_next) = results
+    assert isinstance(own, NotImplementedError)
+    assert "torchgpipe: raised on rank 0 in stage.clip_grad_norm_(); every other rank" in str(
+        own.__notes__
+    )
+    assert isinstance(told, RemoteError)
+    assert told.rank == 0
+    assert "rank 0 (stages [0]) raised NotImplementedError: " in str(told)
+    assert "in stage.clip_grad_norm_()" in str(told)
+    assert max(own_seconds, told_seconds) < 5.0  # not the transport's timeout
+    assert own_next.item() == told_next.item() == 0.0

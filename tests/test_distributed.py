@@ -540,6 +540,42 @@ def test_a_rank_that_clips_while_the_other_steps_fails_both_before_any_timeout()
         torch.testing.assert_close(merged[name], grad, rtol=1e-5, atol=1e-6)
 
 
+class _Mean(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1)
+
+
+def _sparse_clip_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)  # torch takes no norm of the embedding's sparse gradient
+    model = nn.Sequential(nn.Embedding(8, 4, sparse=True), _Mean(), nn.Linear(4, 4))
+    stage = PipelineStage(model, [2, 1], chunks=2)
+    ids, y = (
+        torch.randint(0, 8, (4, 3), generator=torch.Generator().manual_seed(1)),
+        _batch(2, 4, 4),
+    )
+    _step(Schedule1F1B(stage, _mse), ids, y)
+    out = {"clip": _outcome(lambda: stage.clip_grad_norm_(1.0))}
+    stage.zero_grad()
+    out["next"] = _outcome(lambda: stage.clip_grad_norm_(1.0))
+    return out
+
+
+def test_a_rank_that_fails_to_compute_its_part_of_a_clip_fails_every_rank_at_once() -> None:
+    # Regression: rank 1 waited for rank 0's part until the process group's timeout,
+    # then said rank 0 had died (or, had rank 0 clipped again, took that call's part).
+    timeout = 60.0
+    results = spawn(_sparse_clip_rank, 2, timeout=timeout)
+    own, told = (out["clip"] for out in results)
+    assert own["type"] == "NotImplementedError", own
+    assert any("raised on rank 0 in stage.clip_grad_norm_()" in note for note in own["notes"])
+    assert told["type"] == "RemoteError", told
+    assert told["rank"] == 0
+    assert told["text"].startswith("rank 0 (stages [0]) raised NotImplementedError: ")
+    assert "in stage.clip_grad_norm_()" in told["text"]
+    assert max(own["seconds"], told["seconds"]) < timeout / 6
+    assert [out["next"]["type"] for out in results] == [None, None]  # it runs as usual
+
+
 # Data parallelism: each stage replicated over a group of its own.
 
 
@@ -598,6 +634,8 @@ def _reduce_rank(rank: int, world: int) -> dict[tuple[str, str], Any]:
         out[op, "own"] = _grads(net)
         out[op, "error"] = _outcome(functools.partial(all_reduce_gradients, net, pair, op=op))
         out[op, "reduced"] = {name: p.grad for name, p in net.named_parameters()}
+    # A list of ranks for a group: torch failed on it with "unhashable type: 'list'".
+    out["list", "error"] = _outcome(functools.partial(all_reduce_gradients, net, [0, 1, 2]))
     return out
 
 
@@ -626,6 +664,13 @@ def test_all_reduce_gradients_leaves_none_where_no_replica_has_a_gradient() -> N
         assert {name for name, grad in left.items() if grad is not None} == set(mine[2])
         for name, grad in mine[2].items():
             torch.testing.assert_close(left[name], grad)
+    for out in results:
+        refused = out["list", "error"]
+        assert refused["type"] == "TypeError", refused
+        assert refused["text"].startswith(
+            "group must be a ProcessGroup, or None for the default group; got [0, 1, 2] of "
+            "type list: make the group with dist.new_group([0, 1, 2]) in every process"
+        )
 
 
 # Sparse gradients (nn.Embedding(sparse=True)). Regression: the replica with one

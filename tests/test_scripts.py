@@ -37,8 +37,8 @@ def start_python(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_demo_quick_trains_and_compares_throughput(tmp_path):
-    timeline = tmp_path / "timeline.png"
-    out = run_python("-m", "torchgpipe.demo", "--quick", "--timeline", str(timeline))
+    timeline = tmp_path / "timeline.png"  # given without its suffix, which matplotlib adds
+    out = run_python("-m", "torchgpipe.demo", "--quick", "--timeline", str(tmp_path / "timeline"))
     losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", out)]
     steps = demo.parse_args(["--quick"]).steps
     assert len(losses) == 2 * steps  # GPipe, then the plain model
@@ -48,6 +48,7 @@ def test_demo_quick_trains_and_compares_throughput(tmp_path):
     assert re.search(r"ratio\s+\d+\.\d+ \(GPipe / plain\)", out)
     assert re.search(r"bubble \d+\.\d% \(ideal 33\.3%\)", out)  # n = 2, m = 2
     assert timeline.read_bytes()[:4] == b"\x89PNG"
+    assert f"timeline drawn to {timeline}\n" in out  # the file written, by its name
 
 
 def test_demo_rejects_bad_sizes(capsys):
@@ -74,10 +75,46 @@ def test_demo_rejects_bad_sizes(capsys):
         assert "--lr must be a positive finite number" in capsys.readouterr().err
 
 
-def test_demo_names_the_timeline_as_it_is_drawn() -> None:
+def test_demo_names_the_timeline_as_it_is_drawn(tmp_path) -> None:
     # With no suffix, matplotlib draws a PNG and adds ".png": the demo says so.
     assert demo.parse_args(["--quick", "--timeline", "step"]).timeline == "step.png"
     assert demo.parse_args(["--quick", "--timeline", "step.svg"]).timeline == "step.svg"
+    assert demo.parse_args(["--quick", "--timeline", "step."]).timeline == "step.png"
+    hidden = str(tmp_path / ".step")  # a dot-file's name is all stem: matplotlib adds .png
+    assert demo.parse_args(["--quick", "--timeline", hidden]).timeline == hidden + ".png"
+    # Checked by opening it for writing: a file that exists is left as it was, and
+    # none is left behind where none was.
+    kept = tmp_path / "kept.png"
+    kept.write_bytes(b"mine")
+    assert demo.parse_args(["--quick", "--timeline", str(kept)]).timeline == str(kept)
+    assert kept.read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.png"]
+
+
+@pytest.mark.parametrize("where", ["folder", "folder/", ".", "/proc/t.png"])
+def test_demo_refuses_a_timeline_it_cannot_write_before_training(tmp_path, capsys, where):
+    # Regression: a folder gave a file beside it (/tmp/x.png) or a hidden one in it
+    # (/tmp/x/.png.png, named /tmp/x/.png); /proc/t.png failed after the training.
+    if where == "/proc/t.png" and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    (tmp_path / "folder").mkdir()
+    given = where if where.startswith(("/", ".")) else str(tmp_path) + "/" + where
+    with pytest.raises(SystemExit) as raised:
+        demo.parse_args(["--quick", "--timeline", given])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    if where == "/proc/t.png":
+        assert "--timeline '/proc/t.png': cannot write '/proc/t.png' (" in err
+    else:
+        assert f"--timeline {given!r}: names a folder; name a file in it, as " in err
+    assert list(tmp_path.rglob("*")) == [tmp_path / "folder"]  # nothing written
+
+
+def test_demo_help_tells_the_checkpoint_mode_of_each_preset(capsys):
+    # It said "(never)", while --quick checkpoints except_last.
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--help"])
+    assert "(never; quick except_last)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_demo_options_override_the_preset():
@@ -313,9 +350,11 @@ def test_schedules_benchmark_quick_measures_every_schedule_and_the_reference(tmp
 
 @pytest.mark.distributed
 def test_distributed_example_trains_on_two_processes():
-    out = run_python("examples/train_distributed.py", "--processes", "2", "--steps", "10")
+    out = run_python("examples/train_distributed.py", "--processes", "2", "--steps", "7")
+    # Printed by rank 0 only, every 5 steps and the last (which was left out).
+    steps = re.findall(r"step +(\d+) +loss", out)
+    assert steps == ["5", "7"]
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
-    assert len(losses) == 2  # printed by rank 0 only, every 5 steps
     assert losses[-1] < losses[0]
 
 

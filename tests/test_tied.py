@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -113,6 +114,91 @@ def test_unfreezing_either_name_unfreezes_the_tied_weight() -> None:
     assert pipe[4].weight.requires_grad
     assert pipe[0].weight.grad is not None
     assert torch.equal(pipe[0].weight.grad, pipe[4].weight.grad)
+
+
+@pytest.fixture
+def swap_on_conversion() -> Iterator[None]:
+    """Dtype changes swap each parameter's tensor underneath (``torch.utils.swap_tensors``).
+
+    The flag is process-wide: put back whatever the test does.
+    """
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _grads_by_name(module: nn.Module) -> dict[str, Tensor | None]:
+    return {n: p.grad for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.usefixtures("swap_on_conversion")
+@pytest.mark.parametrize("schedule", [None, Schedule1F1B])
+@pytest.mark.parametrize("dtype", ["float", "double"])
+def test_a_dtype_change_that_swaps_the_tensors_keeps_summing_the_copies(
+    dtype: str, schedule: type | None
+) -> None:
+    # Regression: a swap keeps the parameter's identity, so the ties kept their hook on
+    # the head's copy, which no longer fired: its share of the gradient was dropped
+    # silently, even by a .float() that changed nothing.
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
+    head = pipe[4].weight
+    getattr(pipe, dtype)()
+    getattr(plain, dtype)()
+    assert pipe[4].weight is head  # swapped in place, not replaced
+    ids, target = _data(2)
+    for _ in range(2):  # and the next backward accumulates
+        if schedule is None:
+            F.cross_entropy(pipe(ids), target).backward()
+        else:
+            schedule(pipe, F.cross_entropy).step(ids, target)
+        F.cross_entropy(plain(ids), target).backward()
+        ours = _grads_by_name(pipe)
+        for name, grad in _grads_by_name(plain).items():
+            torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.usefixtures("swap_on_conversion")
+def test_a_tied_weight_swapped_while_frozen_is_summed_once_unfrozen() -> None:
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=2)
+    pipe[0].weight.requires_grad_(False)
+    ids, target = _data(3)
+    pipe(ids)  # the copies unhooked
+    pipe.double()
+    plain.double()
+    pipe[0].weight.requires_grad_(True)
+    F.cross_entropy(pipe(ids), target).backward()
+    F.cross_entropy(plain(ids), target).backward()
+    torch.testing.assert_close(pipe[0].weight.grad, plain[0].weight.grad)
+    torch.testing.assert_close(pipe[4].weight.grad, plain[0].weight.grad)
+
+
+@pytest.mark.usefixtures("swap_on_conversion")
+def test_processes_keep_summing_a_tie_after_a_dtype_change_that_swaps_the_tensors() -> None:
+    # A PipelineStage's ties hook the owner's copy too (its share goes to the others).
+    models = [_language_model() for _ in range(2)]
+    ids, target = _data(4)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        stage.double()
+        Schedule1F1B(stage, F.cross_entropy).step(
+            ids if stage.is_first else None, target if stage.is_last else None
+        )
+        return _grads_by_name(stage)
+
+    results = run_threads(rank, 2, timeout=30.0)
+    plain = _language_model().double()
+    F.cross_entropy(plain(ids), target).backward()
+    for value in results:
+        assert not isinstance(value, BaseException), value
+    ours = {**results[0], **results[1]}
+    for name, grad in _grads_by_name(plain).items():
+        torch.testing.assert_close(ours[name], grad, msg=name)
 
 
 def test_loading_one_name_of_a_tied_weight_sets_every_copy() -> None:

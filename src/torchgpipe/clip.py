@@ -6,46 +6,65 @@ uses it, each holding the same summed gradient, so the norm would count it once 
 copy; and across processes each rank sees its own parameters only, so each would clip
 by another norm, and the copies of a tied weight would drift apart.
 ``GPipe.clip_grad_norm_`` and ``PipelineStage.clip_grad_norm_`` count each weight once
-(its owner's copy), add up the processes' parts in rank order (every rank gets the same
-total), and scale every copy alike::
+(its owner's copy), bring the processes' parts together in rank order (every rank gets
+the same total), and scale every copy alike::
 
     loss_fn(model(x), y).backward()
     model.clip_grad_norm_(1.0)          # not clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
 
-The parts are summed in float64, so the total can differ from torch's float32 one in
-the last bits.
+Torch's total is the norm of order ``p`` of the vector of every gradient's own norm
+``n`` (a complex gradient's: of its absolute values). So a part of the gradients (a
+process's) comes down to one number, and the parts combine as follows::
+
+    norm_type       a part                  parts combined    the total
+    p > 0, p < 0    the sum of n ** p       added             their sum ** (1 / p)
+    0               the count of n != 0     added             their sum
+    inf             the largest n           the largest       it
+    -inf            the smallest n          the smallest      it
+
+(``p < 0``: a zero gradient makes ``n ** p`` infinite and the total 0, as in torch.)
+With no gradient anywhere the total is 0, as torch's. Each ``n`` and the parts are
+computed in float64, so the total can differ from torch's in the last bits; it is
+returned in the dtype torch's would have (:func:`total_norm`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import reduce
 
 import torch
 from torch import Tensor
 
-__all__ = ["clip_grad_norm", "counted_once", "norm_part"]
+__all__ = ["NormPart", "clip_by", "clip_grad_norm", "counted_once", "norm_part", "total_norm"]
 
 
-def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, float]:
+_INF = ("inf", "infinity")  # the strings max_norm may be, as torch's float() reads them
+
+
+def check_clip_arguments(max_norm: float, norm_type: float | str) -> tuple[float, float]:
     """``max_norm`` and ``norm_type`` as floats, refused when they mean nothing.
 
     ``max_norm=math.inf`` clips nothing: the call only returns the total norm, as
     torch's clip does (a non-finite norm still scales the gradients by NaN there).
+    ``norm_type`` is any number but NaN (0 and negative ones too, as torch takes them),
+    or a string that ``float()`` reads (``'2'``, ``'inf'``), as torch's ``float()`` does.
 
     Raises:
         TypeError: either is not a real number (a bool is not one).
-        ValueError: ``max_norm`` is negative or NaN, ``norm_type`` not positive.
+        ValueError: ``max_norm`` is negative or NaN, ``norm_type`` NaN.
     """
     floats = []
     for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        # As torch's clip takes them: a real number (NumPy's too), a one-element tensor,
-        # 'inf' as a string.
+        # As torch's clip takes them: a real number (NumPy's too), a one-element tensor;
+        # a string: 'inf' for max_norm, any that float() reads for norm_type.
         fits = (
             isinstance(value, numbers.Real)
-            or (isinstance(value, str) and value.lower() in ("inf", "infinity"))
+            or (isinstance(value, str) and (name == "norm_type" or value.lower() in _INF))
             or (isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex())
         )
         try:
@@ -53,8 +72,9 @@ def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, floa
                 raise TypeError
             floats.append(float(value.detach() if isinstance(value, Tensor) else value))
         except (TypeError, ValueError):
+            also = " or a string that float() reads ('2', 'inf')" if name == "norm_type" else ""
             raise TypeError(
-                f"{name} must be a real number, got {value!r} of type {type(value).__name__}"
+                f"{name} must be a real number{also}, got {value!r} of type {type(value).__name__}"
             ) from None
     limit, order = floats
     if not limit >= 0:  # NaN too
@@ -62,8 +82,11 @@ def check_clip_arguments(max_norm: float, norm_type: float) -> tuple[float, floa
             f"max_norm must be a number >= 0 (math.inf to clip nothing and get the norm), "
             f"got {max_norm!r}"
         )
-    if not order > 0:
-        raise ValueError(f"norm_type must be positive (2.0, or math.inf), got {norm_type!r}")
+    if math.isnan(order):
+        raise ValueError(
+            f"norm_type must be a number, not NaN (2.0, 1.0, math.inf, 0, -math.inf, ...), "
+            f"got {norm_type!r}"
+        )
     return limit, order
 
 
@@ -93,56 +116,102 @@ def counted_once(
     return [p for p in parameters if id(p) not in skip]
 
 
-def norm_part(grads: Iterable[Tensor], norm_type: float) -> Tensor:
-    """This holder's part of the total norm: the sum of ``|g| ** p``, or the max ``|g|``.
+@dataclass(frozen=True)
+class NormPart:
+    """What some of the gradients (a process's) add to the total norm (module docstring).
 
-    A 0-dim float64 tensor on the CPU; 0 for no gradients. One copy to the CPU per
-    device, not per gradient (on a GPU each copy waits for the device).
+    Attributes:
+        value: their part, in float64: a sum of ``n ** p``, a count, a largest or a
+            smallest norm (for none: what adds nothing, 0; +inf for ``-inf``).
+        count: how many gradients it covers.
+        dtype: the dtype of torch's total over them alone; None for no gradient.
+    """
+
+    value: float
+    count: int
+    dtype: torch.dtype | None
+
+
+def norm_part(grads: Iterable[Tensor], norm_type: float) -> NormPart:
+    """The part of the total norm of order ``norm_type`` that ``grads`` make.
+
+    One copy to the CPU per device, not per gradient (on a GPU each copy waits for it).
+
+    Raises:
+        RuntimeError, NotImplementedError: torch cannot take the norm of a gradient
+            (a sparse one; an empty one for ``norm_type`` inf or below 0), as its clip.
     """
     by_device: dict[torch.device, list[Tensor]] = {}
+    dtypes: list[torch.dtype] = []
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64)
+        grad = grad.detach()
+        # float64 for the sum; a complex gradient must be read as complex128 for it.
+        wide = torch.complex128 if grad.is_complex() else torch.float64
+        norm = torch.linalg.vector_norm(grad, norm_type, dtype=wide)
         by_device.setdefault(grad.device, []).append(norm)
-    parts = [torch.zeros((), dtype=torch.float64)]
+        dtypes.append(grad.real.dtype)  # that of torch's norm of it: complex64 gives float32
+    parts = [torch.tensor(math.inf if norm_type == -math.inf else 0.0, dtype=torch.float64)]
     for norms in by_device.values():
-        stacked = torch.stack(norms)
-        powers = stacked if math.isinf(norm_type) else stacked**norm_type
-        parts.append(_combine(powers, norm_type).cpu())
-    return _combine(torch.stack(parts), norm_type)
+        parts.append(_combine(_terms(torch.stack(norms), norm_type), norm_type).cpu())
+    value = float(_combine(torch.stack(parts), norm_type))
+    return NormPart(value, len(dtypes), reduce(torch.promote_types, dtypes) if dtypes else None)
+
+
+def _terms(norms: Tensor, norm_type: float) -> Tensor:
+    """What each gradient's norm adds to its part: ``n ** p``, ``n != 0``, or ``n``."""
+    if math.isinf(norm_type):
+        return norms
+    if norm_type == 0:
+        return (norms != 0).to(torch.float64)
+    return norms**norm_type
 
 
 def _combine(parts: Tensor, norm_type: float) -> Tensor:
-    """Parts of a norm's ``p``-th power added up; for the max norm, the largest."""
-    return parts.max() if math.isinf(norm_type) else parts.sum()
+    """Parts added up; for the norms of order inf and -inf, the largest and the smallest."""
+    if norm_type == math.inf:
+        return parts.max()
+    if norm_type == -math.inf:
+        return parts.min()
+    return parts.sum()
 
 
-def clip_grad_norm(
-    counted: Sequence[Tensor],
+def total_norm(parts: Sequence[NormPart], norm_type: float) -> Tensor:
+    """The total norm of the gradients of every part, a 0-dim tensor on the CPU.
+
+    In the dtype torch's clip returns: that of the gradients where all share one (a
+    complex one's real dtype), the dtype that promotes them all where they differ
+    (float16 and bfloat16 give float32, float32 and float64 float64: torch stacks
+    the gradients' norms), and the default dtype where there is no gradient.
+    """
+    dtypes = [part.dtype for part in parts if part.dtype is not None]
+    dtype = reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
+    if not any(part.count for part in parts):
+        return torch.zeros((), dtype=dtype)
+    values = torch.tensor([part.value for part in parts], dtype=torch.float64)
+    total = _combine(values, norm_type)
+    if not (math.isinf(norm_type) or norm_type == 0):
+        total = total ** (1.0 / norm_type)
+    return total.to(dtype)
+
+
+def clip_by(
+    parts: Sequence[NormPart],
     every: Sequence[Tensor],
     max_norm: float,
     norm_type: float,
     *,
     error_if_nonfinite: bool,
-    gather: Callable[[Tensor], list[Tensor]] | None = None,
 ) -> Tensor:
-    """Scale the gradients of ``every`` parameter so that their total norm is ``max_norm``.
+    """Scale the gradients of ``every`` parameter by the total norm of ``parts``, to ``max_norm``.
 
-    ``counted`` holds each weight once (the norm is theirs); ``every`` also the copies,
-    which are scaled alike. ``gather(part)``: every process's part, in rank order (None
-    in one process). Returns the total norm before clipping, a 0-dim float32 tensor on
-    the CPU.
+    Returns the total norm before clipping (:func:`total_norm`). The scale is taken
+    from it as torch takes it, in its dtype: a total that overflows that dtype is
+    infinite here too.
 
     Raises:
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
     """
-    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
-    grads = [p.grad for p in counted if p.grad is not None]
-    parts = [norm_part(grads, norm_type)]
-    if gather is not None:
-        parts = gather(parts[0])
-    total = _combine(torch.stack(parts), norm_type)
-    if not math.isinf(norm_type):
-        total = total ** (1.0 / norm_type)
+    total = total_norm(parts, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}, so they "
@@ -154,4 +223,32 @@ def clip_grad_norm(
             for p in every:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-    return total.float()
+    return total
+
+
+def clip_grad_norm(
+    counted: Sequence[Tensor],
+    every: Sequence[Tensor],
+    max_norm: float,
+    norm_type: float | str,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> Tensor:
+    """``GPipe.clip_grad_norm_``: clip the gradients of ``every`` parameter in this process.
+
+    ``counted`` holds each weight once (the norm is theirs); ``every`` also the copies,
+    which are scaled alike. ``foreach`` is taken as torch's clip takes it, where it
+    chooses an implementation only (one kernel for many gradients): here it changes
+    nothing, each gradient's norm is taken alone, in float64. Returns the total norm
+    before clipping, a 0-dim tensor on the CPU in the dtype torch's clip returns
+    (:func:`total_norm`).
+
+    Raises:
+        TypeError, ValueError: an argument is refused (:func:`check_clip_arguments`).
+        RuntimeError: the total norm is not finite and ``error_if_nonfinite``, or torch
+            cannot take the norm of a gradient (:func:`norm_part`).
+    """
+    del foreach  # see the docstring
+    max_norm, order = check_clip_arguments(max_norm, norm_type)
+    part = norm_part([p.grad for p in counted if p.grad is not None], order)
+    return clip_by([part], every, max_norm, order, error_if_nonfinite=error_if_nonfinite)

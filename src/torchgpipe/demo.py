@@ -105,13 +105,16 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         "--layers", type=int, help=f"Linear+ReLU blocks ({d.layers}; quick {q.layers})"
     )
     parser.add_argument(
-        "--checkpoint", choices=_CHECKPOINT_CHOICES, help=f"GPipe's mode ({d.checkpoint})"
+        "--checkpoint",
+        choices=_CHECKPOINT_CHOICES,
+        help=f"GPipe's mode ({d.checkpoint}; quick {q.checkpoint})",
     )
     parser.add_argument("--lr", type=float, help=f"Adam's learning rate ({d.lr}; quick {q.lr})")
     parser.add_argument("--seed", type=int, help=f"seed of the weights and data ({d.seed})")
     parser.add_argument(
         "--timeline",
-        help=f"where to draw the traced step's timeline, '' for nowhere ({d.timeline})",
+        help=f"the file to draw the traced step's timeline to ({', '.join(_PICTURES)}; a "
+        f"name without a suffix gets .png), '' for none ({d.timeline})",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a few seconds")
     args = vars(parser.parse_args(argv))
@@ -130,19 +133,50 @@ def parse_args(argv: Sequence[str] | None) -> Config:
             f"--partitions {config.partitions} is more than the model's {config.layers + 1} "
             f"layers; pass at most {config.layers + 1}, or more --layers"
         )
-    folder = os.path.dirname(os.path.abspath(config.timeline)) if config.timeline else ""
-    if folder and not os.path.isdir(folder):
-        parser.error(f"--timeline {config.timeline!r}: no folder {folder!r} to draw it in")
     if config.timeline:
-        suffix = os.path.splitext(config.timeline)[1].lower()
-        if not suffix:  # what matplotlib would draw, named as it is
-            config = replace(config, timeline=config.timeline + ".png")
-        elif suffix not in _PICTURES:
-            parser.error(
-                f"--timeline {config.timeline!r}: draws {', '.join(_PICTURES)} files, "
-                f"not {suffix}; name the file with one of those"
-            )
+        try:
+            config = replace(config, timeline=timeline_file(config.timeline))
+        except ValueError as error:
+            parser.error(f"--timeline {config.timeline!r}: {error}")
     return config
+
+
+def timeline_file(name: str) -> str:
+    """The file the timeline named ``name`` is written to, checked before any training.
+
+    Named as matplotlib names it: without a suffix (or with a bare dot), it draws a PNG
+    and adds ``.png``. A folder is refused (matplotlib would write a hidden ``.png``
+    in it, or a file beside it), and so is a file that cannot be written (a missing
+    folder, ``/proc``): found out at the end, it would cost the whole run.
+
+    Raises:
+        ValueError: what is wrong with ``name``, in words.
+    """
+    if name.endswith(("/", os.sep)) or os.path.isdir(name):
+        raise ValueError(
+            f"names a folder; name a file in it, as {os.path.join(name, _DEFAULT.timeline)!r}"
+        )
+    folder = os.path.dirname(os.path.abspath(name))
+    if not os.path.isdir(folder):
+        raise ValueError(f"no folder {folder!r} to draw it in")
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix in ("", "."):  # what matplotlib does with a name without a suffix
+        name = name.rstrip(".") + ".png"
+    elif suffix not in _PICTURES:
+        raise ValueError(
+            f"draws {', '.join(_PICTURES)} files, not {suffix}; name the file with one of those"
+        )
+    if os.path.isdir(name):
+        raise ValueError(f"would be drawn to {name!r}, which is a folder; name a file")
+    existed = os.path.exists(name)
+    try:
+        with open(name, "ab"):  # appends nothing: a file that exists is left as it is
+            pass
+    except OSError as error:
+        raise ValueError(f"cannot write {name!r} ({error.strerror}); name another file") from None
+    if not existed:
+        os.remove(name)
+    return name
 
 
 def _default_partitions() -> int:

@@ -222,25 +222,25 @@ class GPipe(PlacedModule, StageHolder):
         self.workers = Workers(n)
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> Tensor:
         """Clip the gradients by their total norm, a tied weight counted once (``clip.py``).
 
         Use it rather than ``clip_grad_norm_(model.parameters(), ...)``, which would count
         a tied weight once per partition that holds a copy. Every copy is scaled alike.
+        Arguments as torch's clip takes them (``foreach`` changes nothing here).
 
         Returns:
-            The total norm before clipping (a 0-dim float32 tensor on the CPU).
+            The total norm before clipping: 0-dim, on the CPU, in the dtype torch's clip
+            returns (``clip.total_norm``).
         """
-        ties = self._ties
-        counted = counted_once(self.parameters(), ties.groups, ties.ranks)
-        return clip_grad_norm(
-            counted,
-            list(self.parameters()),
-            max_norm,
-            norm_type,
-            error_if_nonfinite=error_if_nonfinite,
-        )
+        every, ties = list(self.parameters()), self._ties
+        counted = counted_once(every, ties.groups, ties.ranks)
+        return clip_grad_norm(counted, every, max_norm, norm_type, error_if_nonfinite, foreach)
 
     @property
     def partitions(self) -> nn.ModuleList:

@@ -101,7 +101,8 @@ class Ties:
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._handles: list[RemovableHandle] = []
-        self._hooked: list[tuple[int, int, Tensor]] = []
+        # What _hook() hooked: (group, copy, parameter, its __dict__ then).
+        self._hooked: list[tuple[int, int, Tensor, dict[str, Any]]] = []
 
     @property
     def groups(self) -> list[list[Tensor]]:
@@ -212,7 +213,8 @@ class Ties:
             self._flags[g] = flag
         wanted = self._wanted()
         if len(wanted) != len(self._hooked) or any(
-            a[:2] != b[:2] or a[2] is not b[2] for a, b in zip(wanted, self._hooked, strict=False)
+            a[:2] != b[:2] or a[2] is not b[2] or vars(a[2]) is not b[3]
+            for a, b in zip(wanted, self._hooked, strict=False)
         ):
             self._hook()
 
@@ -291,10 +293,27 @@ class Ties:
         ]
 
     def _hook(self) -> None:
+        """Hook the parameters :meth:`_wanted` names, each noted with its ``__dict__``.
+
+        The same tensor object with another ``__dict__`` was swapped
+        (``torch.utils.swap_tensors``, which ``module.float()`` calls under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``): a swap
+        exchanges the tensor underneath and the ``__dict__``, and keeps the identity and
+        the dict of hooks, which torch bound to the tensor underneath when it made the
+        dict, so no hook in it fires any more, a hook added since included. Assigning
+        the dict again binds it to the tensor now underneath. So it is done for every
+        parameter not hooked here under the same ``__dict__`` before (a frozen one may
+        have been swapped unseen): the user's hooks in its dict fire again too.
+        """
+        kept = {id(p) for _, _, p, held in self._hooked if vars(p) is held}
         for handle in self._handles:
             handle.remove()
-        self._hooked = self._wanted()
-        self._handles = [p.register_hook(_Record(self, (g, c))) for g, c, p in self._hooked]
+        wanted = self._wanted()
+        self._handles = [p.register_hook(_Record(self, (g, c))) for g, c, p in wanted]
+        for _, _, p in wanted:
+            if id(p) not in kept:
+                p._backward_hooks = p._backward_hooks  # bound anew: see the docstring
+        self._hooked = [(g, c, p, vars(p)) for g, c, p in wanted]
 
     def watch_loads(self, module: nn.Module) -> None:
         """Keep the copies equal through ``module.load_state_dict`` (``module`` holds them).

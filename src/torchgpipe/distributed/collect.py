@@ -28,8 +28,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from torchgpipe.clip import check_clip_arguments, clip_grad_norm, counted_once
+from torchgpipe.clip import check_clip_arguments, clip_by, counted_once, norm_part
 from torchgpipe.distributed.checks import mismatch
+from torchgpipe.distributed.exchange import describe
 from torchgpipe.mailbox import Stopped, add_note
 
 if TYPE_CHECKING:
@@ -38,22 +39,32 @@ if TYPE_CHECKING:
     from torchgpipe.distributed.stage import PipelineStage
     from torchgpipe.tied import Ties
 
-__all__ = ["clip_across", "collect", "refuse", "terms_of"]
+__all__ = ["clip_across", "collect", "fail", "refuse", "terms_of"]
 
 CALLS = {"norm": "stage.clip_grad_norm_()", "trace": "stage.gather_trace()"}
 """The call that collects under each name, for errors."""
 
 
 def collect(
-    stage: PipelineStage, name: str, value: Any, to: Collection[int], terms: Any = ()
+    stage: PipelineStage,
+    name: str,
+    value: Any,
+    to: Collection[int],
+    terms: Any = (),
+    *,
+    failed: Exception | None = None,
 ) -> dict[int, Any]:
     """Send ``value`` to the ranks ``to``; there, every rank's value by rank; else ``{}``.
 
     Call it in every process at once, with the same ``name``, ``to`` and ``terms`` (the
     call's arguments that every process must agree on): every rank hears from every
     other, so each compares them, and all refuse a call made with different ones.
+    ``failed``: this process's own failure, before it had a value (:func:`fail`): it
+    sends none, and ends at once with that error, as it does where it fails to send.
 
     Raises:
+        Exception: this process's own failure to send, once every other process was
+            told (they raise ``RemoteError`` naming it, at once).
         RemoteError: another process failed or was lost.
         RuntimeError: another process made another call meanwhile (a step, on every
             rank), or this one with other ``to`` or ``terms``, or ended without its part.
@@ -64,17 +75,32 @@ def collect(
     mine = (sorted(to), terms)
     exchange = stage.exchange()
     exchange.tag, exchange.call = name, CALLS.get(name, name)
+    error = failed
     try:
-        for peer in exchange.peers:
-            exchange.send(peer, (name, stage.rank), (mine, value if peer in to else None))
-        if not join_step(stage, exchange):
-            # Not take(): a peer that ends without sending (it failed, or called another
-            # method at this time) must not leave this one waiting.
+        if error is None:
+            for peer in exchange.peers:
+                exchange.send(peer, (name, stage.rank), (mine, value if peer in to else None))
+        # Not take(): a peer that ends without sending (it failed, or called another
+        # method at this time) must not leave this one waiting.
+        if not join_step(stage, exchange) and error is None:
             got = {peer: exchange.wait_for((name, peer), peer) for peer in exchange.peers}
     except Stopped:  # a peer is lost; close() names it
         pass
+    except Exception as own:
+        error = own
     finally:  # whatever happened: the next step needs the listeners
-        exchange.close()
+        if error is None:
+            exchange.close()
+        else:  # this process's end tells the others of its failure, which they raise
+            status = describe(error, None, stage.rank, stage.stages, None)
+            status["where"] = f" in {exchange.call}"
+            exchange.finish({"failed": True, "error": status}, [])
+    if error is not None:
+        note = f"raised on rank {stage.rank} in {exchange.call}; every other rank raises"
+        add_note(error, f"torchgpipe: {note} RemoteError")
+        if error is not failed:
+            raise error
+        return {}
     failure = mismatch(exchange)
     if failure is not None:  # every rank sees every end: all fail alike
         stage.shapes.clear()  # a step's ranks forgot their layouts too (schedule.py)
@@ -135,27 +161,50 @@ def refuse(stage: PipelineStage, name: str, refused: BaseException) -> None:
         add_note(refused, f"torchgpipe: the other processes were told: {told}")
 
 
+def fail(stage: PipelineStage, name: str, failed: Exception) -> None:
+    """Take part in a collect that this process failed to compute its value for.
+
+    The others raise ``RemoteError`` at once, naming this rank and ``failed`` (which
+    gets a note that says so), instead of waiting for this process until the process
+    group's timeout. The caller raises ``failed`` then.
+    """
+    collect(stage, name, None, [], failed=failed)
+
+
 def clip_across(
-    stage: PipelineStage, ties: Ties, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    stage: PipelineStage,
+    ties: Ties,
+    max_norm: float,
+    norm_type: float | str,
+    error_if_nonfinite: bool,
+    foreach: bool | None = None,
 ) -> Tensor:
     """``stage.clip_grad_norm_``: one total norm over every process, each weight once.
 
     Arguments this process refuses are refused with every other process told (``refuse``),
-    so none waits, and none clips by a norm without this process's part.
+    and so is a failure to compute this process's part of the norm (``fail``: a sparse
+    gradient, say, whose norm torch cannot take): none waits, and none clips by a norm
+    without this process's part. ``foreach`` changes nothing (``clip.clip_grad_norm``).
     """
+    del foreach  # as torch's clip takes it: see clip.clip_grad_norm
     try:
-        check_clip_arguments(max_norm, norm_type)
+        limit, order = check_clip_arguments(max_norm, norm_type)
     except (TypeError, ValueError) as refused:
         refuse(stage, "norm", refused)
         raise
     terms = terms_of(max_norm, norm_type, error_if_nonfinite)
-    ranks = range(stage.world_size)
-
-    def gather(part: Tensor) -> list[Tensor]:
-        return [part for _, part in sorted(collect(stage, "norm", part, ranks, terms).items())]
-
     every = list(stage.parameters())
-    counted = counted_once(every, ties.groups, ties.ranks, stage.rank)
-    return clip_grad_norm(
-        counted, every, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, gather=gather
+    try:
+        counted = counted_once(every, ties.groups, ties.ranks, stage.rank)
+        part = norm_part([p.grad for p in counted if p.grad is not None], order)
+    except Exception as failed:
+        fail(stage, "norm", failed)
+        raise
+    parts = collect(stage, "norm", part, range(stage.world_size), terms)
+    return clip_by(
+        [parts[r] for r in sorted(parts)],
+        every,
+        limit,
+        order,
+        error_if_nonfinite=error_if_nonfinite,
     )

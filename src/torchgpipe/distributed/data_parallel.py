@@ -54,6 +54,7 @@ def all_reduce_gradients(
     otherwise (see the module's documentation).
 
     Raises:
+        TypeError: ``group`` is not a process group (a list of ranks, say).
         ValueError: an unknown ``op``, or a ``group`` this process is not a member of.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
@@ -63,6 +64,7 @@ def all_reduce_gradients(
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    _check_group(group)
     if group is not None:
         check_member(group, "group", "the group of this stage's replicas")
     params = [p for p in module.parameters() if p.requires_grad]
@@ -72,6 +74,27 @@ def all_reduce_gradients(
     size = dist.get_world_size(group)
     for bucket in buckets.values():
         _reduce_bucket(bucket, group, divide=size if op == "mean" else 1)
+
+
+def _check_group(group: object) -> None:
+    """Refuse what is not a process group (a list of ranks), before torch fails on it.
+
+    Torch's message would be ``unhashable type: 'list'``. What ``new_group()`` returns to
+    a process outside the group passes: :func:`check_member` refuses it by name.
+    """
+    import torch.distributed as dist
+
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if type(group) is type(outside) and group == outside:
+        return
+    ranks = list(group) if isinstance(group, list | tuple) else "ranks"
+    raise TypeError(
+        f"group must be a ProcessGroup, or None for the default group; got {group!r} of "
+        f"type {type(group).__name__}: make the group with dist.new_group({ranks}) in "
+        f"every process, and pass what it returns"
+    )
 
 
 def _reduce_bucket(bucket: list[nn.Parameter], group: Any, *, divide: int) -> None:

@@ -394,20 +394,22 @@ class PipelineStage(PlacedModule, StageHolder):
         return merged
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> Tensor:
         """Clip every process's gradients by one total norm, each weight counted once.
 
-        Call it in every process at once, after a step, instead of
-        ``clip_grad_norm_(stage.parameters(), ...)``, which would clip each process by
-        its own norm and let the copies of a tied weight drift apart (``clip.py``).
-        Returns the total norm before clipping, the same everywhere (0-dim, on the CPU).
+        Call it in every process at once, after a step (torch's clip would clip each by
+        its own norm: ``clip.py``); returns the total norm, the same everywhere (as GPipe's).
 
         Raises:
-            TypeError, ValueError: an argument is refused (the other processes are told).
+            TypeError, ValueError, RuntimeError: this process failed (the others are told).
             RemoteError: another process failed or was lost.
         """
-        return clip_across(self, self._ties, max_norm, norm_type, error_if_nonfinite)
+        return clip_across(self, self._ties, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
