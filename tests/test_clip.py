@@ -185,12 +185,45 @@ def test_the_total_has_the_dtype_of_torchs(dtypes: tuple[torch.dtype, ...]) -> N
     total = model.clip_grad_norm_(0.5)
     expected = nn.utils.clip_grad_norm_(plain, 0.5)
     assert total.dtype == expected.dtype
-    # Torch takes a half-precision gradient's norm in its dtype; this clip in float64.
-    low = {torch.float16, torch.bfloat16} & set(dtypes)
-    close = {"rtol": 1e-2, "atol": 1e-3} if low else {}
-    torch.testing.assert_close(total, expected, **close)
+    # The same arithmetic as torch's: equal up to the order of the sum, in half precision
+    # too (where the total was once taken in float64: 17.75 against torch's 17.875).
+    torch.testing.assert_close(total, expected)
     for ours, theirs in zip(model.parameters(), plain, strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad, **close)
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+@pytest.mark.parametrize(
+    ("fill", "norm_type", "dtypes"),
+    [
+        (1e20, 2.0, (torch.float32, torch.float32)),  # the sum of squares overflows float32
+        (7000.0, 10.0, (torch.float32, torch.float32)),
+        (40000.0, 2.0, (torch.float16, torch.float32)),  # one float16 gradient's own norm
+        (1e-30, 2.0, (torch.float32, torch.float32)),  # the squares underflow to 0
+        (1e-20, -2.0, (torch.float32, torch.float32)),
+    ],
+    ids=str,
+)
+def test_a_total_overflows_and_underflows_where_torchs_does(
+    fill: float, norm_type: float, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    # Regression: each gradient's norm was taken in float64, so a total torch finds
+    # infinite (and clips every gradient to 0, or refuses with error_if_nonfinite) came
+    # out finite here, and clipped as if nothing were wrong.
+    model, plain = _with_grads(*dtypes)
+    for p in [*model.parameters(), *plain]:
+        p.grad = torch.full_like(p, fill)
+    total = model.clip_grad_norm_(1.0, norm_type)
+    expected = nn.utils.clip_grad_norm_(plain, 1.0, norm_type)
+    torch.testing.assert_close(total, expected)
+    for ours, theirs in zip(model.parameters(), plain, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+    if not torch.isfinite(expected):
+        for p in [*model.parameters(), *plain]:
+            p.grad = torch.full_like(p, fill)
+        with pytest.raises(RuntimeError):
+            nn.utils.clip_grad_norm_(plain, 1.0, norm_type, error_if_nonfinite=True)
+        with pytest.raises(RuntimeError, match="cannot be clipped"):
+            model.clip_grad_norm_(1.0, norm_type, error_if_nonfinite=True)
 
 
 def test_no_gradient_gives_a_total_of_zero_in_the_default_dtype() -> None:
@@ -437,7 +470,7 @@ def test_a_process_that_fails_to_compute_its_part_fails_the_others_at_once() -> 
         assert not isinstance(value, BaseException), value
     (own, own_seconds, own_next), (told, told_seconds, told_next) = results
     assert isinstance(own, NotImplementedError)
-    assert "torchgpipe: raised on rank 0 in stage.clip_grad_norm_(); every other rank" in str(
+    assert "torchgpipe: raised on rank 0 in stage.clip_grad_norm_(); the other ranks" in str(
         own.__notes__
     )
     assert isinstance(told, RemoteError)

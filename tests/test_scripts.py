@@ -110,6 +110,36 @@ def test_demo_refuses_a_timeline_it_cannot_write_before_training(tmp_path, capsy
     assert list(tmp_path.rglob("*")) == [tmp_path / "folder"]  # nothing written
 
 
+def test_demo_timeline_check_leaves_links_and_refuses_what_is_no_file(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    # Regression: the check deleted a dangling link (and left its target behind, empty),
+    # and blocked for ever on a named pipe.
+    link = tmp_path / "link.png"
+    link.symlink_to(tmp_path / "target.png")
+    assert demo.parse_args(["--quick", "--timeline", str(link)]).timeline == str(link)
+    assert link.is_symlink()
+    assert not (tmp_path / "target.png").exists()
+    pipe = tmp_path / "pipe.png"
+    os.mkfifo(pipe)
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--quick", "--timeline", str(pipe)])
+    assert "is not a regular file" in capsys.readouterr().err
+    # The default file, where it cannot be written, is named as the default, not as an
+    # option the user never passed.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "timeline_file", _refuse)
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--quick"])
+    err = capsys.readouterr().err
+    assert "the timeline's default file 'gpipe-timeline.png': refused here;" in err
+    assert "--timeline '' to draw none" in err
+
+
+def _refuse(name: str) -> str:
+    raise ValueError("refused here")
+
+
 def test_demo_help_tells_the_checkpoint_mode_of_each_preset(capsys):
     # It said "(never)", while --quick checkpoints except_last.
     with pytest.raises(SystemExit):

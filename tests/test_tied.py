@@ -161,6 +161,33 @@ def test_a_dtype_change_that_swaps_the_tensors_keeps_summing_the_copies(
             torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("rehook", ["swap", "requires_grad"])
+def test_the_ties_hook_stays_ahead_of_a_users_when_hooked_anew(rehook: str) -> None:
+    # Regression: hooking the copies anew (after a swapping dtype change, or a weight
+    # frozen and unfrozen) put the ties' own hook after a user's registered before, so
+    # what the user's returned went into the copies' sum (the README: it does not).
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(rehook == "swap")
+    try:
+        pipe = GPipe(_language_model(), [2, 3], chunks=2)
+        ids, _ = _data(4)
+        pipe(ids)
+        for p in pipe.parameters():
+            p.register_hook(lambda g: g)
+        if rehook == "swap":
+            pipe.float()
+        else:
+            pipe[0].weight.requires_grad_(False)
+            pipe(ids)
+            pipe[0].weight.requires_grad_(True)
+        pipe(ids)  # hooked anew
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    kinds = [[type(h).__name__ for h in p._backward_hooks.values()] for p in pipe.parameters()]
+    assert ["_Record", "function"] in kinds, kinds
+    assert all("_Record" not in hooks[1:] for hooks in kinds), kinds
+
+
 @pytest.mark.usefixtures("swap_on_conversion")
 def test_a_tied_weight_swapped_while_frozen_is_summed_once_unfrozen() -> None:
     plain = _language_model()

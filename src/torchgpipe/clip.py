@@ -14,19 +14,14 @@ the same total), and scale every copy alike::
     optimizer.step()
 
 Torch's total is the norm of order ``p`` of the vector of every gradient's own norm
-``n`` (a complex gradient's: of its absolute values). So a part of the gradients (a
-process's) comes down to one number, and the parts combine as follows::
-
-    norm_type       a part                  parts combined    the total
-    p > 0, p < 0    the sum of n ** p       added             their sum ** (1 / p)
-    0               the count of n != 0     added             their sum
-    inf             the largest n           the largest       it
-    -inf            the smallest n          the smallest      it
-
-(``p < 0``: a zero gradient makes ``n ** p`` infinite and the total 0, as in torch.)
-With no gradient anywhere the total is 0, as torch's. Each ``n`` and the parts are
-computed in float64, so the total can differ from torch's in the last bits; it is
-returned in the dtype torch's would have (:func:`total_norm`).
+(a complex gradient's: of its absolute values), each taken in its gradient's dtype, the
+vector in the dtype that promotes them all. This clip does the same arithmetic: each
+process takes its gradients' norms in their dtypes (:func:`norm_part`), the processes'
+norms are brought together in rank order, and the total is their norm in the promoted
+dtype (:func:`total_norm`). So it overflows, or underflows, where torch's does (float16
+gradients of 1000 give an infinite total in both), and differs from it at most in the
+last bits, from the order of the sum. With no gradient anywhere the total is 0, as
+torch's.
 """
 
 from __future__ import annotations
@@ -118,22 +113,21 @@ def counted_once(
 
 @dataclass(frozen=True)
 class NormPart:
-    """What some of the gradients (a process's) add to the total norm (module docstring).
+    """Some gradients' (a process's) own norms: what they bring to the total norm.
 
     Attributes:
-        value: their part, in float64: a sum of ``n ** p``, a count, a largest or a
-            smallest norm (for none: what adds nothing, 0; +inf for ``-inf``).
-        count: how many gradients it covers.
-        dtype: the dtype of torch's total over them alone; None for no gradient.
+        norms: each gradient's norm of the order asked, taken in its dtype (a complex
+            gradient's real dtype), as a Python float (exact: float64 holds every value
+            of the narrower dtypes).
+        dtype: the dtype that promotes the gradients' norms; None for no gradient.
     """
 
-    value: float
-    count: int
+    norms: tuple[float, ...]
     dtype: torch.dtype | None
 
 
 def norm_part(grads: Iterable[Tensor], norm_type: float) -> NormPart:
-    """The part of the total norm of order ``norm_type`` that ``grads`` make.
+    """Each of ``grads``' norms of order ``norm_type``, as torch's clip takes them.
 
     One copy to the CPU per device, not per gradient (on a GPU each copy waits for it).
 
@@ -144,54 +138,31 @@ def norm_part(grads: Iterable[Tensor], norm_type: float) -> NormPart:
     by_device: dict[torch.device, list[Tensor]] = {}
     dtypes: list[torch.dtype] = []
     for grad in grads:
-        grad = grad.detach()
-        # float64 for the sum; a complex gradient must be read as complex128 for it.
-        wide = torch.complex128 if grad.is_complex() else torch.float64
-        norm = torch.linalg.vector_norm(grad, norm_type, dtype=wide)
-        by_device.setdefault(grad.device, []).append(norm)
-        dtypes.append(grad.real.dtype)  # that of torch's norm of it: complex64 gives float32
-    parts = [torch.tensor(math.inf if norm_type == -math.inf else 0.0, dtype=torch.float64)]
-    for norms in by_device.values():
-        parts.append(_combine(_terms(torch.stack(norms), norm_type), norm_type).cpu())
-    value = float(_combine(torch.stack(parts), norm_type))
-    return NormPart(value, len(dtypes), reduce(torch.promote_types, dtypes) if dtypes else None)
-
-
-def _terms(norms: Tensor, norm_type: float) -> Tensor:
-    """What each gradient's norm adds to its part: ``n ** p``, ``n != 0``, or ``n``."""
-    if math.isinf(norm_type):
-        return norms
-    if norm_type == 0:
-        return (norms != 0).to(torch.float64)
-    return norms**norm_type
-
-
-def _combine(parts: Tensor, norm_type: float) -> Tensor:
-    """Parts added up; for the norms of order inf and -inf, the largest and the smallest."""
-    if norm_type == math.inf:
-        return parts.max()
-    if norm_type == -math.inf:
-        return parts.min()
-    return parts.sum()
+        norm = torch.linalg.vector_norm(grad.detach(), norm_type)  # in the gradient's dtype
+        by_device.setdefault(grad.device, []).append(norm.to(torch.float64))  # exact
+        dtypes.append(norm.dtype)
+    norms: list[float] = []
+    for on_device in by_device.values():
+        norms += torch.stack(on_device).cpu().tolist()
+    return NormPart(tuple(norms), reduce(torch.promote_types, dtypes) if dtypes else None)
 
 
 def total_norm(parts: Sequence[NormPart], norm_type: float) -> Tensor:
     """The total norm of the gradients of every part, a 0-dim tensor on the CPU.
 
-    In the dtype torch's clip returns: that of the gradients where all share one (a
-    complex one's real dtype), the dtype that promotes them all where they differ
-    (float16 and bfloat16 give float32, float32 and float64 float64: torch stacks
-    the gradients' norms), and the default dtype where there is no gradient.
+    The norm of order ``norm_type`` of all the parts' norms, in rank order, computed as
+    torch's clip computes it: in the dtype that promotes the gradients' norms (float16
+    and bfloat16 give float32, float32 and float64 float64), which is the dtype returned;
+    the default dtype where there is no gradient.
     """
     dtypes = [part.dtype for part in parts if part.dtype is not None]
     dtype = reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
-    if not any(part.count for part in parts):
+    norms = [norm for part in parts for norm in part.norms]
+    if not norms:
         return torch.zeros((), dtype=dtype)
-    values = torch.tensor([part.value for part in parts], dtype=torch.float64)
-    total = _combine(values, norm_type)
-    if not (math.isinf(norm_type) or norm_type == 0):
-        total = total ** (1.0 / norm_type)
-    return total.to(dtype)
+    # Each norm is a value of its gradient's dtype, so the promoted one holds it exactly.
+    total: Tensor = torch.linalg.vector_norm(torch.tensor(norms, dtype=dtype), norm_type)
+    return total
 
 
 def clip_by(
@@ -206,7 +177,7 @@ def clip_by(
 
     Returns the total norm before clipping (:func:`total_norm`). The scale is taken
     from it as torch takes it, in its dtype: a total that overflows that dtype is
-    infinite here too.
+    infinite here too, and scales every gradient by 0.
 
     Raises:
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
@@ -217,7 +188,7 @@ def clip_by(
             f"the total norm of order {norm_type} of the gradients is {total.item()}, so they "
             f"cannot be clipped; pass error_if_nonfinite=False to scale them anyway"
         )
-    scale = max_norm / (float(total) + 1e-6)
+    scale = float(max_norm / (total + 1e-6))  # in the total's dtype, as torch's
     if scale < 1.0 or math.isnan(scale):  # a NaN norm makes every gradient NaN, as torch's
         with torch.no_grad():
             for p in every:
@@ -239,7 +210,7 @@ def clip_grad_norm(
     ``counted`` holds each weight once (the norm is theirs); ``every`` also the copies,
     which are scaled alike. ``foreach`` is taken as torch's clip takes it, where it
     chooses an implementation only (one kernel for many gradients): here it changes
-    nothing, each gradient's norm is taken alone, in float64. Returns the total norm
+    nothing, each gradient's norm is taken alone, in its dtype. Returns the total norm
     before clipping, a 0-dim tensor on the CPU in the dtype torch's clip returns
     (:func:`total_norm`).
 

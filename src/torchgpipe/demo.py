@@ -137,6 +137,11 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         try:
             config = replace(config, timeline=timeline_file(config.timeline))
         except ValueError as error:
+            if args["timeline"] is None:  # the default, where the demo runs
+                parser.error(
+                    f"the timeline's default file {config.timeline!r}: {error}; pass "
+                    f"--timeline with a file elsewhere, or --timeline '' to draw none"
+                )
             parser.error(f"--timeline {config.timeline!r}: {error}")
     return config
 
@@ -168,14 +173,18 @@ def timeline_file(name: str) -> str:
         )
     if os.path.isdir(name):
         raise ValueError(f"would be drawn to {name!r}, which is a folder; name a file")
-    existed = os.path.exists(name)
+    # What a link names is what gets written: tried there, and the link left as it is.
+    real = os.path.realpath(name)
+    if os.path.exists(real) and not os.path.isfile(real):  # a pipe would block the try
+        raise ValueError(f"{name!r} is not a regular file; name another file")
+    existed = os.path.exists(real)
     try:
-        with open(name, "ab"):  # appends nothing: a file that exists is left as it is
+        with open(real, "ab"):  # appends nothing: a file that exists is left as it is
             pass
     except OSError as error:
         raise ValueError(f"cannot write {name!r} ({error.strerror}); name another file") from None
     if not existed:
-        os.remove(name)
+        os.remove(real)
     return name
 
 

@@ -35,6 +35,7 @@ one tensor does. Buffers do not travel between processes (``materialize.py``).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -310,7 +311,12 @@ class Ties:
             handle.remove()
         wanted = self._wanted()
         self._handles = [p.register_hook(_Record(self, (g, c))) for g, c, p in wanted]
-        for _, _, p in wanted:
+        for (_, _, p), handle in zip(wanted, self._handles, strict=True):
+            # First among the parameter's hooks, hooked anew or not: the share recorded
+            # for the sum is the engine's, whatever a user's hook returns.
+            hooks = p._backward_hooks
+            assert isinstance(hooks, OrderedDict)  # register_hook made it so
+            hooks.move_to_end(handle.id, last=False)
             if id(p) not in kept:
                 p._backward_hooks = p._backward_hooks  # bound anew: see the docstring
         self._hooked = [(g, c, p, vars(p)) for g, c, p in wanted]

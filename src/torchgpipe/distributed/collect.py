@@ -96,8 +96,8 @@ def collect(
             status["where"] = f" in {exchange.call}"
             exchange.finish({"failed": True, "error": status}, [])
     if error is not None:
-        note = f"raised on rank {stage.rank} in {exchange.call}; every other rank raises"
-        add_note(error, f"torchgpipe: {note} RemoteError")
+        note = f"raised on rank {stage.rank} in {exchange.call}; the other ranks are told"
+        add_note(error, f"torchgpipe: {note} (in that call, they raise RemoteError)")
         if error is not failed:
             raise error
         return {}
