@@ -1289,11 +1289,70 @@ def test_a_wide_integer_buffer_a_reset_fills_in_part_is_refused(dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8])
 def test_a_narrow_integer_buffer_counts_as_filled_once_written(dtype: torch.dtype) -> None:
-    # Their mark (True, 255, -128) is a plausible value: a write is all that is checked.
+    # Their marks are plausible values: a write is all that is checked.
     with torch.device("meta"):
         layers = nn.Sequential(nn.Linear(2, 2), _Slots(dtype))
     model = GPipe(layers, [1, 1])
     assert not model[1].idx[:2].any()
+
+
+class _Written(nn.Module):
+    """A buffer its reset writes all over with ``value`` (``through_data``: by ``.data``)."""
+
+    def __init__(self, dtype: torch.dtype, value: Any, through_data: bool) -> None:
+        super().__init__()
+        self.value, self.through_data = value, through_data
+        self.register_buffer("b", torch.empty(6, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        (self.b.data if self.through_data else self.b).fill_(self.value)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "through_data"),
+    [
+        (torch.int64, torch.iinfo(torch.int64).min, False),  # minus infinity, as an integer
+        (torch.int32, torch.iinfo(torch.int32).min, True),
+        (torch.int16, torch.iinfo(torch.int16).min + 1, False),
+        (torch.bool, True, True),  # a mask, through .data: no version, no new storage
+        (torch.uint8, 255, True),
+        (torch.int8, -128, True),
+    ],
+    ids=str,
+)
+def test_a_reset_writing_any_one_value_all_over_counts_as_filled(
+    dtype: torch.dtype, value: Any, through_data: bool
+) -> None:
+    # Regression: the mark was one value (the lowest; True, 255): a reset that wrote it
+    # on purpose was refused ("left 1.b as allocated").
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(2, 2), _Written(dtype, value, through_data))
+    model = GPipe(layers, [1, 1])
+    assert model[1].b.tolist() == [value] * 6
+
+
+def test_a_complex_parameter_a_reset_fills_in_one_part_only_is_refused() -> None:
+    # Regression: the mark was nan+0j, so writing the real part alone passed.
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3, dtype=torch.cfloat))
+
+        def reset_parameters(self) -> None:
+            with torch.no_grad():
+                self.w.real.normal_()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(2, 2), Half())
+    with pytest.raises(ValueError, match=r"left 1\.w as allocated"):
+        GPipe(layers, [1, 1])
 
 
 def test_lazy_layers_are_refused_before_anything_changes() -> None:

@@ -168,6 +168,56 @@ def test_state_dict_keys_are_the_models_and_load_both_ways() -> None:
     torch.testing.assert_close(fresh(ids), other(ids), rtol=0, atol=0)
 
 
+class _Versioned(nn.Module):
+    """Version 1 saved half the gain: its loads double what an old checkpoint holds."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.g)
+
+    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
+        if (metadata.get("version") or 1) < 2:
+            state[prefix + "g"] = state[prefix + "g"] * 2
+        super()._load_from_state_dict(state, prefix, metadata, *args)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.g
+
+
+class _WithVersioned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.v, self.b = nn.Linear(4, 4), _Versioned(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.v(self.a(x)))
+
+
+def test_state_dicts_keep_the_modules_versions_under_the_models_paths() -> None:
+    # Regression: the versions stayed under the stage-indexed paths ("0.v") while the keys
+    # lost the index, so every load took a current checkpoint for an old one (and the
+    # reverse: a plain model's versions did not reach the stages).
+    x = torch.randn(6, 4)
+    plain = _WithVersioned()
+    with torch.no_grad():
+        plain.v.g.fill_(5.0)
+    saved = GPipe(split(plain, x, at=["b"]), [1, 1]).state_dict()
+    assert saved._metadata["v"]["version"] == 2  # type: ignore[attr-defined]
+    fresh = _WithVersioned()
+    fresh.load_state_dict(saved)
+    pipe = GPipe(split(_WithVersioned(), x, at=["b"]), [1, 1])
+    pipe.load_state_dict(plain.state_dict())
+    with torch.device("meta"):
+        meta = split(_WithVersioned(), x.to("meta"), at=["b"])
+    for gain in (fresh.v.g, pipe.state_dict()["v.g"], GPipe(meta, [1, 1], state_dict=saved)[0].v.g):
+        assert gain.tolist() == [5.0] * 4
+
+
 def test_split_of_a_sequential_keeps_its_keys() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))

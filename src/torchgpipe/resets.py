@@ -1,7 +1,7 @@
 """The resets (or ``init``) of a layer just allocated, and the check that they filled it.
 
 :mod:`torchgpipe.materialize` trusts no reset, nor ``init``, blindly: each tensor a
-fill is to fill is marked first (NaN; a sentinel for integers), and one the fill left
+fill is to fill is marked first (NaN; a pattern for integers), and one the fill left
 marked, wholly or in part, is refused once it ran (:func:`reset`, :func:`initialize`).
 Which tensors a reset is to fill is decided before, from the layer's modules: a
 tensor's holders (:func:`tensor_holders`), a reset above one of them (:func:`under`),
@@ -64,14 +64,16 @@ def reset(
     run cannot change the tensors that were real before: their values are kept and put
     back, as the earlier layer left them (:func:`_fill`).
 
-    Each watched tensor is first marked: NaN when floating, an extreme value for
-    integers (the lowest, or the highest when unsigned), ``True`` for booleans. A
-    holder's tensor counts as filled when a reset replaced it, or it holds no mark:
-    no NaN (floating), no lowest value (signed integers of 16 bits or more, where the
-    lowest is no plausible value). For ``bool``, ``uint8``, ``int8`` and the other
-    unsigned integers, whose mark is a plausible value, a reset that wrote the tensor
-    in place (its version counter) or through ``.data`` (its storage) counts too, as
-    does any element other than the mark: there, a tensor filled only in part passes.
+    Each watched tensor is first marked: NaN when floating (both parts when complex), a
+    pattern along the tensor for integers and booleans (:func:`_patterns`). A holder's
+    tensor counts as filled when a reset replaced it, or holds no NaN (floating). Signed
+    integers of 16 bits or more must not keep marks of two values (marks next to the
+    lowest, which no reset plausibly writes in a row of elements; one value all over
+    may be what a reset wrote). Then, and for ``bool``, ``uint8``, ``int8`` and the
+    other unsigned integers, whose marks are plausible values, a reset that wrote the
+    tensor in place (its version counter) or through ``.data`` (its storage) counts,
+    as does any element other than its mark: there, a tensor filled only in part
+    passes.
 
     Raises:
         ValueError: no reset filled a watched tensor, wholly, in any of its holders.
@@ -256,30 +258,52 @@ class _Mark:
         flat = self.tensor.detach().reshape(-1)
         if self.tensor.is_floating_point() or self.tensor.is_complex():
             return not any(bool(part.isnan().any()) for part in flat.split(_PIECE))
-        mark = _sentinel(self.tensor.dtype)
-        if _implausible(self.tensor.dtype):  # the mark left anywhere is a hole
-            return not any(bool((part == mark).any()) for part in flat.split(_PIECE))
+        dtype = self.tensor.dtype
+        pieces = list(zip(flat.split(_PIECE), _patterns(dtype, flat.numel()), strict=True))
+        if _implausible(dtype):
+            # Marks of two values left are a hole; one value all over may be a reset's.
+            left: set[int] = set()
+            for part, mark in pieces:
+                left.update(mark[part == mark].unique()[:2].tolist())
+                if len(left) > 1:
+                    return False
         if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
             return True
-        return not all(bool((part == mark).all()) for part in flat.split(_PIECE))
+        return not all(bool((part == mark).all()) for part, mark in pieces)
 
 
 _PIECE = 1 << 20  # elements looked at a time: a bounded temporary (1 MiB), whatever the tensor
+_PERIOD = 4093  # a wide integer's mark: that many values next to its lowest, never the lowest
 
 
-def _sentinel(dtype: torch.dtype) -> bool | int:
-    """What marks an integer or boolean tensor: True, or an extreme of its dtype."""
-    if dtype == torch.bool:
-        return True
-    info = torch.iinfo(dtype)
-    return info.max if info.min == 0 else info.min
+def _patterns(dtype: torch.dtype, count: int) -> Iterator[Tensor]:
+    """The mark of an integer or boolean tensor of ``count`` elements, piece by piece.
+
+    A pattern that varies along the tensor, so that a reset writing one value all over
+    (0, a mask of ``True``, the lowest integer as minus infinity) differs from it
+    somewhere: booleans alternate from ``True``; unsigned integers count down from their
+    highest value; signed ones count up from one above their lowest (the lowest itself is
+    a value resets write), by :data:`_PERIOD` values for wide ones.
+    """
+    for start in range(0, count, _PIECE):
+        index = torch.arange(start, min(start + _PIECE, count), dtype=torch.int64)
+        if dtype == torch.bool:
+            yield index % 2 == 0
+            continue
+        info = torch.iinfo(dtype)
+        period = min(_PERIOD, info.max - info.min)
+        if info.min == 0:
+            yield (info.max - index % period).to(dtype)
+        else:
+            yield (info.min + 1 + index % period).to(dtype)
 
 
 def _implausible(dtype: torch.dtype) -> bool:
-    """Whether ``dtype``'s mark is no plausible value: the lowest of a wide signed integer.
+    """Whether ``dtype``'s marks are no plausible values: those of a wide signed integer.
 
-    ``int16``, ``int32``, ``int64``. A ``bool``'s ``True``, ``uint8``'s 255 or
-    ``int8``'s -128 may well be what a reset meant to write (a mask, a byte).
+    ``int16``, ``int32``, ``int64``, whose marks are the values just above the lowest.
+    A ``bool``'s, a ``uint8``'s or an ``int8``'s may well be what a reset meant to
+    write (a mask, a byte).
     """
     if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
         return False
@@ -295,17 +319,28 @@ def _markable(dtype: torch.dtype) -> bool:
         _mark(probe)
         if probe.is_floating_point() or probe.is_complex():
             return bool(probe.isnan().all())
-        return bool((probe == _sentinel(dtype)).all())
+        return bool((probe == next(_patterns(dtype, 1))).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False  # left to its reset, unchecked
 
 
 def _mark(tensor: Tensor) -> None:
     """Fill ``tensor`` with what no reset is likely to write (see :func:`reset`)."""
-    if tensor.is_floating_point() or tensor.is_complex():
+    if tensor.is_complex():
+        tensor.data.fill_(complex(math.nan, math.nan))  # a reset may write one part only
+    elif tensor.is_floating_point():
         tensor.data.fill_(math.nan)
     else:
-        tensor.data.fill_(_sentinel(tensor.dtype))
+        flat = tensor.data.view(-1) if tensor.is_contiguous() else None
+        if flat is None:  # not laid out in one piece: marked whole, through a copy
+            tensor.data.copy_(
+                torch.cat(list(_patterns(tensor.dtype, tensor.numel()))).view_as(tensor)
+            )
+            return
+        for part, mark in zip(
+            flat.split(_PIECE), _patterns(tensor.dtype, flat.numel()), strict=True
+        ):
+            part.copy_(mark)
 
 
 def reset_of(module: nn.Module) -> Callable[[], object] | None:

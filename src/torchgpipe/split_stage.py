@@ -426,12 +426,26 @@ def _drop_stage_index(
         entries[slot] = mine[k]
     for key, value in entries:  # again, with each stage's index taken out
         state_dict.setdefault(_plain(key, prefix, set(stages)), value)
+    metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
+    for path in [p for p in metadata or () if p.startswith(prefix)]:  # versions, by path
+        head, _, rest = path[len(prefix) :].partition(".")
+        if metadata is not None and head in stages:
+            data = metadata.pop(path)
+            if rest:  # under the module's path in the model (a stage itself has none)
+                metadata.setdefault(prefix + rest, data)
 
 
 def _add_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     module.__dict__["_load_prefix"] = prefix  # for _plain_report, which is not told
+    stages = _stage_names(module)
+    metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
+    for path, data in list((metadata or {}).items()):  # the versions, under each stage too
+        rest = path[len(prefix) :] if path.startswith(prefix) else ""
+        if metadata is not None and rest and rest.partition(".")[0] not in stages:
+            for name in stages:
+                metadata.setdefault(f"{prefix}{name}.{rest}", data)
     owners: dict[str, list[str]] = {}
     for name, child in module.named_children():
         if isinstance(child, Stage):
