@@ -1335,6 +1335,28 @@ def test_a_reset_writing_any_one_value_all_over_counts_as_filled(
     assert model[1].b.tolist() == [value] * 6
 
 
+@pytest.mark.parametrize("left", [slice(1, None), slice(None, -1), slice(0, 1)], ids=str)
+def test_a_wide_integer_buffer_with_one_element_left_is_refused(left: slice) -> None:
+    # Regression: only marks of two values left counted as a hole: one element passed.
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.empty(3, dtype=torch.int64))
+
+        def reset_parameters(self) -> None:
+            everything = torch.ones(3, dtype=torch.bool)
+            everything[left] = False
+            self.b[everything] = 7
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(2, 2), Two())
+    with pytest.raises(ValueError, match=r"left 1\.b as allocated"):
+        GPipe(layers, [1, 1])
+
+
 def test_a_complex_parameter_a_reset_fills_in_one_part_only_is_refused() -> None:
     # Regression: the mark was nan+0j, so writing the real part alone passed.
     class Half(nn.Module):

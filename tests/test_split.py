@@ -218,6 +218,70 @@ def test_state_dicts_keep_the_modules_versions_under_the_models_paths() -> None:
         assert gain.tolist() == [5.0] * 4
 
 
+class _Parted(nn.Module):
+    """A versioned module with a gain of its own and two children, cut between them."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(4))
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
+        if (metadata.get("version") or 1) < 2:
+            state[prefix + "g"] = state[prefix + "g"] * 2
+        super()._load_from_state_dict(state, prefix, metadata, *args)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(self.l1(x)) * self.g
+
+
+class _HoldsParted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.h = _Parted(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.h(self.p(x))
+
+
+def _numbered() -> nn.Sequential:
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), _Versioned(), nn.Linear(4, 4), _Versioned()]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize(
+    ("build", "at", "gains"),
+    [
+        (_numbered, ["2", "3"], ["2.g", "4.g"]),  # stages named as the model's own layers
+        (_HoldsParted, ["p.l2"], ["p.g"]),  # a module cut in two: a Placeholder holds it
+    ],
+    ids=["numbered", "placeholder"],
+)
+def test_versions_survive_names_shared_with_stages_and_modules_cut_in_two(
+    build: Callable[[], nn.Module], at: list[str], gains: list[str]
+) -> None:
+    # Regression: a stage's own entry took the place of the model's layer of the same
+    # name (its versions lost), and a Placeholder recorded its own version, 1.
+    x = torch.randn(6, 4)
+    plain = build()
+    with torch.no_grad():
+        for key in gains:
+            plain.get_parameter(key).fill_(5.0)
+    saved = GPipe(split(plain, x, at=at), [1] * (len(at) + 1)).state_dict()
+    fresh = build()
+    fresh.load_state_dict(saved)
+    given = plain.state_dict()
+    versions = dict(given._metadata)  # type: ignore[attr-defined]
+    pipe = GPipe(split(build(), x, at=at), [1] * (len(at) + 1))
+    pipe.load_state_dict(given)
+    assert dict(given._metadata) == versions  # type: ignore[attr-defined]  # left as it came
+    for key in gains:
+        assert fresh.get_parameter(key).tolist() == [5.0] * 4
+        assert pipe.state_dict()[key].tolist() == [5.0] * 4
+
+
 def test_split_of_a_sequential_keeps_its_keys() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))

@@ -67,13 +67,14 @@ def reset(
     Each watched tensor is first marked: NaN when floating (both parts when complex), a
     pattern along the tensor for integers and booleans (:func:`_patterns`). A holder's
     tensor counts as filled when a reset replaced it, or holds no NaN (floating). Signed
-    integers of 16 bits or more must not keep marks of two values (marks next to the
-    lowest, which no reset plausibly writes in a row of elements; one value all over
-    may be what a reset wrote). Then, and for ``bool``, ``uint8``, ``int8`` and the
-    other unsigned integers, whose marks are plausible values, a reset that wrote the
-    tensor in place (its version counter) or through ``.data`` (its storage) counts,
-    as does any element other than its mark: there, a tensor filled only in part
-    passes.
+    integers of 16 bits or more must hold no element equal to its mark (marks near the
+    lowest value, which no reset plausibly writes), unless the tensor is one value all
+    over (what a reset wrote everywhere may be some element's mark). Then, and for
+    ``bool``, ``uint8``, ``int8`` and the unsigned integers, whose marks are plausible
+    values, a reset that wrote the tensor in place (its version counter) or through
+    ``.data`` (its storage) counts, as does any element other than its mark: there, a
+    tensor filled only in part passes, and a one-element tensor written its mark
+    through ``.data`` is refused.
 
     Raises:
         ValueError: no reset filled a watched tensor, wholly, in any of its holders.
@@ -258,22 +259,25 @@ class _Mark:
         flat = self.tensor.detach().reshape(-1)
         if self.tensor.is_floating_point() or self.tensor.is_complex():
             return not any(bool(part.isnan().any()) for part in flat.split(_PIECE))
-        dtype = self.tensor.dtype
-        pieces = list(zip(flat.split(_PIECE), _patterns(dtype, flat.numel()), strict=True))
+        dtype, count = self.tensor.dtype, flat.numel()
         if _implausible(dtype):
-            # Marks of two values left are a hole; one value all over may be a reset's.
-            left: set[int] = set()
-            for part, mark in pieces:
-                left.update(mark[part == mark].unique()[:2].tolist())
-                if len(left) > 1:
-                    return False
+            # A mark left anywhere is a hole, unless the tensor is one value all over
+            # (a reset that wrote it everywhere, where it is some element's mark).
+            pieces = zip(flat.split(_PIECE), _patterns(dtype, count), strict=True)
+            if any(bool((part == mark).any()) for part, mark in pieces):
+                if count > 1:
+                    return bool((flat == flat[0]).all())
+            else:
+                return True
+            # One element, its mark: told from a reset that wrote that value by the write.
         if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
             return True
+        pieces = zip(flat.split(_PIECE), _patterns(dtype, count), strict=True)
         return not all(bool((part == mark).all()) for part, mark in pieces)
 
 
 _PIECE = 1 << 20  # elements looked at a time: a bounded temporary (1 MiB), whatever the tensor
-_PERIOD = 4093  # a wide integer's mark: that many values next to its lowest, never the lowest
+_PERIOD = 4093  # a wide integer's marks: that many values near its lowest
 
 
 def _patterns(dtype: torch.dtype, count: int) -> Iterator[Tensor]:
@@ -281,9 +285,10 @@ def _patterns(dtype: torch.dtype, count: int) -> Iterator[Tensor]:
 
     A pattern that varies along the tensor, so that a reset writing one value all over
     (0, a mask of ``True``, the lowest integer as minus infinity) differs from it
-    somewhere: booleans alternate from ``True``; unsigned integers count down from their
-    highest value; signed ones count up from one above their lowest (the lowest itself is
-    a value resets write), by :data:`_PERIOD` values for wide ones.
+    somewhere (but where it has one element): booleans alternate from ``True``; unsigned
+    integers count down from their highest value; signed ones count up from two above
+    their lowest (the lowest, and minus the highest, are values resets write), by
+    :data:`_PERIOD` values for wide ones.
     """
     for start in range(0, count, _PIECE):
         index = torch.arange(start, min(start + _PIECE, count), dtype=torch.int64)
@@ -294,8 +299,8 @@ def _patterns(dtype: torch.dtype, count: int) -> Iterator[Tensor]:
         period = min(_PERIOD, info.max - info.min)
         if info.min == 0:
             yield (info.max - index % period).to(dtype)
-        else:
-            yield (info.min + 1 + index % period).to(dtype)
+        else:  # not the lowest, nor one above (minus the highest): values resets write
+            yield (info.min + 2 + index % period).to(dtype)
 
 
 def _implausible(dtype: torch.dtype) -> bool:
@@ -331,16 +336,12 @@ def _mark(tensor: Tensor) -> None:
     elif tensor.is_floating_point():
         tensor.data.fill_(math.nan)
     else:
-        flat = tensor.data.view(-1) if tensor.is_contiguous() else None
-        if flat is None:  # not laid out in one piece: marked whole, through a copy
-            tensor.data.copy_(
-                torch.cat(list(_patterns(tensor.dtype, tensor.numel()))).view_as(tensor)
-            )
-            return
-        for part, mark in zip(
-            flat.split(_PIECE), _patterns(tensor.dtype, flat.numel()), strict=True
-        ):
-            part.copy_(mark)
+        for k, mark in enumerate(_patterns(tensor.dtype, tensor.numel())):
+            if tensor.is_contiguous():
+                tensor.data.view(-1)[k * _PIECE : k * _PIECE + mark.numel()] = mark
+            else:  # not laid out in one piece: by each element's place, in row-major order
+                index = torch.arange(k * _PIECE, k * _PIECE + mark.numel())
+                tensor.data[torch.unravel_index(index, tensor.shape)] = mark
 
 
 def reset_of(module: nn.Module) -> Callable[[], object] | None:

@@ -242,9 +242,12 @@ class Placeholder(nn.Module):
     stage's piece reads what it holds.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, version: int | None = None) -> None:
         super().__init__()
         self.kind = kind
+        # The module's own version, which its state dict records (``_metadata``): a
+        # load that converts older versions reads it.
+        self._version = version  # type: ignore[assignment]  # torch's, typed int there
 
     def extra_repr(self) -> str:
         """The type of the source's module it stands for, in ``repr()``."""
@@ -257,7 +260,8 @@ def _holder(stage: nn.Module, named: Mapping[str, nn.Module], parents: list[str]
     for k, name in enumerate(parents):
         child = holder._modules.get(name)
         if child is None:
-            child = Placeholder(type(named[".".join(parents[: k + 1])]).__name__)
+            source = named[".".join(parents[: k + 1])]
+            child = Placeholder(type(source).__name__, source._version)
             holder.add_module(name, child)
         holder = child
     return holder
@@ -400,8 +404,18 @@ def _plain(key: str, prefix: str, stages: set[str]) -> str:
     return prefix + rest if head in stages and rest else key
 
 
+_ABSENT = object()  # a path the caller's versions did not have
+
+
 def _plain_report(module: nn.Module, incompatible: Any) -> None:
     """Name the missing and unexpected keys of a load by the model's keys too."""
+    metadata = module.__dict__.pop("_metadata_of_load", None)
+    for staged, was in reversed(module.__dict__.pop("_added_versions", [])):
+        if metadata is not None:
+            if was is _ABSENT:
+                metadata.pop(staged, None)
+            else:
+                metadata[staged] = was
     stages = _stage_names(module)
     prefix = module.__dict__.get("_load_prefix", "")  # where the load found this module
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
@@ -427,11 +441,15 @@ def _drop_stage_index(
     for key, value in entries:  # again, with each stage's index taken out
         state_dict.setdefault(_plain(key, prefix, set(stages)), value)
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
-    for path in [p for p in metadata or () if p.startswith(prefix)]:  # versions, by path
-        head, _, rest = path[len(prefix) :].partition(".")
-        if metadata is not None and head in stages:
-            data = metadata.pop(path)
-            if rest:  # under the module's path in the model (a stage itself has none)
+    if metadata is not None:  # the modules' versions, by path: the stages' too, in one pass
+        inside = {p: d for p, d in metadata.items() if p.startswith(prefix)}
+        for path in inside:
+            del metadata[path]
+        for path, data in inside.items():
+            head, _, rest = path[len(prefix) :].partition(".")
+            if head not in stages:
+                metadata.setdefault(path, data)
+            elif rest:  # under its path in the model (a stage itself has none)
                 metadata.setdefault(prefix + rest, data)
 
 
@@ -439,13 +457,20 @@ def _add_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     module.__dict__["_load_prefix"] = prefix  # for _plain_report, which is not told
-    stages = _stage_names(module)
+    # The modules' versions under the stages' paths, which the load reads (only where the
+    # load began here or above: torch hands a child's load no versions), taken out again
+    # by _plain_report: the caller's state dict is left as it came.
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
-    for path, data in list((metadata or {}).items()):  # the versions, under each stage too
-        rest = path[len(prefix) :] if path.startswith(prefix) else ""
-        if metadata is not None and rest and rest.partition(".")[0] not in stages:
-            for name in stages:
-                metadata.setdefault(f"{prefix}{name}.{rest}", data)
+    added = module.__dict__["_added_versions"] = []
+    module.__dict__["_metadata_of_load"] = metadata
+    for name, child in module.named_children():
+        if metadata is None or not isinstance(child, Stage):
+            continue
+        for path, _ in child.named_modules(remove_duplicate=False):
+            plain, staged = prefix + path, f"{prefix}{name}.{path}"
+            if path and plain in metadata:
+                added.append((staged, metadata.get(staged, _ABSENT)))
+                metadata[staged] = metadata[plain]
     owners: dict[str, list[str]] = {}
     for name, child in module.named_children():
         if isinstance(child, Stage):
