@@ -246,6 +246,10 @@ class _HoldsParted(nn.Module):
         return self.h(self.p(x))
 
 
+def _nested() -> nn.Sequential:
+    return nn.Sequential(nn.Sequential(_Versioned(), nn.Linear(4, 4)), nn.Linear(4, 4))
+
+
 def _numbered() -> nn.Sequential:
     layers = [nn.Linear(4, 4), nn.Linear(4, 4), _Versioned(), nn.Linear(4, 4), _Versioned()]
     return nn.Sequential(*layers)
@@ -256,8 +260,9 @@ def _numbered() -> nn.Sequential:
     [
         (_numbered, ["2", "3"], ["2.g", "4.g"]),  # stages named as the model's own layers
         (_HoldsParted, ["p.l2"], ["p.g"]),  # a module cut in two: a Placeholder holds it
+        (_nested, ["1"], ["0.0.g"]),  # a stage's paths ("0.0") are the model's too
     ],
-    ids=["numbered", "placeholder"],
+    ids=["numbered", "placeholder", "nested"],
 )
 def test_versions_survive_names_shared_with_stages_and_modules_cut_in_two(
     build: Callable[[], nn.Module], at: list[str], gains: list[str]
@@ -280,6 +285,28 @@ def test_versions_survive_names_shared_with_stages_and_modules_cut_in_two(
     for key in gains:
         assert fresh.get_parameter(key).tolist() == [5.0] * 4
         assert pipe.state_dict()[key].tolist() == [5.0] * 4
+
+
+def test_a_load_that_raises_leaves_the_given_versions_as_they_came_by_the_next_use() -> None:
+    # torch runs no hook after a load that raised: the versions added for the stages are
+    # taken out at the model's next load or state_dict().
+    x = torch.randn(6, 4)
+    given = _nested().state_dict()
+    versions = dict(given._metadata)  # type: ignore[attr-defined]
+    pipe = GPipe(split(_nested(), x, at=["1"]), [1, 1])
+
+    def refuse(*args: Any) -> None:
+        raise ValueError("a checkpoint of another run")
+
+    handle = pipe[1].register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(ValueError, match="another run"):
+        pipe.load_state_dict(given)
+    handle.remove()
+    pipe.state_dict()
+    assert dict(given._metadata) == versions  # type: ignore[attr-defined]
+    other = _nested()
+    other.load_state_dict(given)
+    assert other[0][0].g.tolist() == [1.0] * 4
 
 
 def test_split_of_a_sequential_keeps_its_keys() -> None:

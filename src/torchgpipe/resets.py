@@ -66,15 +66,14 @@ def reset(
 
     Each watched tensor is first marked: NaN when floating (both parts when complex), a
     pattern along the tensor for integers and booleans (:func:`_patterns`). A holder's
-    tensor counts as filled when a reset replaced it, or holds no NaN (floating). Signed
-    integers of 16 bits or more must hold no element equal to its mark (marks near the
-    lowest value, which no reset plausibly writes), unless the tensor is one value all
-    over (what a reset wrote everywhere may be some element's mark). Then, and for
-    ``bool``, ``uint8``, ``int8`` and the unsigned integers, whose marks are plausible
-    values, a reset that wrote the tensor in place (its version counter) or through
-    ``.data`` (its storage) counts, as does any element other than its mark: there, a
-    tensor filled only in part passes, and a one-element tensor written its mark
-    through ``.data`` is refused.
+    tensor counts as filled when a reset replaced it, or holds no NaN (floating). An
+    ``int64`` one must hold no element equal to its mark (marks near the lowest value,
+    which no reset plausibly writes), unless it is one value all over (what a reset
+    wrote everywhere may be some element's mark). Then, and for booleans and the other
+    integers, whose marks are plausible values, a reset that wrote the tensor in place
+    (its version counter) or through ``.data`` (its storage) counts, as does any
+    element other than its mark: there, a tensor filled only in part passes, and a
+    one-element tensor written its mark through ``.data`` is refused.
 
     Raises:
         ValueError: no reset filled a watched tensor, wholly, in any of its holders.
@@ -256,24 +255,35 @@ class _Mark:
         """Whether a reset replaced the tensor, or wrote all of it (see :func:`reset`)."""
         if self.now() is not self.tensor:
             return True
-        flat = self.tensor.detach().reshape(-1)
-        if self.tensor.is_floating_point() or self.tensor.is_complex():
-            return not any(bool(part.isnan().any()) for part in flat.split(_PIECE))
-        dtype, count = self.tensor.dtype, flat.numel()
+        tensor = self.tensor.detach()
+        if tensor.is_floating_point() or tensor.is_complex():
+            return not any(bool(part.isnan().any()) for part in _pieces(tensor))
+        dtype, count = tensor.dtype, tensor.numel()
         if _implausible(dtype):
             # A mark left anywhere is a hole, unless the tensor is one value all over
             # (a reset that wrote it everywhere, where it is some element's mark).
-            pieces = zip(flat.split(_PIECE), _patterns(dtype, count), strict=True)
-            if any(bool((part == mark).any()) for part, mark in pieces):
-                if count > 1:
-                    return bool((flat == flat[0]).all())
-            else:
+            pieces = zip(_pieces(tensor), _patterns(dtype, count), strict=True)
+            if not any(bool((part == mark).any()) for part, mark in pieces):
                 return True
+            if count > 1:
+                first = next(_pieces(tensor))[:1]
+                return all(bool((part == first).all()) for part in _pieces(tensor))
             # One element, its mark: told from a reset that wrote that value by the write.
-        if self.tensor._version != self.version or self.tensor.data_ptr() != self.pointer:
+        if tensor._version != self.version or tensor.data_ptr() != self.pointer:
             return True
-        pieces = zip(flat.split(_PIECE), _patterns(dtype, count), strict=True)
+        pieces = zip(_pieces(tensor), _patterns(dtype, count), strict=True)
         return not all(bool((part == mark).all()) for part, mark in pieces)
+
+
+def _pieces(tensor: Tensor) -> Iterator[Tensor]:
+    """``tensor``'s elements in row-major order, :data:`_PIECE` at a time (bounded)."""
+    count = tensor.numel()
+    for start in range(0, count, _PIECE):
+        if tensor.is_contiguous():
+            yield tensor.view(-1)[start : start + _PIECE]
+        else:  # not laid out in one piece: each element by its place
+            index = torch.arange(start, min(start + _PIECE, count))
+            yield tensor[torch.unravel_index(index, tensor.shape)]
 
 
 _PIECE = 1 << 20  # elements looked at a time: a bounded temporary (1 MiB), whatever the tensor
@@ -304,16 +314,12 @@ def _patterns(dtype: torch.dtype, count: int) -> Iterator[Tensor]:
 
 
 def _implausible(dtype: torch.dtype) -> bool:
-    """Whether ``dtype``'s marks are no plausible values: those of a wide signed integer.
+    """Whether ``dtype``'s marks are no plausible values: ``int64``'s, near its lowest.
 
-    ``int16``, ``int32``, ``int64``, whose marks are the values just above the lowest.
-    A ``bool``'s, a ``uint8``'s or an ``int8``'s may well be what a reset meant to
-    write (a mask, a byte).
+    A narrower dtype's may well be what a reset wrote (a mask, a byte; a random fill of
+    a large ``int16`` or ``int32`` tensor meets some of them).
     """
-    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
-        return False
-    info = torch.iinfo(dtype)
-    return info.min < 0 and info.bits > 8
+    return dtype == torch.int64
 
 
 @functools.cache
@@ -336,12 +342,24 @@ def _mark(tensor: Tensor) -> None:
     elif tensor.is_floating_point():
         tensor.data.fill_(math.nan)
     else:
+        data = tensor.data
+        if data.dtype in _SIGNED:  # index_put is not there for wide unsigned: their bits
+            data = data.view(_SIGNED[data.dtype])
         for k, mark in enumerate(_patterns(tensor.dtype, tensor.numel())):
-            if tensor.is_contiguous():
-                tensor.data.view(-1)[k * _PIECE : k * _PIECE + mark.numel()] = mark
+            mark = mark.view(data.dtype)
+            if data.is_contiguous():
+                data.view(-1)[k * _PIECE : k * _PIECE + mark.numel()] = mark
             else:  # not laid out in one piece: by each element's place, in row-major order
                 index = torch.arange(k * _PIECE, k * _PIECE + mark.numel())
-                tensor.data[torch.unravel_index(index, tensor.shape)] = mark
+                data[torch.unravel_index(index, data.shape)] = mark
+
+
+# The signed dtype of each wide unsigned one's width (torch >= 2.3 has them).
+_SIGNED = {
+    getattr(torch, f"uint{bits}"): getattr(torch, f"int{bits}")
+    for bits in (16, 32, 64)
+    if hasattr(torch, f"uint{bits}")
+}
 
 
 def reset_of(module: nn.Module) -> Callable[[], object] | None:

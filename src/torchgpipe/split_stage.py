@@ -407,8 +407,12 @@ def _plain(key: str, prefix: str, stages: set[str]) -> str:
 _ABSENT = object()  # a path the caller's versions did not have
 
 
-def _plain_report(module: nn.Module, incompatible: Any) -> None:
-    """Name the missing and unexpected keys of a load by the model's keys too."""
+def _put_versions_back(module: nn.Module) -> None:
+    """Leave the versions of the state dict a load was given as they came.
+
+    After the load (:func:`_plain_report`), or, where it raised before its end (torch
+    skips the hooks then), at this module's next load or ``state_dict()``.
+    """
     metadata = module.__dict__.pop("_metadata_of_load", None)
     for staged, was in reversed(module.__dict__.pop("_added_versions", [])):
         if metadata is not None:
@@ -416,6 +420,11 @@ def _plain_report(module: nn.Module, incompatible: Any) -> None:
                 metadata.pop(staged, None)
             else:
                 metadata[staged] = was
+
+
+def _plain_report(module: nn.Module, incompatible: Any) -> None:
+    """Name the missing and unexpected keys of a load by the model's keys too."""
+    _put_versions_back(module)
     stages = _stage_names(module)
     prefix = module.__dict__.get("_load_prefix", "")  # where the load found this module
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
@@ -425,6 +434,7 @@ def _plain_report(module: nn.Module, incompatible: Any) -> None:
 def _drop_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
+    _put_versions_back(module)  # of a load that raised
     stages = {name: c for name, c in module.named_children() if isinstance(c, Stage)}
     mine = [(key, value) for key, value in state_dict.items() if key.startswith(prefix)]
     for key, _ in mine:
@@ -460,17 +470,22 @@ def _add_stage_index(
     # The modules' versions under the stages' paths, which the load reads (only where the
     # load began here or above: torch hands a child's load no versions), taken out again
     # by _plain_report: the caller's state dict is left as it came.
+    _put_versions_back(module)
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
     added = module.__dict__["_added_versions"] = []
     module.__dict__["_metadata_of_load"] = metadata
+    given = dict(metadata or {})  # read from as given: a stage's path may be a model's too
     for name, child in module.named_children():
         if metadata is None or not isinstance(child, Stage):
             continue
         for path, _ in child.named_modules(remove_duplicate=False):
             plain, staged = prefix + path, f"{prefix}{name}.{path}"
-            if path and plain in metadata:
+            if path:
                 added.append((staged, metadata.get(staged, _ABSENT)))
-                metadata[staged] = metadata[plain]
+                if plain in given:
+                    metadata[staged] = given[plain]
+                else:  # not the model's module that the stage's path names otherwise
+                    metadata.pop(staged, None)
     owners: dict[str, list[str]] = {}
     for name, child in module.named_children():
         if isinstance(child, Stage):
