@@ -95,10 +95,7 @@ class Step(Mailbox):
             self._box.clear()
 
     def hold(self, s: int, delta: int) -> None:
-        """Count ``delta`` more micro-batches held by stage ``s``; keep the peak.
-
-        No lock: the actions of a stage, which alone count for it, run on one thread.
-        """
+        """Count ``delta`` more micro-batches held by stage ``s`` (no lock: one thread)."""
         held = self.held[s] = self.held[s] + delta
         if held > self.peak[s]:
             self.peak[s] = held
@@ -253,7 +250,6 @@ class StepRun:
             value = self.batches[i]
         else:
             value, source = post.take(("F", s, i)), self._stream(s - 1)
-        # The copy span starts once the value is here: waiting for it is idle time.
         started = time.perf_counter() if self.trace is not None else 0.0
         value = move(value, device, source=source, copy=self.copy[r], target=self.compute[r])
         # A skip comes straight from the stage that stashed it: one copy, here.
@@ -272,10 +268,11 @@ class StepRun:
         if self.connected:
             with self._span(s, i, "forward"):
                 output, outbound = connected_forward(self, s, i, value, inbound)
-            if s + 1 < self.n:
+            if s + 1 < self.n:  # the skips' versions noted before the next stage may change them
+                sent = {k: self.skips.sent(k, i, skip, output) for k, skip in outbound.items()}
                 post.put(("F", s + 1, i), output)
-                for key, skip in outbound.items():
-                    post.put(("S", key, i), self.skips.sent(key, i, skip, output))
+                for key, skip in sent.items():
+                    post.put(("S", key, i), skip)
             else:
                 step.outputs[i] = output
             return
@@ -287,9 +284,10 @@ class StepRun:
         if s + 1 < self.n:
             # A checkpointed cell's outputs were made without a graph: nothing to cut.
             cut: Any = (lambda value: value) if cell.checkpointed else detached
-            post.put(("F", s + 1, i), cut(output))
-            for key, skip in outbound.items():
-                post.put(("S", key, i), self.skips.sent(key, i, cut(skip)))
+            sent = {key: self.skips.sent(key, i, cut(skip)) for key, skip in outbound.items()}
+            post.put(("F", s + 1, i), cut(output))  # once the skips' versions are noted
+            for key, skip in sent.items():
+                post.put(("S", key, i), skip)
             return
         if self.loss_fn is None:  # model(x): the caller's gradients start the backward
             step.outputs[i] = output
