@@ -27,7 +27,7 @@ from torchgpipe.materialize import (
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.split_stage import Stage, keep_plain_keys
+from torchgpipe.split_stage import Stage, keep_plain_keys, put_versions_back
 from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
@@ -220,6 +220,13 @@ class GPipe(PlacedModule, StageHolder):
         self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
         self._tracer: Trace | None = None  # set by trace()
         self.workers = Workers(n)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As ``nn.Module``'s; the state dict's ``_metadata`` left as it came, if it raised."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            put_versions_back(self)  # a split model's: what its load hook added for it
 
     def clip_grad_norm_(
         self,

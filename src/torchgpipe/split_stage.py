@@ -30,6 +30,7 @@ __all__ = [
     "held_apart",
     "inputs_of",
     "keep_plain_keys",
+    "put_versions_back",
 ]
 
 InputKind = Literal["one", "args", "kwargs"]
@@ -407,11 +408,11 @@ def _plain(key: str, prefix: str, stages: set[str]) -> str:
 _ABSENT = object()  # a path the caller's versions did not have
 
 
-def _put_versions_back(module: nn.Module) -> None:
+def put_versions_back(module: nn.Module) -> None:
     """Leave the versions of the state dict a load was given as they came.
 
-    After the load (:func:`_plain_report`), or, where it raised before its end (torch
-    skips the hooks then), at this module's next load or ``state_dict()``.
+    After the load (:func:`_plain_report`); where it raised (torch skips the hooks then)
+    as ``GPipe.load_state_dict`` ends, else at the module's next load or ``state_dict()``.
     """
     metadata = module.__dict__.pop("_metadata_of_load", None)
     for staged, was in reversed(module.__dict__.pop("_added_versions", [])):
@@ -424,7 +425,7 @@ def _put_versions_back(module: nn.Module) -> None:
 
 def _plain_report(module: nn.Module, incompatible: Any) -> None:
     """Name the missing and unexpected keys of a load by the model's keys too."""
-    _put_versions_back(module)
+    put_versions_back(module)
     stages = _stage_names(module)
     prefix = module.__dict__.get("_load_prefix", "")  # where the load found this module
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
@@ -434,7 +435,7 @@ def _plain_report(module: nn.Module, incompatible: Any) -> None:
 def _drop_stage_index(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    _put_versions_back(module)  # of a load that raised
+    put_versions_back(module)  # of a load that raised
     stages = {name: c for name, c in module.named_children() if isinstance(c, Stage)}
     mine = [(key, value) for key, value in state_dict.items() if key.startswith(prefix)]
     for key, _ in mine:
@@ -470,7 +471,7 @@ def _add_stage_index(
     # The modules' versions under the stages' paths, which the load reads (only where the
     # load began here or above: torch hands a child's load no versions), taken out again
     # by _plain_report: the caller's state dict is left as it came.
-    _put_versions_back(module)
+    put_versions_back(module)
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
     added = module.__dict__["_added_versions"] = []
     module.__dict__["_metadata_of_load"] = metadata
