@@ -1403,6 +1403,19 @@ def test_a_random_fill_of_a_large_int16_buffer_counts_as_filled() -> None:
         GPipe(layers, [1, 1])
 
 
+def test_a_tensor_initializer_given_as_init_is_named_and_the_model_put_back() -> None:
+    # init=nn.init.xavier_uniform_ passes the up-front check (a function of one
+    # argument) and failed with torch's "'Linear' object has no attribute 'dim'" alone.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(AttributeError) as raised:
+        GPipe(layers, [1, 1], init=nn.init.xavier_uniform_)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("raised by init(layer) on layer 0 (Linear)" in note for note in notes)
+    assert any("not a tensor" in note for note in notes)
+    assert all(p.is_meta for p in layers.parameters())
+
+
 def test_a_complex_parameter_a_reset_fills_in_one_part_only_is_refused() -> None:
     # Regression: the mark was nan+0j, so writing the real part alone passed.
     class Half(nn.Module):

@@ -21,6 +21,8 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from torchgpipe.mailbox import add_note
+
 __all__ = [
     "Holder",
     "initialize",
@@ -115,7 +117,17 @@ def initialize(
     Raises:
         ValueError: ``init`` left a watched tensor unfilled, wholly or in part.
     """
-    left = _fill(layer, held, watched, lambda: init(layer), [layer], prefix)
+    try:
+        left = _fill(layer, held, watched, lambda: init(layer), [layer], prefix)
+    except Exception as error:  # the model is put back whole; say what init was given
+        where = prefix.removesuffix(".") or type(layer).__name__
+        add_note(
+            error,
+            f"torchgpipe: raised by init(layer) on layer {where} ({type(layer).__name__}): "
+            f"init is given a whole layer, not a tensor (for a tensor initializer: "
+            f"def init(layer): for p in layer.parameters(): nn.init.normal_(p))",
+        )
+        raise
     if left:
         where = prefix.removesuffix(".") or type(layer).__name__
         raise ValueError(
