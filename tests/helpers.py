@@ -115,3 +115,28 @@ class OnBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         ctx.call()
         return grad, None
+
+
+class Versioned(nn.Module):
+    """A gain of 4 at version 2; version 1 saved half of it, so loading one doubles it.
+
+    As torch's own modules convert old checkpoints: by the version a state dict's
+    ``_metadata`` records for the module.
+    """
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.g)
+
+    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
+        if (metadata.get("version") or 1) < 2:
+            state[prefix + "g"] = state[prefix + "g"] * 2
+        super()._load_from_state_dict(state, prefix, metadata, *args)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.g

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from distributed_helpers import mlp, run_threads
+from helpers import Versioned
 from split_models import ReadsProjection, ReadsTiedHead, WithUnused
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -1213,39 +1214,21 @@ def test_a_state_dict_without_a_modules_extra_state_is_refused() -> None:
     assert on_meta(layers)
 
 
-class _Versioned(nn.Module):
-    """Version 1 saved half the gain: loading converts it, as torch's own modules do."""
-
-    _version = 2
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.g = nn.Parameter(torch.ones(3))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.g)
-
-    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
-        if (metadata.get("version") or 1) < 2:
-            state[prefix + "g"] = state[prefix + "g"] * 2
-        super()._load_from_state_dict(state, prefix, metadata, *args)
-
-
 @pytest.mark.parametrize("version", [2, 1])
 def test_a_state_dict_loads_with_the_versions_its_metadata_records(version: int) -> None:
     # The metadata was dropped: a current checkpoint was converted as an old one.
-    plain = nn.Sequential(nn.Identity(), _Versioned())
+    plain = nn.Sequential(nn.Identity(), Versioned())
     with torch.no_grad():
         plain[1].g.fill_(5.0)
     saved = plain.state_dict()
     saved._metadata["1"]["version"] = version  # type: ignore[attr-defined]  # torch's own
-    loaded = nn.Sequential(nn.Identity(), _Versioned())
+    loaded = nn.Sequential(nn.Identity(), Versioned())
     loaded.load_state_dict(saved)
     with torch.device("meta"):
-        layers = nn.Sequential(nn.Identity(), _Versioned())
+        layers = nn.Sequential(nn.Identity(), Versioned())
     model = GPipe(layers, [1, 1], state_dict=saved)
     torch.testing.assert_close(model[1].g, loaded[1].g, rtol=0, atol=0)
-    torch.testing.assert_close(model[1].g.detach(), torch.full((3,), 5.0 * (3 - version)))
+    torch.testing.assert_close(model[1].g.detach(), torch.full((4,), 5.0 * (3 - version)))
 
 
 def test_an_init_that_leaves_a_buffer_unfilled_is_refused() -> None:

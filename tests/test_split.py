@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Versioned
 from split_models import (
     Keywords,
     ReadsProjection,
@@ -168,31 +169,10 @@ def test_state_dict_keys_are_the_models_and_load_both_ways() -> None:
     torch.testing.assert_close(fresh(ids), other(ids), rtol=0, atol=0)
 
 
-class _Versioned(nn.Module):
-    """Version 1 saved half the gain: its loads double what an old checkpoint holds."""
-
-    _version = 2
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.g = nn.Parameter(torch.ones(4))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.g)
-
-    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
-        if (metadata.get("version") or 1) < 2:
-            state[prefix + "g"] = state[prefix + "g"] * 2
-        super()._load_from_state_dict(state, prefix, metadata, *args)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.g
-
-
 class _WithVersioned(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.v, self.b = nn.Linear(4, 4), _Versioned(), nn.Linear(4, 4)
+        self.a, self.v, self.b = nn.Linear(4, 4), Versioned(), nn.Linear(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.b(self.v(self.a(x)))
@@ -218,20 +198,12 @@ def test_state_dicts_keep_the_modules_versions_under_the_models_paths() -> None:
         assert gain.tolist() == [5.0] * 4
 
 
-class _Parted(nn.Module):
+class _Parted(Versioned):
     """A versioned module with a gain of its own and two children, cut between them."""
-
-    _version = 2
 
     def __init__(self) -> None:
         super().__init__()
-        self.g = nn.Parameter(torch.ones(4))
         self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def _load_from_state_dict(self, state: Any, prefix: str, metadata: Any, *args: Any) -> None:
-        if (metadata.get("version") or 1) < 2:
-            state[prefix + "g"] = state[prefix + "g"] * 2
-        super()._load_from_state_dict(state, prefix, metadata, *args)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.l2(self.l1(x)) * self.g
@@ -247,11 +219,11 @@ class _HoldsParted(nn.Module):
 
 
 def _nested() -> nn.Sequential:
-    return nn.Sequential(nn.Sequential(_Versioned(), nn.Linear(4, 4)), nn.Linear(4, 4))
+    return nn.Sequential(nn.Sequential(Versioned(), nn.Linear(4, 4)), nn.Linear(4, 4))
 
 
 def _numbered() -> nn.Sequential:
-    layers = [nn.Linear(4, 4), nn.Linear(4, 4), _Versioned(), nn.Linear(4, 4), _Versioned()]
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), Versioned(), nn.Linear(4, 4), Versioned()]
     return nn.Sequential(*layers)
 
 

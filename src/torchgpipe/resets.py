@@ -91,7 +91,7 @@ def reset(
 
     left = _fill(layer, held, watched, run, modules, prefix)
     if left:
-        where = prefix.removesuffix(".") or type(layer).__name__
+        where = _where(layer, prefix)
         raise ValueError(
             f"layer {where}: reset_parameters() left {', '.join(left)} as allocated "
             f"(uninitialized memory, wholly or in part): fill it in the reset of the "
@@ -120,7 +120,7 @@ def initialize(
     try:
         left = _fill(layer, held, watched, lambda: init(layer), [layer], prefix)
     except Exception as error:  # the model is put back whole; say what init was given
-        where = prefix.removesuffix(".") or type(layer).__name__
+        where = _where(layer, prefix)
         add_note(
             error,
             f"torchgpipe: raised by init(layer) on layer {where} ({type(layer).__name__}): "
@@ -129,7 +129,7 @@ def initialize(
         )
         raise
     if left:
-        where = prefix.removesuffix(".") or type(layer).__name__
+        where = _where(layer, prefix)
         raise ValueError(
             f"layer {where}: init left {', '.join(left)} as allocated (uninitialized "
             f"memory, wholly or in part), and init(layer) must fill every parameter and "
@@ -137,6 +137,11 @@ def initialize(
             f"statistics too: call layer.reset_running_stats(), or layer."
             f"reset_parameters(), in init), or pass state_dict= holding them instead"
         )
+
+
+def _where(layer: nn.Module, prefix: str) -> str:
+    """``layer`` as errors name it: its key prefix in the model, else its type."""
+    return prefix.removesuffix(".") or type(layer).__name__
 
 
 def _fill(
