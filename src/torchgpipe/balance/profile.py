@@ -64,10 +64,6 @@ def _fresh_input(value: Any) -> Any:
     return map_tensors(lambda x: _leaf(x).clone(), value)
 
 
-def _differentiable(x: Tensor) -> bool:
-    return x.is_floating_point() or x.is_complex()
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
