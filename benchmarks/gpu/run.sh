@@ -8,9 +8,12 @@
 #
 #     bash benchmarks/gpu/run.sh                      # everything (about 15 minutes)
 #     SECTIONS="env tests" bash benchmarks/gpu/run.sh # some of it
+#     LIMIT_memory=120 MEMORY_ARGS="largest --models unet" bash benchmarks/gpu/run.sh
 #
-# Each section runs under its own time limit and a failure does not stop the others;
-# the script exits non-zero if any section failed, and says which in summary.txt.
+# Each section runs under its own time limit (LIMIT_<section> seconds overrides it) and a
+# failure does not stop the others; the script exits non-zero if any section failed, and
+# says which in summary.txt. With BUNDLE=path.tgz, the results so far are packed into one
+# file after every section, so that a run cut short still leaves them in one place.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -26,14 +29,16 @@ fi
 
 failed=()
 section() {  # section NAME LIMIT_SECONDS FUNCTION: run it, log to $OUT/NAME.log
-    local name=$1 limit=$2 fn=$3
+    local name=$1 limit=$2 fn=$3 override="LIMIT_$1"
     case " $SECTIONS " in *" $name "*) ;; *) return 0 ;; esac
+    limit=${!override:-$limit}
     echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
     local started=$SECONDS
     timeout --signal=INT --kill-after=20 "$limit" bash -c "$fn" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: exit $rc after $((SECONDS - started))s"
     [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+    if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$OUT" .; fi
 }
 
 environment() {
@@ -48,33 +53,50 @@ for k in range(torch.cuda.device_count()):
 PY
 }
 
-tests() {  # the cuda tests first, by name; then the rest of the suite
-    local parallel=() rc=0
+tests() {  # the cuda tests, by name; beside them the rest of the suite, on the CPU
+    local parallel=() limits=() rc=0 others
     # pytest-benchmark, where installed, warns that xdist disables it: not an error here.
     if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n 8 -p no:benchmark); fi
-    "$PYTHON" -m pytest -m cuda -rs -v -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
-        || rc=1
-    "$PYTHON" -m pytest -m "not cuda" -q -p no:cacheprovider "${parallel[@]}" || rc=1
+    # A test that hangs fails alone, with the stacks of its threads, where pytest-timeout is.
+    if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then limits=(--timeout 90); fi
+    # The tests not marked cuda use the CPU alone (tests/conftest.py hides the GPU from
+    # them), so they run at the same time as the cuda tests.
+    "$PYTHON" -m pytest -m "not cuda" -q -p no:cacheprovider "${parallel[@]}" "${limits[@]}" \
+        >"$OUT/tests-cpu.log" 2>&1 &
+    others=$!
+    # A job in the background ignores the section's interrupt: stop it with the section.
+    trap 'kill "$others" 2>/dev/null' EXIT
+    "$PYTHON" -m pytest -m cuda -rs -v -p no:cacheprovider "${limits[@]}" \
+        --junitxml="$OUT/cuda-tests.xml" || rc=1
+    wait "$others" || rc=1
+    echo "--- the tests not marked cuda (tests-cpu.log):"
+    tail -n 40 "$OUT/tests-cpu.log"
     return $rc
 }
 
 speed() {  # the seed's ResNet-101 and U-Net (5, 64) rows: naive-1 against pipeline-1
-    local common=(--size full --devices cuda --partitions 1 --chunks 2 --warmup 3)
-    "$PYTHON" benchmarks/speed/main.py "${common[@]}" --models resnet101 --naive-batch 118 \
-        --batch 220 --steps 20 --out "$OUT/speed-resnet101.json" || return 1
-    "$PYTHON" benchmarks/speed/main.py "${common[@]}" --models resnet101 --naive-batch 256 \
-        --batch 512 --steps 10 --out "$OUT/speed-resnet101-large.json" || return 1
-    "$PYTHON" benchmarks/speed/main.py "${common[@]}" --models unet --naive-batch 40 \
-        --batch 80 --steps 10 --out "$OUT/speed-unet.json"
+    local common=(--size full --devices cuda --partitions 1 --chunks 2 --warmup 3) row
+    for row in ${SPEED_ROWS:-resnet101 resnet101-large unet}; do
+        case $row in
+            resnet101) set -- --models resnet101 --naive-batch 118 --batch 220 --steps 20 ;;
+            resnet101-large) set -- --models resnet101 --naive-batch 256 --batch 512 --steps 10 ;;
+            unet) set -- --models unet --naive-batch 40 --batch 80 --steps 10 ;;
+            *) echo "unknown speed row: $row (resnet101, resnet101-large, unet)"; return 2 ;;
+        esac
+        "$PYTHON" benchmarks/speed/main.py "${common[@]}" "$@" --out "$OUT/speed-$row.json" \
+            || return 1
+    done
 }
 
 memory() {  # the seed's AmoebaNet-D and U-Net memory rows, and the largest that fits
-    "$PYTHON" benchmarks/memory/seed.py rows largest --search-seconds "${SEARCH_SECONDS:-100}" \
-        --out "$OUT/memory-seed.json"
+    # shellcheck disable=SC2086  # MEMORY_ARGS is a list of words
+    "$PYTHON" benchmarks/memory/seed.py ${MEMORY_ARGS:-rows largest} \
+        --search-seconds "${SEARCH_SECONDS:-100}" --out "$OUT/memory-seed.json"
 }
 
 overhead() {
-    "$PYTHON" benchmarks/gpu/overhead.py --out "$OUT/overhead.json"
+    # shellcheck disable=SC2086  # OVERHEAD_ARGS is a list of words
+    "$PYTHON" benchmarks/gpu/overhead.py ${OVERHEAD_ARGS:-} --out "$OUT/overhead.json"
 }
 
 timeline() {
