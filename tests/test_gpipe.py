@@ -138,7 +138,13 @@ def _own_attributes() -> set[str]:
     """What a GPipe (with ties and deferred batch norm) holds beyond any nn.Module."""
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
-    model = GPipe(nn.Sequential(a, nn.BatchNorm1d(2), b), [2, 1], deferred_batch_norm=True)
+    # Built at collection, where conftest does not hide a GPU: name the CPU.
+    model = GPipe(
+        nn.Sequential(a, nn.BatchNorm1d(2), b),
+        [2, 1],
+        devices=["cpu", "cpu"],
+        deferred_batch_norm=True,
+    )
     return set(vars(model)) - set(vars(nn.Module()))
 
 

@@ -56,12 +56,12 @@ PY
 tests() {  # the cuda tests, by name; beside them the rest of the suite, on the CPU
     local parallel=() limits=() rc=0 others
     # pytest-benchmark, where installed, warns that xdist disables it: not an error here.
-    if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n 8 -p no:benchmark); fi
+    if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n "${TEST_WORKERS:-8}" -p no:benchmark); fi
     # A test that hangs fails alone, with the stacks of its threads, where pytest-timeout is.
     if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then limits=(--timeout 90); fi
     # The tests not marked cuda use the CPU alone (tests/conftest.py hides the GPU from
     # them), so they run at the same time as the cuda tests.
-    "$PYTHON" -m pytest -m "not cuda" -q -p no:cacheprovider "${parallel[@]}" "${limits[@]}" \
+    "$PYTHON" -m pytest -m "not cuda" -q -rf -p no:cacheprovider "${parallel[@]}" "${limits[@]}" \
         >"$OUT/tests-cpu.log" 2>&1 &
     others=$!
     # A job in the background ignores the section's interrupt: stop it with the section.
