@@ -920,7 +920,7 @@ def test_a_split_models_tie_read_directly_is_filled_from_either_source() -> None
     plain, ids = ReadsTiedHead(), torch.randint(0, 11, (4, 5))
     model = GPipe(_split_on_meta(ReadsTiedHead, ids, "mid"), [1, 1], state_dict=plain.state_dict())
     _same_values(model, plain)
-    torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=0)
+    torch.testing.assert_close(model(ids), plain(ids))
     model = GPipe(_split_on_meta(ReadsTiedHead, ids, "mid"), [1, 1])
     head, embedding = model.state_dict()["head.weight"], model.state_dict()["emb.weight"]
     assert head.isfinite().all()
@@ -937,7 +937,7 @@ def test_a_module_the_split_forward_reads_directly_is_filled_by_its_reset() -> N
     assert _kaiming(proj.weight)
     model = GPipe(_split_on_meta(ReadsProjection, x, "b"), [1, 1], state_dict=plain.state_dict())
     _same_values(model, plain)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 class _ReadsAhead(nn.Module):
@@ -959,7 +959,7 @@ def test_a_tensor_read_in_a_stage_without_its_module_is_refused_by_the_modules_t
         GPipe(_split_on_meta(_ReadsAhead, torch.randn(2, 4), "b"), [1, 1])
     plain, x = _ReadsAhead(), torch.randn(2, 4)
     model = GPipe(_split_on_meta(_ReadsAhead, x, "b"), [1, 1], state_dict=plain.state_dict())
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 def test_what_the_split_forward_never_uses_is_filled_by_its_reset_or_the_state_dict() -> None:
@@ -973,7 +973,7 @@ def test_what_the_split_forward_never_uses_is_filled_by_its_reset_or_the_state_d
     plain = WithUnused()
     model = GPipe(_split_on_meta(WithUnused, x, "b"), [1, 1], state_dict=plain.state_dict())
     _same_values(model, plain)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 # A buffer that two layers hold: every holder ends with its first holder's values.
@@ -1033,7 +1033,7 @@ def test_a_buffer_two_layers_hold_takes_its_first_holders_values(balance: list[i
         layers = _shares_a_buffer()
     model = GPipe(layers, balance)
     torch.testing.assert_close(model[1].reader.freq, torch.arange(4.0), rtol=0, atol=0)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
     # From a state dict whose two names disagree: the last, as load_state_dict does.
     state = {**plain.state_dict(), "1.reader.freq": torch.full((4,), 5.0)}
     plain.load_state_dict(state)
@@ -1041,7 +1041,7 @@ def test_a_buffer_two_layers_hold_takes_its_first_holders_values(balance: list[i
         layers = _shares_a_buffer()
     model = GPipe(layers, balance, state_dict=state)
     _same_values(model, plain)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 def test_a_buffer_whose_first_holder_is_on_another_rank_needs_a_state_dict() -> None:
@@ -1097,7 +1097,7 @@ def test_an_unused_lazy_module_of_a_split_meta_model_is_left_out() -> None:
         key: value for key, value in plain.state_dict().items() if key.startswith(("a.", "b."))
     }
     model = GPipe(_split_on_meta(_WithLazyAux, x, "b"), [1, 1], state_dict=state)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 class _WithRealAux(nn.Module):
@@ -1122,7 +1122,7 @@ def test_what_split_left_out_may_be_in_the_state_dict_it_fills_from() -> None:
     assert stages[0].left_out == ("aux.weight", "aux.bias")
     model = GPipe(stages, [1, 1], chunks=2, state_dict=plain.state_dict())
     x = torch.randn(6, 4)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 # A module that two layers of one partition hold (not only a tied parameter): the

@@ -1282,8 +1282,12 @@ def _loads_both_ways(ours: nn.Module, plain: nn.Module) -> None:
 
 
 def _pipe_matches(pipe: nn.Module, plain: nn.Module, x: Tensor) -> None:
-    """Same outputs and gradients (every name of a tied weight, and None where unused)."""
-    torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=0)
+    """Same outputs and gradients (every name of a tied weight, and None where unused).
+
+    To float32's tolerance, not bit for bit: the matrix product of a micro-batch may
+    round otherwise than the whole batch's (it did on a 16-core host, not on 2 cores).
+    """
+    torch.testing.assert_close(pipe(x), plain(x))
     pipe(x).square().mean().backward()
     plain(x).square().mean().backward()
     _assert_close(_pipe_grads(pipe), _grads(plain))
@@ -1356,4 +1360,4 @@ def test_an_unused_module_moved_to_meta_is_left_out_of_a_model_with_values() -> 
     stages = split(model, x, at=["b"])
     assert list(stages.state_dict()) == ["a.weight", "a.bias", "b.weight", "b.bias"]
     pipe = GPipe(stages, [1, 1], chunks=2)
-    torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=0)
+    torch.testing.assert_close(pipe(x), plain(x))

@@ -6,7 +6,7 @@
 # benchmarks/gpu/results). Run from the repository root, with torchgpipe installed or
 # importable:
 #
-#     bash benchmarks/gpu/run.sh                      # everything (about 15 minutes)
+#     bash benchmarks/gpu/run.sh                      # everything (about 20 minutes)
 #     SECTIONS="env tests" bash benchmarks/gpu/run.sh # some of it
 #     LIMIT_memory=120 MEMORY_ARGS="largest --models unet" bash benchmarks/gpu/run.sh
 #
