@@ -16,6 +16,7 @@ import torchgpipe.executor
 from torchgpipe import GPipe, is_recomputing
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip import Namespace, SkipError, pop, skippable, stash
+from torchgpipe.training import Schedule1F1B, ScheduleGPipe
 
 MARK = 1234.5
 
@@ -364,6 +365,47 @@ class _PopPadded(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
         skip = yield pop("skip")
         return x + torch.cat([skip, skip], dim=1)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_skip_changed_in_place_by_the_popping_partition_before_its_pop_is_refused(
+    inplace: bool, checkpoint: str, chunks: int, backward_by: str
+) -> None:
+    # The bug: the ReLU in the popping partition, right after the cut, changed its input
+    # in place, which shares memory with the skip: the pop got the new values without
+    # the gradient through them, and the first layer's gradients were silently wrong.
+    # Where the cells join the caller's graph (the engine's backward), the input and
+    # the skip are one tensor, as in the plain model: the gradient is right there.
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), nn.ReLU(inplace=inplace), PopAdd())
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=chunks, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    if inplace and backward_by == "workers":
+        with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its pop"):
+            model(x)
+        return
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_a_schedule_refuses_a_skip_changed_in_place_by_the_popping_stage(schedule: Any) -> None:
+    model = GPipe(nn.Sequential(StashOutput(), nn.ReLU(inplace=True), PopAdd()), [1, 2], chunks=2)
+    with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its pop"):
+        schedule(model, nn.functional.mse_loss).step(torch.randn(8, 4), torch.randn(8, 4))
+
+
+def test_a_skip_changed_in_place_after_its_pop_is_not_refused() -> None:
+    # After the pop, the change is the plain model's too: it reaches the layers after it.
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), PopAdd(), nn.ReLU(inplace=True))
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2)
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(model(x), plain(x))
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])

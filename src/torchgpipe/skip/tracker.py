@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from torchgpipe.checkpoint import differentiable, is_checkpointing
+from torchgpipe.microbatch import flatten
 from torchgpipe.skip.errors import SkipError
 
 if TYPE_CHECKING:
@@ -66,16 +69,31 @@ class SkipTracker:
 class CellTracker(SkipTracker):
     """The tracker of one GPipe cell: inbound skips in, outbound skips collected.
 
+    An inbound skip changed in place before its pop is refused at the pop: a layer of
+    this partition working in place on its input, which shares memory with the skip
+    (``ReLU(inplace=True)`` right after the cut), would hand the pop the new values
+    without the gradient through the change. Changes between the stash and this
+    partition are checked before it runs (``cell.SkipVersions``).
+
     Args:
         inbound: the skips earlier partitions stashed for this one.
         outbound: the keys this partition stashes for later partitions.
+        value: the partition's input; a skip that is one of its tensors, the very
+            object, is changed where autograd sees it, as in the plain model.
     """
 
-    def __init__(self, inbound: dict[SkipKey, Tensor | None], outbound: frozenset[SkipKey]):
+    def __init__(
+        self,
+        inbound: dict[SkipKey, Tensor | None],
+        outbound: frozenset[SkipKey],
+        value: Any = None,
+    ):
         super().__init__()
         self.waiting.update(inbound)
         self._outbound = outbound
         self.out: dict[SkipKey, Tensor | None] = {}
+        same = {id(x) for x in flatten(value)[0] if isinstance(x, Tensor)}
+        self._versions = {key: _versions(skip, same) for key, skip in inbound.items()}
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Collect ``tensor`` as outbound, or keep it for a pop in this partition."""
@@ -86,6 +104,31 @@ class CellTracker(SkipTracker):
 
     def take_back(self, key: SkipKey) -> None:
         """Nothing to do: a cell's tracker is dropped with the failed cell."""
+
+    def pop(self, key: SkipKey) -> Tensor | None:
+        """Take the tensor stashed as ``key`` out, unless it changed in place here first.
+
+        Raises:
+            SkipError: nothing was stashed as ``key`` (yet).
+            RuntimeError: a layer of this partition changed the inbound skip in place
+                before its pop.
+        """
+        skip = super().pop(key)
+        before = self._versions.pop(key, None)  # None: stashed in this partition
+        now = _versions(skip, frozenset()) if before is not None else ()
+        if before is not None and any(
+            a is not None and a != b for a, b in zip(before, now, strict=True)
+        ):
+            raise RuntimeError(
+                f"torchgpipe: the skip {key} was changed in place before its pop, by a "
+                f"layer of the popping partition working on its input, which shares "
+                f"memory with the skip (ReLU(inplace=True) right after the partition "
+                f"boundary, say); the pop would get the new values but not the gradient "
+                f"through that change. Make that layer work out of place, or stash a copy "
+                f"(stash({key.name!r}, x.clone()), which then pops the values from before "
+                f"the change)"
+            )
+        return skip
 
 
 _local = threading.local()
@@ -120,7 +163,7 @@ def run_cell(
             (the layout and the layers disagree).
     """
     value, inbound = packed
-    tracker = CellTracker(inbound, frozenset(outbound))
+    tracker = CellTracker(inbound, frozenset(outbound), value)
     with use_tracker(tracker):
         output = function(value)
     missing = [str(key) for key in outbound if key not in tracker.out]
@@ -133,3 +176,19 @@ def run_cell(
             f"before wrapping the model)"
         )
     return output, {key: tracker.out[key] for key in outbound}
+
+
+def _versions(skip: Any, same: AbstractSet[int]) -> tuple[int | None, ...]:
+    """The versions of ``skip``'s tensors that want a gradient (None: not judged).
+
+    In a checkpointed cell's forward, which runs without grad, every float or complex
+    tensor counts as wanting one: its recomputation will. Not judged: a tensor in
+    ``same`` (ids of the partition's input tensors: a change made in place to that
+    very object is one autograd sees).
+    """
+    every = is_checkpointing()
+    return tuple(
+        None if id(x) in same else x._version
+        for x in flatten(skip)[0]
+        if isinstance(x, Tensor) and (x.requires_grad or (every and differentiable(x)))
+    )
