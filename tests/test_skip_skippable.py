@@ -426,6 +426,37 @@ def test_a_subclass_that_returns_directly_still_owes_its_stash() -> None:
         Plain()(torch.ones(1))
 
 
+def test_a_subclass_may_call_its_bases_forward() -> None:
+    # The bug: super().forward(x) ran the subclass's own forward again, without end.
+    class Doubled(Stash):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            return super().forward(x) * 2  # the base stashes; its output comes back
+
+    class Again(Doubled):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            return super().forward(x) + 1
+
+    x = torch.tensor([1.0, 2.0])
+    # Stash returns 2 x and stashes x.
+    torch.testing.assert_close(nn.Sequential(Doubled(), Pop())(x), x * 4 + x)
+    torch.testing.assert_close(nn.Sequential(Again(), Pop())(x), x * 4 + 1 + x)
+    from torchgpipe import GPipe
+
+    for checkpoint in ["always", "never"]:
+        model = GPipe(nn.Sequential(Again(), Pop()), [1, 1], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+        torch.testing.assert_close(model(x.view(2, 1)), (x * 5 + 1).view(2, 1))
+
+
+def test_a_subclass_yielding_from_its_bases_forward_is_told_to_call_it() -> None:
+    class YieldsFrom(Stash):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            y = yield from super().forward(x)
+            return y
+
+    with pytest.raises(TypeError, match=r"super\(\).forward\(x\) returns its output: call it"):
+        YieldsFrom()(torch.ones(2))
+
+
 def test_a_failing_layer_takes_back_its_stash() -> None:
     @skippable(stash=["skip"])
     class Flaky(nn.Module):

@@ -32,6 +32,7 @@ without their skips colliding. Names no namespace was given live in a global one
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Generator, Iterable
@@ -177,7 +178,7 @@ class Skippable(nn.Module):
         # a decorator, or one that returns a helper's generator, is a generator function
         # only by what it returns.
         cls._generator_forward = forward
-        cls.forward = Skippable.forward  # type: ignore[method-assign]  # the driver
+        cls.forward = _driver(forward)  # type: ignore[method-assign]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled as any module, or, when its class is out of pickle's reach, rebuilt.
@@ -248,13 +249,43 @@ class Skippable(nn.Module):
             SkipError: a name was not declared, was used twice, or a declared name
                 was not stashed or popped by the time ``forward`` returned.
         """
-        generator = self._generator_forward(*args, **kwargs)
+        return self._drive(type(self)._generator_forward, args, kwargs)
+
+    def _drive(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run ``function`` (a class's own forward) on ``self``, serving its requests.
+
+        A subclass's forward may call its base's (``super().forward(x)``, which returns
+        the output): that inner call shares the outer one's record of what was stashed
+        and popped, and the outer call checks that every declared name was used.
+        """
+        records = _driving.__dict__.setdefault("records", {})
+        outer = id(self) not in records
+        if outer:
+            records[id(self)] = (set(), set())
+        stashed, popped = records[id(self)]
+        try:
+            return self._serve(function, args, kwargs, stashed, popped, outer)
+        finally:
+            if outer:
+                del records[id(self)]
+
+    def _serve(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        stashed: set[str],
+        popped: set[str],
+        check: bool,
+    ) -> Any:
+        generator = function(self, *args, **kwargs)
         if not isinstance(generator, Generator):
-            self._check_all_used(set(), set(), generator=False)
+            if check:
+                self._check_all_used(stashed, popped, generator=False)
             return generator
         tracker = current_tracker()
-        stashed: set[str] = set()
-        popped: set[str] = set()
         try:
             request = next(generator)
             while True:
@@ -271,9 +302,16 @@ class Skippable(nn.Module):
                     self._check_use(request.name, self.pop_names, popped, "pop")
                     reply = tracker.pop(self.skip_key(request.name))
                 else:
+                    hint = (
+                        " (a base's super().forward(x) returns its output: call it, not "
+                        "yield from it)"
+                        if isinstance(request, Tensor)
+                        else ""
+                    )
                     raise TypeError(
                         f"{self._where()} yielded {request!r}; a skippable forward yields "
                         f"only stash(name, tensor) and pop(name), and returns its output"
+                        f"{hint}"
                     )
                 request = generator.send(reply)
         except StopIteration as stop:
@@ -284,7 +322,8 @@ class Skippable(nn.Module):
             raise
         finally:
             generator.close()
-        self._check_all_used(stashed, popped)
+        if check:
+            self._check_all_used(stashed, popped)
         return output
 
     def _where(self) -> str:
@@ -316,6 +355,25 @@ class Skippable(nn.Module):
             f"skip is stashed once and popped once per forward (stash None when there is "
             f"nothing to pass), or leave it out of @skippable(...)"
         )
+
+
+_driving = threading.local()
+"""``records``: by id, what each module running forward on this thread used so far."""
+
+
+def _driver(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``forward`` of a class whose own generator forward is ``function``.
+
+    Each class gets a driver of its own, so that ``super().forward(x)`` in a subclass
+    runs the base's generator, not the subclass's again.
+    """
+
+    def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
+        return self._drive(function, args, kwargs)
+
+    forward.__doc__ = Skippable.forward.__doc__
+    forward.__qualname__ = f"{function.__qualname__.rpartition('.')[0] or 'Skippable'}.forward"
+    return forward
 
 
 ModuleType = TypeVar("ModuleType", bound=type[nn.Module])
