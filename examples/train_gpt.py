@@ -130,6 +130,7 @@ def main() -> None:
         pipe = GPipe(
             split(copy.deepcopy(model), example, stages=args.stages),
             [1] * args.stages,
+            devices=["cpu"] * args.stages,  # CPU partitions, on a machine with GPUs too
             chunks=args.chunks,
         )
     except SplitError as error:  # too many stages for the model, say
@@ -137,6 +138,7 @@ def main() -> None:
     stepped = GPipe(
         split(copy.deepcopy(model), example, stages=args.stages),
         [1] * args.stages,
+        devices=["cpu"] * args.stages,
         chunks=args.chunks,
     )
     schedule = Schedule1F1B(stepped, lm_loss)

@@ -474,3 +474,73 @@ def test_balance_by_size_counts_the_skips_a_layer_stashes() -> None:
         model, torch.randn(8, 4), chunks=1, param_scale=0.0, device=torch.device("cpu")
     )
     assert sizes[0] >= 8 * 4000 * 4  # the stashed (8, 4000) float tensor
+
+
+class _CountsBackward(torch.autograd.Function):
+    """Identity that counts the backward calls through it in ``calls``."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        _CountsBackward.calls += 1
+        return grad
+
+
+class _Probe(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _CountsBackward.apply(x)  # type: ignore[no-any-return, no-untyped-call]
+
+
+def _frozen_then_trained() -> nn.Sequential:
+    frozen = [nn.Linear(64, 64), _Probe(), nn.Linear(64, 64), _Probe()]
+    for layer in frozen:
+        layer.requires_grad_(False)
+    return nn.Sequential(*frozen, nn.Linear(64, 64), nn.Linear(64, 64))
+
+
+def test_profiling_runs_no_backward_that_training_would_not() -> None:
+    # The bug: every layer's input was made to want a gradient, so frozen layers were
+    # timed with a backward (and counted with the tensors it saves) that training never
+    # runs, and the balances were off for models with a frozen part.
+    model, sample = _frozen_then_trained(), torch.randn(32, 64)
+    _CountsBackward.calls = 0
+    profile.layerwise_time(model, sample, timeout=0.01, device=torch.device("cpu"))
+    assert _CountsBackward.calls == 0
+    model(sample).sum().backward()  # the plain model's training step: none either
+    assert _CountsBackward.calls == 0
+    wanting = torch.randn(32, 64, requires_grad=True)  # an input wanting one: there
+    profile.layerwise_time(model, wanting, timeout=0.01, device=torch.device("cpu"))
+    assert _CountsBackward.calls > 0
+
+
+def test_a_frozen_layer_fed_no_gradient_saves_nothing_in_its_size() -> None:
+    model, sample = _frozen_then_trained(), torch.randn(32, 64)
+    sizes = profile.layerwise_size(
+        model, sample, chunks=1, param_scale=2.0, device=torch.device("cpu")
+    )
+    output, params = 32 * 64 * 4, (64 * 64 + 64) * 4
+    assert sizes[0] == output + params  # its output, and its frozen parameters once
+    # A trained layer: the input it saves is the previous layer's output, counted there.
+    assert sizes[4] == output + 2 * params
+
+
+def test_timing_keeps_no_skip_from_pass_to_pass() -> None:
+    # The bug: every pass's stashed skips stayed in the profiler until it returned.
+    kept: list[int] = []
+    original = profile._DetachingTracker.stash
+
+    def stash(self: Any, key: Any, tensor: Tensor | None) -> None:
+        original(self, key, tensor)
+        kept.append(len(self.stashed))
+
+    model = nn.Sequential(StashLinear(), nn.Linear(4, 4), PopAdd())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile._DetachingTracker, "stash", stash)
+        profile.layerwise_time(model, torch.randn(2, 4), timeout=0.05, device=torch.device("cpu"))
+    assert len(kept) > 2
+    assert max(kept) == 1

@@ -104,8 +104,8 @@ def balance_by_size(
         The number of layers of each partition, positive and summing to ``len(module)``.
 
     Raises:
-        TypeError: ``partitions`` or ``chunks`` is not an integer (a float with no
-            fraction, ``4.0``, counts as one, as in :class:`~torchgpipe.GPipe`),
+        TypeError: ``partitions`` is not an integer, ``chunks`` is not one (a float
+            with no fraction, ``4.0``, counts as one, as in :class:`~torchgpipe.GPipe`),
             ``module`` is not an ``nn.Sequential``, or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, ``chunks``
             not positive, a ``param_scale`` that is not a finite non-negative number,

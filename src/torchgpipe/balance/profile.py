@@ -2,9 +2,11 @@
 
 Both profilers work on copies of the layers, made one by one on the profiling device,
 so the model's weights, gradients, training mode and device are left as they were.
-Each layer gets its input detached (a new leaf that needs grad, cloned so that a layer
-may modify it in place), so that its backward stops at its own input. Skips stashed by
-skippable layers are handed on detached as well.
+Each layer gets its input detached (a new leaf that wants a gradient where the input
+did, as in training, cloned so that a layer may modify it in place), so that its
+backward stops at its own input: a frozen layer fed by no gradient-wanting input runs
+no backward and saves nothing for one. Skips stashed by skippable layers are handed on
+detached as well.
 
 The layers run under generators of the profiling's own (``rng.own_generators``): a
 layer that draws (dropout) advances no process-wide generator, so what a program draws
@@ -52,12 +54,17 @@ class _DetachingTracker(SkipTracker):
 
 
 def _leaf(x: Tensor) -> Tensor:
-    x = x.detach()
-    return x.requires_grad_() if x.is_floating_point() or x.is_complex() else x
+    """A new leaf of ``x``'s values, wanting a gradient where ``x`` does.
+
+    As in training: a layer whose input wants no gradient (the sample, the output of
+    frozen layers, an attention mask) runs no backward through it and saves nothing
+    for one, and profiling must not time or count what training never does.
+    """
+    return x.detach().requires_grad_(x.requires_grad)
 
 
 def _fresh_input(value: Any) -> Any:
-    """Copies that a layer may modify in place: of new leaves where they can want a grad.
+    """Copies that a layer may modify in place, of new leaves (:func:`_leaf`).
 
     Integer tensors are copied too: the caller's sample must come out as it went in.
     """
@@ -92,18 +99,22 @@ def layerwise_time(
     layers repeat until ``timeout`` seconds have gone by (at least one).
     """
     totals = [0.0] * len(module)
-    with _profiling():
-        _time_pass(module, sample, device, totals)  # a warm-up pass, not counted
+    with _profiling() as tracker:
+        _time_pass(module, sample, device, totals, tracker)  # a warm-up, not counted
         totals = [0.0] * len(module)
         start = time.perf_counter()
         while True:
-            _time_pass(module, sample, device, totals)
+            _time_pass(module, sample, device, totals, tracker)
             if time.perf_counter() - start >= timeout:
                 return totals
 
 
 def _time_pass(
-    module: nn.Sequential, sample: Any, device: torch.device, totals: list[float]
+    module: nn.Sequential,
+    sample: Any,
+    device: torch.device,
+    totals: list[float],
+    tracker: _DetachingTracker,
 ) -> None:
     """One pass over the layers, adding each one's forward and backward time to totals.
 
@@ -121,7 +132,8 @@ def _time_pass(
             torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
         _synchronize(device)
         totals[j] += time.perf_counter() - begin
-        value = map_tensors(lambda y: y.detach(), output)
+        tracker.stashed.clear()  # only sizes want them: kept, every pass's would pile up
+        value = map_tensors(_leaf, output)
 
 
 def layerwise_size(
@@ -161,7 +173,7 @@ def layerwise_size(
             trained = sum(_bytes(p) for p in layer.parameters() if p.requires_grad)
             frozen = sum(_bytes(p) for p in layer.parameters() if not p.requires_grad)
             sizes.append(activations + trained * param_scale + frozen)
-            value = map_tensors(lambda y: y.detach(), output)
+            value = map_tensors(_leaf, output)
     return sizes
 
 
