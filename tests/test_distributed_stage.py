@@ -733,6 +733,20 @@ def test_ranks_whose_models_tie_different_tensors_refuse_to_start() -> None:
         )
 
 
+def test_ranks_whose_layers_hold_other_modules_refuse_to_start() -> None:
+    # Same layer classes and tensors: only a module inside a layer differs, which holds
+    # no tensor (each rank would compute its own function, silently).
+    models = [mlp() for _ in range(2)]
+    models[0][3] = nn.Sequential(nn.Tanh())
+    models[1][3] = nn.Sequential(nn.ReLU())
+    errors = _on_ranks(2, [4, 4], lambda stage: stage, models=models)
+    for error in errors:
+        assert isinstance(error, ValueError)
+        assert "layer 3 is 3: Sequential [0: Tanh]() on rank 0 but 3: Sequential [0: ReLU]()" in (
+            str(error)
+        )
+
+
 def _meta_mlp_and_states(world: int) -> tuple[list[nn.Sequential], list[dict[str, Tensor]]]:
     """Meta models of ``mlp()``, and its state dict, without ``4.weight`` on rank 1."""
     with torch.device("meta"):

@@ -51,14 +51,21 @@ __all__ = [
 
 
 def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, Any]:
-    """What a process was given: ``options``, each layer's tensors, and the ties."""
+    """What a process was given: ``options``, each layer's tensors, and the ties.
+
+    A layer reads as its class, the classes of the modules inside it (a ``Tanh`` in
+    one process where another has a ``ReLU`` holds no tensor that would differ), and
+    its tensors' shapes and dtypes.
+    """
     layers = []
     for name, layer in module.named_children():
         params = ", ".join(
             f"{key} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
             for key, t in [*layer.named_parameters(), *layer.named_buffers()]
         )
-        layers.append(f"{name}: {type(layer).__qualname__}({params})")
+        inside = ", ".join(f"{n}: {type(m).__qualname__}" for n, m in layer.named_modules() if n)
+        kinds = f" [{inside}]" if inside else ""
+        layers.append(f"{name}: {type(layer).__qualname__}{kinds}({params})")
     return {**options, "layers": layers, "ties": _ties(module)}
 
 
