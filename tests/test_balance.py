@@ -544,3 +544,25 @@ def test_timing_keeps_no_skip_from_pass_to_pass() -> None:
         profile.layerwise_time(model, torch.randn(2, 4), timeout=0.05, device=torch.device("cpu"))
     assert len(kept) > 2
     assert max(kept) == 1
+
+
+@skippable(stash=["skip"])
+class _StashesAComputedSkip(nn.Module):
+    """Returns its input; stashes a linear map of it, whose backward only the pop starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", _CountsBackward.apply(self.linear(x)))
+        return x
+
+
+def test_timing_runs_the_backward_of_what_a_layer_stashes() -> None:
+    # The bug: only the layer's outputs started its backward, so the work on the way to
+    # its skips, which training runs every step, was never timed.
+    model = nn.Sequential(_StashesAComputedSkip(), nn.Linear(4, 4), PopAdd())
+    _CountsBackward.calls = 0
+    profile.layerwise_time(model, torch.randn(2, 4), timeout=0.01, device=torch.device("cpu"))
+    assert _CountsBackward.calls > 0

@@ -447,6 +447,27 @@ def test_a_subclass_may_call_its_bases_forward() -> None:
         torch.testing.assert_close(model(x.view(2, 1)), (x * 5 + 1).view(2, 1))
 
 
+def test_a_subclass_may_call_its_bases_forward_again_after_it_failed() -> None:
+    # The failed call gave back its stash, and its names, from the record it shares.
+    @skippable(stash=["skip"])
+    class Fragile(nn.Module):
+        def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            if fail:
+                raise RuntimeError("after the stash")
+            return x * 2
+
+    class Retries(Fragile):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            try:
+                return super().forward(x, fail=True)
+            except RuntimeError:
+                return super().forward(x)
+
+    x = torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(nn.Sequential(Retries(), Pop())(x), x * 2 + x)
+
+
 def test_a_subclass_yielding_from_its_bases_forward_is_told_to_call_it() -> None:
     class YieldsFrom(Stash):
         def forward(self, x: Tensor):  # type: ignore[no-untyped-def]

@@ -116,16 +116,20 @@ def take_input_grads(inputs: list[Tensor]) -> list[Tensor | None]:
     """Each input's gradient, taken from it; None where it wants none.
 
     A tensor that is there twice (the previous stage returned ``(h, h)``) has one
-    gradient, for both of its uses: it goes back once, in the first place.
+    gradient, for both of its uses: it goes back once, in the first place. An input
+    that wanted none, which a layer's in-place operation with a gradient-wanting
+    operand made want one (``x.mul_(w)``), is no leaf any more: None, as before.
     """
     if len(inputs) == 1:  # the common case, on the path of every cell
         x = inputs[0]
-        grad, x.grad = (x.grad, None) if x.requires_grad else (None, x.grad)
+        if not (x.requires_grad and x.is_leaf):
+            return [None]
+        grad, x.grad = x.grad, None
         return [grad]
     grads: list[Tensor | None] = []
     seen: set[int] = set()
     for x in inputs:
-        if x.requires_grad and id(x) not in seen:
+        if x.requires_grad and x.is_leaf and id(x) not in seen:
             seen.add(id(x))
             grads.append(x.grad)
             x.grad = None

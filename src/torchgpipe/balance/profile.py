@@ -128,6 +128,7 @@ def _time_pass(
         begin = time.perf_counter()
         output = layer(value)
         outputs = [y for y in flatten(output)[0] if isinstance(y, Tensor) and y.requires_grad]
+        outputs += [y for y in tracker.stashed if y.requires_grad]  # their backward too
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
         _synchronize(device)

@@ -286,6 +286,7 @@ class Skippable(nn.Module):
                 self._check_all_used(stashed, popped, generator=False)
             return generator
         tracker = current_tracker()
+        had = (set(stashed), set(popped))  # a base's forward failing gives back its own
         try:
             request = next(generator)
             while True:
@@ -317,8 +318,10 @@ class Skippable(nn.Module):
         except StopIteration as stop:
             output = stop.value
         except BaseException:
-            for name in stashed:  # a failed call leaves nothing waiting
+            for name in stashed - had[0]:  # a failed call leaves nothing waiting
                 tracker.take_back(self.skip_key(name))
+            stashed &= had[0]
+            popped &= had[1]
             raise
         finally:
             generator.close()
@@ -362,11 +365,7 @@ _driving = threading.local()
 
 
 def _driver(function: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``forward`` of a class whose own generator forward is ``function``.
-
-    Each class gets a driver of its own, so that ``super().forward(x)`` in a subclass
-    runs the base's generator, not the subclass's again.
-    """
+    """The ``forward`` driving ``function``, one class's own: each class has its own."""
 
     def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
         return self._drive(function, args, kwargs)

@@ -69,17 +69,20 @@ class SkipTracker:
 class CellTracker(SkipTracker):
     """The tracker of one GPipe cell: inbound skips in, outbound skips collected.
 
-    An inbound skip changed in place before its pop is refused at the pop: a layer of
-    this partition working in place on its input, which shares memory with the skip
-    (``ReLU(inplace=True)`` right after the cut), would hand the pop the new values
-    without the gradient through the change. Changes between the stash and this
-    partition are checked before it runs (``cell.SkipVersions``).
+    An inbound skip changed in place before its pop, through the partition's input that
+    shares its memory (``ReLU(inplace=True)`` right after the cut), is refused at the
+    pop where that loses something: the skip wants a gradient (the pop would get the
+    new values without the gradient through the change), or the cell is
+    checkpointed (its recomputation gets the skip and the input apart, and would pop
+    the values from before the change). Changes between the stash and this partition
+    are checked before it runs (``cell.SkipVersions``).
 
     Args:
         inbound: the skips earlier partitions stashed for this one.
         outbound: the keys this partition stashes for later partitions.
-        value: the partition's input; a skip that is one of its tensors, the very
-            object, is changed where autograd sees it, as in the plain model.
+        value: the partition's input. A skip that is one of its tensors, or a view of
+            the same tensor, is changed where autograd sees it, as in the plain model:
+            not judged.
     """
 
     def __init__(
@@ -92,8 +95,8 @@ class CellTracker(SkipTracker):
         self.waiting.update(inbound)
         self._outbound = outbound
         self.out: dict[SkipKey, Tensor | None] = {}
-        same = {id(x) for x in flatten(value)[0] if isinstance(x, Tensor)}
-        self._versions = {key: _versions(skip, same) for key, skip in inbound.items()}
+        roots = {id(_root(x)) for x in flatten(value)[0] if isinstance(x, Tensor)}
+        self._noted = {key: _noted(skip, roots) for key, skip in inbound.items()}
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Collect ``tensor`` as outbound, or keep it for a pop in this partition."""
@@ -111,24 +114,33 @@ class CellTracker(SkipTracker):
         Raises:
             SkipError: nothing was stashed as ``key`` (yet).
             RuntimeError: a layer of this partition changed the inbound skip in place
-                before its pop.
+                before its pop, losing a gradient or the recomputation's values.
         """
         skip = super().pop(key)
-        before = self._versions.pop(key, None)  # None: stashed in this partition
-        now = _versions(skip, frozenset()) if before is not None else ()
-        if before is not None and any(
-            a is not None and a != b for a, b in zip(before, now, strict=True)
-        ):
-            raise RuntimeError(
-                f"torchgpipe: the skip {key} was changed in place before its pop, by a "
-                f"layer of the popping partition working on its input, which shares "
-                f"memory with the skip (ReLU(inplace=True) right after the partition "
-                f"boundary, say); the pop would get the new values but not the gradient "
-                f"through that change. Make that layer work out of place, or stash a copy "
-                f"(stash({key.name!r}, x.clone()), which then pops the values from before "
-                f"the change)"
-            )
+        for x, version in self._noted.pop(key, ()):  # none: stashed in this partition
+            if x._version != version and self._loses(x):
+                raise RuntimeError(
+                    f"torchgpipe: the skip {key} was changed in place before its pop, by "
+                    f"a layer of the popping partition working on its input, which shares "
+                    f"memory with the skip (ReLU(inplace=True) right after the partition "
+                    f"boundary, say); the pop would get the new values but not the "
+                    f"gradient through that change (and a checkpointed cell's "
+                    f"recomputation the values from before it). Make that layer work out "
+                    f"of place, or stash a copy (stash({key.name!r}, x.clone()), which then "
+                    f"pops the values from before the change)"
+                )
         return skip
+
+    @staticmethod
+    def _loses(x: Tensor) -> bool:
+        """Whether popping ``x``, changed in place through an input, loses anything.
+
+        Not judged: a skip that wants no gradient, changed by an operation with one
+        that does (``x.mul_(w)``, ``w`` trained): the plain model's pop may get that
+        gradient (the stashing layer's output and the skip one tensor) or not (a
+        detached skip), which the popping partition cannot tell apart.
+        """
+        return x.requires_grad or is_checkpointing()
 
 
 _local = threading.local()
@@ -178,17 +190,22 @@ def run_cell(
     return output, {key: tracker.out[key] for key in outbound}
 
 
-def _versions(skip: Any, same: AbstractSet[int]) -> tuple[int | None, ...]:
-    """The versions of ``skip``'s tensors that want a gradient (None: not judged).
+def _root(x: Tensor) -> Tensor:
+    """The tensor ``x`` is a view of, or ``x``: autograd follows changes across them."""
+    return x if x._base is None else x._base
 
-    In a checkpointed cell's forward, which runs without grad, every float or complex
-    tensor counts as wanting one: its recomputation will. Not judged: a tensor in
-    ``same`` (ids of the partition's input tensors: a change made in place to that
-    very object is one autograd sees).
+
+def _noted(skip: Any, roots: AbstractSet[int]) -> list[tuple[Tensor, int]]:
+    """``skip``'s float and complex tensors with their versions now, to compare later.
+
+    Not noted: one whose root (:func:`_root`) is in ``roots``, that of an input tensor,
+    and inference tensors, which keep no version.
     """
-    every = is_checkpointing()
-    return tuple(
-        None if id(x) in same else x._version
+    return [
+        (x, x._version)
         for x in flatten(skip)[0]
-        if isinstance(x, Tensor) and (x.requires_grad or (every and differentiable(x)))
-    )
+        if isinstance(x, Tensor)
+        and differentiable(x)
+        and not x.is_inference()
+        and id(_root(x)) not in roots
+    ]
