@@ -59,6 +59,19 @@ def test_partitions_are_a_module_list_that_adds_no_state() -> None:
     assert list(model.state_dict()) == list(_mlp().state_dict())
 
 
+def test_partitions_follow_the_models_training_flag_and_leave_the_layers_theirs() -> None:
+    # The bug: after model.eval() each partition still said training (0.0.7's registered
+    # partitions followed the model).
+    model = GPipe(_mlp(), [1, 3])
+    model.eval()
+    assert [p.training for p in model.partitions] == [False, False]
+    assert not model.partitions.training
+    model.train()
+    model[2].eval()  # a layer set apart stays so
+    assert [p.training for p in model.partitions] == [True, True]
+    assert not model[2].training
+
+
 def test_balance_left_out_points_to_automatic_balancing() -> None:
     with pytest.raises(BalanceError, match=r"balance is required.*torchgpipe\.balance"):
         GPipe(_mlp())

@@ -254,9 +254,13 @@ class GPipe(PlacedModule, StageHolder):
         """The partitions, in order, each an ``nn.Sequential`` on its device.
 
         A new ``nn.ModuleList`` over the partitions at each access, not registered as a
-        child: the layers are the model's children once, under their own names.
+        child: the layers are the model's children once, under their own names. The
+        containers' own ``training`` flags follow the model's; the layers keep theirs.
         """
-        return nn.ModuleList(self._partitions)
+        partitions = nn.ModuleList(self._partitions)
+        for container in (partitions, *self._partitions):
+            container.training = self.training
+        return partitions
 
     def __len__(self) -> int:
         return len(self._modules)
