@@ -441,6 +441,20 @@ def test_a_frozen_skip_given_a_gradient_in_place_before_its_pop_does_not_break(
     torch.testing.assert_close(model[1].w.grad, plain[1].w.grad)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_frozen_model_changing_a_skip_in_place_before_its_pop_is_not_refused(
+    checkpoint: str, backward_by: str
+) -> None:
+    # Checkpointed, but nothing wants a gradient: no recomputation will pop the skip
+    # again, so the change loses nothing (refused at first, wrongly).
+    plain = nn.Sequential(
+        _FrozenStashOutput(), nn.Identity(), nn.ReLU(inplace=True), PopAdd(), nn.Linear(4, 4)
+    ).requires_grad_(False)
+    model = GPipe(copy.deepcopy(plain), [1, 1, 3], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(model(x), plain(x))
+
+
 @skippable(stash=["skip"])
 class _StashSliceOrDetached(nn.Module):
     def __init__(self, how: str) -> None:

@@ -468,6 +468,27 @@ def test_a_subclass_may_call_its_bases_forward_again_after_it_failed() -> None:
     torch.testing.assert_close(nn.Sequential(Retries(), Pop())(x), x * 2 + x)
 
 
+def test_a_subclass_may_retry_its_bases_forward_that_failed_after_a_pop() -> None:
+    # The failed call gave its pop back, for the retry to pop again.
+    @skippable(pop=["skip"])
+    class Fragile(nn.Module):
+        def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            if fail:
+                raise RuntimeError("after the pop")
+            return x + skip
+
+    class Retries(Fragile):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            try:
+                return super().forward(x, fail=True)
+            except RuntimeError:
+                return super().forward(x)
+
+    x = torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(nn.Sequential(Stash(), Retries())(x), x * 2 + x)
+
+
 def test_a_subclass_yielding_from_its_bases_forward_is_told_to_call_it() -> None:
     class YieldsFrom(Stash):
         def forward(self, x: Tensor):  # type: ignore[no-untyped-def]

@@ -668,3 +668,30 @@ def test_interleaved_schedule_says_its_default_virtual_stages_do_not_fit() -> No
         ScheduleInterleaved1F1B(_tiny_pipe(4), _squared_error, virtual_stages=two).virtual_stages
         == 2
     )
+
+
+class _ScaleInPlace(nn.Module):
+    """``x.mul_(w)``: an input that wants no gradient comes to want one, no leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(self.w)
+
+
+@pytest.mark.parametrize("schedule", [Schedule1F1B, ScheduleZeroBubble])
+def test_a_stage_whose_input_comes_to_want_a_gradient_in_place_gets_its_gradients(
+    schedule: Any,
+) -> None:
+    # The bug: the split backward took that input for one wanting a gradient and stopped
+    # there, so the weight pass never reached w (ZB-H1: w.grad None).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4).requires_grad_(False), _ScaleInPlace(), nn.Linear(4, 4))
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint="never")
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    schedule(model, nn.functional.mse_loss).step(x, target)
+    nn.functional.mse_loss(plain(x), target).backward()
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)

@@ -59,6 +59,11 @@ def is_checkpointing() -> bool:
     return bool(getattr(_flags, "checkpointing", False))
 
 
+def will_recompute() -> bool:
+    """Whether the checkpointed forward running on this thread may be recomputed."""
+    return bool(getattr(_flags, "recomputes", False))
+
+
 def is_recomputing() -> bool:
     """Whether the calling thread recomputes a checkpointed cell during backward.
 
@@ -141,12 +146,15 @@ class _Checkpointed(torch.autograd.Function):
         # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
         ctx.save_for_backward(*(x.clone() for x in tensors))
         kept = cell.guard.before_forward() if cell.guard is not None else None
-        previous, _flags.checkpointing = is_checkpointing(), True
+        previous = is_checkpointing(), will_recompute()
+        _flags.checkpointing = True
+        # Its outputs want a gradient, so a backward may recompute it, where an input does.
+        _flags.recomputes = any(x.requires_grad for x in (phony, *inputs))
         try:
             with cell.randomness.forward():
                 output = cell.call(tensors)
         finally:
-            _flags.checkpointing = previous
+            _flags.checkpointing, _flags.recomputes = previous
         if cell.guard is not None:
             cell.restore = cell.guard.after_forward(kept)
         out_leaves, cell.out_spec = flatten(output)

@@ -384,7 +384,8 @@ class StepRun:
                     for y, g in zip(cell.outputs, grads, strict=True)
                     if y.requires_grad and g is not None
                 ]
-                wanted = [x for x in cell.inputs if x.requires_grad]
+                # Not an input a layer made want one in place (x.mul_(w)): no leaf.
+                wanted = [x for x in cell.inputs if x.requires_grad and x.is_leaf]
                 wanted += [leaf for _, leaf in cell.targets]
                 if not self.split:
                     if pairs:

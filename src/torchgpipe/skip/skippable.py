@@ -287,6 +287,7 @@ class Skippable(nn.Module):
             return generator
         tracker = current_tracker()
         had = (set(stashed), set(popped))  # a base's forward failing gives back its own
+        got: dict[str, Tensor | None] = {}
         try:
             request = next(generator)
             while True:
@@ -301,14 +302,9 @@ class Skippable(nn.Module):
                     tracker.stash(self.skip_key(request.name), request.tensor)
                 elif isinstance(request, pop):
                     self._check_use(request.name, self.pop_names, popped, "pop")
-                    reply = tracker.pop(self.skip_key(request.name))
+                    reply = got[request.name] = tracker.pop(self.skip_key(request.name))
                 else:
-                    hint = (
-                        " (a base's super().forward(x) returns its output: call it, not "
-                        "yield from it)"
-                        if isinstance(request, Tensor)
-                        else ""
-                    )
+                    hint = (isinstance(request, Tensor) and _YIELD_FROM_BASE) or ""
                     raise TypeError(
                         f"{self._where()} yielded {request!r}; a skippable forward yields "
                         f"only stash(name, tensor) and pop(name), and returns its output"
@@ -320,6 +316,8 @@ class Skippable(nn.Module):
         except BaseException:
             for name in stashed - had[0]:  # a failed call leaves nothing waiting
                 tracker.take_back(self.skip_key(name))
+            for name in got if not check else ():  # for the subclass's forward to retry
+                tracker.waiting[self.skip_key(name)] = got[name]
             stashed &= had[0]
             popped &= had[1]
             raise
@@ -360,6 +358,7 @@ class Skippable(nn.Module):
         )
 
 
+_YIELD_FROM_BASE = " (a base's super().forward(x) returns its output: call it, not yield from it)"
 _driving = threading.local()
 """``records``: by id, what each module running forward on this thread used so far."""
 

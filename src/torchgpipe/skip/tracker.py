@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from torchgpipe.checkpoint import differentiable, is_checkpointing
+from torchgpipe.checkpoint import differentiable, will_recompute
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip.errors import SkipError
 
@@ -140,7 +140,7 @@ class CellTracker(SkipTracker):
         gradient (the stashing layer's output and the skip one tensor) or not (a
         detached skip), which the popping partition cannot tell apart.
         """
-        return x.requires_grad or is_checkpointing()
+        return x.requires_grad or will_recompute()
 
 
 _local = threading.local()
