@@ -89,15 +89,16 @@ class set_flag:  # lower case: used as a function: `with set_flag("recomputing")
     checkpointed cell, on the pipeline's critical path, where a generator costs more.
     """
 
-    __slots__ = ("_name", "_previous")
+    __slots__ = ("_name", "_previous", "_value")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, value: bool = True) -> None:
         self._name = name
         self._previous = False
+        self._value = value
 
     def __enter__(self) -> None:
         self._previous = getattr(_flags, self._name, False)
-        setattr(_flags, self._name, True)
+        setattr(_flags, self._name, self._value)
 
     def __exit__(self, *exc: object) -> None:
         setattr(_flags, self._name, self._previous)
@@ -146,15 +147,11 @@ class _Checkpointed(torch.autograd.Function):
         # place (ReLU(inplace=True) is common), and recomputation needs it unmodified.
         ctx.save_for_backward(*(x.clone() for x in tensors))
         kept = cell.guard.before_forward() if cell.guard is not None else None
-        previous = is_checkpointing(), will_recompute()
-        _flags.checkpointing = True
         # Its outputs want a gradient, so a backward may recompute it, where an input does.
-        _flags.recomputes = any(x.requires_grad for x in (phony, *inputs))
-        try:
-            with cell.randomness.forward():
-                output = cell.call(tensors)
-        finally:
-            _flags.checkpointing, _flags.recomputes = previous
+        recomputes = any(x.requires_grad for x in (phony, *inputs))
+        flags = set_flag("checkpointing"), set_flag("recomputes", recomputes)
+        with flags[0], flags[1], cell.randomness.forward():
+            output = cell.call(tensors)
         if cell.guard is not None:
             cell.restore = cell.guard.after_forward(kept)
         out_leaves, cell.out_spec = flatten(output)

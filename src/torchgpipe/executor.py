@@ -333,15 +333,16 @@ class StepRun:
                 # Keep a copy: a first layer may modify its input in place.
                 cell.leaves = per_tensor(Tensor.clone, leaves)
                 kept = guard.before_forward() if guard is not None else None
-                with set_flag("checkpointing"), cell.randomness.forward():
+                # Without a graph nothing says which outputs will want a gradient: all
+                # the floating ones may, when an input or a weight does. (Recomputation
+                # finds out; a gradient that turns out unneeded is dropped there.)
+                wants = any(needs) or self.trainable(s)
+                flags = set_flag("checkpointing"), set_flag("recomputes", wants)
+                with flags[0], flags[1], cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
             finally:
                 torch._C._set_grad_enabled(grad_was)
             cell.restore = guard.after_forward(kept) if guard is not None else None
-            # Without a graph nothing says which outputs will want a gradient: all the
-            # floating ones may, when an input or a weight does. (Recomputation finds
-            # out; a gradient that turns out unneeded is dropped there.)
-            wants = any(needs) or self.trainable(s)
             return cell, (
                 wanting(output, wants),
                 {k: wanting(v, wants) for k, v in outbound.items()},
