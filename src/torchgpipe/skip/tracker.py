@@ -73,9 +73,9 @@ class CellTracker(SkipTracker):
     shares its memory (``ReLU(inplace=True)`` right after the cut), is refused at the
     pop where that loses something: the skip wants a gradient (the pop would get the
     new values without the gradient through the change), or the cell is
-    checkpointed (its recomputation gets the skip and the input apart, and would pop
-    the values from before the change). Changes between the stash and this partition
-    are checked before it runs (``cell.SkipVersions``).
+    checkpointed and may be recomputed (its recomputation gets the skip and the input
+    apart, and would pop the values from before the change). Changes between the
+    stash and this partition are checked before it runs (``cell.SkipVersions``).
 
     Args:
         inbound: the skips earlier partitions stashed for this one.
