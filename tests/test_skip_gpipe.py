@@ -455,6 +455,21 @@ def test_a_frozen_model_changing_a_skip_in_place_before_its_pop_is_not_refused(
     torch.testing.assert_close(model(x), plain(x))
 
 
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_a_step_of_a_frozen_model_refuses_a_skip_changed_in_place_before_its_pop(
+    schedule: Any,
+) -> None:
+    # A step recomputes every checkpointed cell, the last stage's for its loss, trained
+    # or not: the recomputation would pop the values from before the change (the loss
+    # came out wrong where it was let through).
+    plain = nn.Sequential(
+        _StashSliceOrDetached("detached"), nn.ReLU(inplace=True), PopAdd(), nn.Linear(4, 4)
+    ).requires_grad_(False)
+    model = GPipe(copy.deepcopy(plain), [1, 3], chunks=2, checkpoint="always")
+    with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its pop"):
+        schedule(model, nn.functional.mse_loss).step(torch.randn(8, 4), torch.randn(8, 4))
+
+
 @skippable(stash=["skip"])
 class _StashSliceOrDetached(nn.Module):
     def __init__(self, how: str) -> None:

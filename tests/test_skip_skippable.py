@@ -489,6 +489,32 @@ def test_a_subclass_may_retry_its_bases_forward_that_failed_after_a_pop() -> Non
     torch.testing.assert_close(nn.Sequential(Stash(), Retries())(x), x * 2 + x)
 
 
+def test_a_subclass_failing_around_its_bases_forward_leaves_nothing_waiting() -> None:
+    @skippable(pop=["skip"])
+    class Fragile(nn.Module):
+        def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            if fail:
+                raise RuntimeError("after the pop")
+            return x + skip
+
+    class GivesUp(Fragile):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            return super().forward(x, fail=True)  # its pop given back, then taken back
+
+    class FailsAfter(Stash):
+        def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+            super().forward(x)  # stashed, then taken back
+            raise ArithmeticError("after the base")
+
+    ns = Namespace("gives up")
+    with pytest.raises(RuntimeError, match="after the pop"):
+        nn.Sequential(Stash().isolate(ns), GivesUp().isolate(ns))(torch.ones(1))
+    with pytest.raises(ArithmeticError, match="after the base"):
+        FailsAfter().isolate(ns)(torch.ones(1))
+    assert not [key for key in current_tracker().waiting if key.namespace is ns]
+
+
 def test_a_subclass_yielding_from_its_bases_forward_is_told_to_call_it() -> None:
     class YieldsFrom(Stash):
         def forward(self, x: Tensor):  # type: ignore[no-untyped-def]

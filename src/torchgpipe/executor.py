@@ -333,11 +333,11 @@ class StepRun:
                 # Keep a copy: a first layer may modify its input in place.
                 cell.leaves = per_tensor(Tensor.clone, leaves)
                 kept = guard.before_forward() if guard is not None else None
-                # Without a graph nothing says which outputs will want a gradient: all
-                # the floating ones may, when an input or a weight does. (Recomputation
-                # finds out; a gradient that turns out unneeded is dropped there.)
+                # All floating outputs may want a gradient where an input or weight does
+                # (no graph says which); a step recomputes every checkpointed cell.
                 wants = any(needs) or self.trainable(s)
-                flags = set_flag("checkpointing"), set_flag("recomputes", wants)
+                again = wants or self.loss_fn is not None
+                flags = set_flag("checkpointing"), set_flag("recomputes", again)
                 with flags[0], flags[1], cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
             finally:

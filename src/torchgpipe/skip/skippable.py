@@ -21,8 +21,7 @@ Where the tensors go is up to whoever runs the layers (see ``tracker.py``): a pl
 each one from the partition that stashes it straight to the partition that pops it.
 
 A ``forward`` that yields nothing may return its output directly, as in torchgpipe
-0.0.7; it then stashes and pops nothing. A skip used against the declaration (a name
-not declared, used twice, or declared and not used) raises :class:`SkipError`.
+0.0.7. A skip used against the declaration raises :class:`SkipError`.
 
 Names are scoped by a :class:`Namespace`. ``module.isolate(ns)`` moves a module's names
 into ``ns``, so that one class can appear several times in a model (a U-Net's levels)
@@ -254,19 +253,19 @@ class Skippable(nn.Module):
     def _drive(
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """Run ``function`` (a class's own forward) on ``self``, serving its requests.
-
-        A subclass's forward may call its base's (``super().forward(x)``, which returns
-        the output): that inner call shares the outer one's record of what was stashed
-        and popped, and the outer call checks that every declared name was used.
-        """
+        """Run ``function`` (a class's own forward); a base's shares the outer record."""
         records = _driving.__dict__.setdefault("records", {})
         outer = id(self) not in records
-        if outer:
-            records[id(self)] = (set(), set())
-        stashed, popped = records[id(self)]
+        if outer:  # stashed, popped, and popped but given back by a base that failed
+            records[id(self)] = (set(), set(), set())
+        record = records[id(self)]
         try:
-            return self._serve(function, args, kwargs, stashed, popped, outer)
+            return self._serve(function, args, kwargs, record, outer)
+        except BaseException:
+            if outer:  # the whole call failed: it leaves nothing waiting
+                for name in record[0] | record[2]:
+                    current_tracker().take_back(self.skip_key(name))
+            raise
         finally:
             if outer:
                 del records[id(self)]
@@ -276,10 +275,10 @@ class Skippable(nn.Module):
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        stashed: set[str],
-        popped: set[str],
+        record: tuple[set[str], set[str], set[str]],
         check: bool,
     ) -> Any:
+        stashed, popped, given = record
         generator = function(self, *args, **kwargs)
         if not isinstance(generator, Generator):
             if check:
@@ -318,6 +317,7 @@ class Skippable(nn.Module):
                 tracker.take_back(self.skip_key(name))
             for name in got if not check else ():  # for the subclass's forward to retry
                 tracker.waiting[self.skip_key(name)] = got[name]
+                given.add(name)
             stashed &= had[0]
             popped &= had[1]
             raise
