@@ -334,9 +334,9 @@ class StepRun:
                 cell.leaves = per_tensor(Tensor.clone, leaves)
                 kept = guard.before_forward() if guard is not None else None
                 # All floating outputs may want a gradient where an input or weight does
-                # (no graph says which); a step recomputes every checkpointed cell.
+                # (no graph says which); a step's last stage is recomputed for its loss.
                 wants = any(needs) or self.trainable(s)
-                again = wants or self.loss_fn is not None
+                again = wants or self._owns_loss(s)
                 flags = set_flag("checkpointing"), set_flag("recomputes", again)
                 with flags[0], flags[1], cell.randomness.forward():
                     output, outbound = self._call(s, unflatten(detach_all(leaves), spec))

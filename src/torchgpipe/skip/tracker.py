@@ -117,7 +117,8 @@ class CellTracker(SkipTracker):
                 before its pop, losing a gradient or the recomputation's values.
         """
         skip = super().pop(key)
-        for x, version in self._noted.pop(key, ()):  # none: stashed in this partition
+        # Kept after the pop: a skip given back (a failed base's forward) is popped again.
+        for x, version in self._noted.get(key, ()):  # none: stashed in this partition
             if x._version != version and self._loses(x):
                 raise RuntimeError(
                     f"torchgpipe: the skip {key} was changed in place before its pop, by "
