@@ -497,6 +497,51 @@ class _RetriesAfterAnInPlaceChange(_PopsThenFailsOnce):
             return super().forward(x)
 
 
+@skippable(stash=["skip"])
+class _StashesASideBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", self.b(x))
+        return self.a(x)
+
+
+@skippable(pop=["skip"])
+class _DoublesItsSkipThenFailsOnce(nn.Module):
+    def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        skip.mul_(2)  # on the popped skip itself: autograd follows it
+        if fail:
+            raise RuntimeError("once")
+        return x + skip
+
+
+class _Retries(_DoublesItsSkipThenFailsOnce):
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        try:
+            return super().forward(x, fail=True)
+        except RuntimeError:
+            return super().forward(x)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_retry_pops_what_the_failed_call_left_as_the_plain_model_does(
+    checkpoint: str,
+) -> None:
+    # What the failed call did to the skip it popped is the plain model's too: not a
+    # change before the retry's pop (refused at first, wrongly).
+    torch.manual_seed(0)
+    plain = nn.Sequential(_StashesASideBranch(), _Retries(), nn.Linear(4, 4))
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 def test_a_skip_given_back_for_a_retry_is_checked_at_its_second_pop() -> None:
     # The first pop dropped the skip's noted versions, so the retry's pop went unchecked
     # and the gradients came out wrong.

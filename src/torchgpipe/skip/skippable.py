@@ -316,7 +316,7 @@ class Skippable(nn.Module):
             for name in stashed - had[0]:  # a failed call leaves nothing waiting
                 tracker.take_back(self.skip_key(name))
             for name in got if not check else ():  # for the subclass's forward to retry
-                tracker.waiting[self.skip_key(name)] = got[name]
+                tracker.give_back(self.skip_key(name), got[name])
                 given.add(name)
             stashed &= had[0]
             popped &= had[1]

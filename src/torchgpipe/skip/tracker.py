@@ -51,6 +51,10 @@ class SkipTracker:
         """Forget ``key``'s stash, if it is still waiting (its layer failed)."""
         self.waiting.pop(key, None)
 
+    def give_back(self, key: SkipKey, tensor: Tensor | None) -> None:
+        """Let ``key`` be popped again: a base's forward that popped it failed."""
+        self.waiting[key] = tensor
+
     def pop(self, key: SkipKey) -> Tensor | None:
         """Take the tensor stashed as ``key`` out.
 
@@ -107,6 +111,15 @@ class CellTracker(SkipTracker):
 
     def take_back(self, key: SkipKey) -> None:
         """Nothing to do: a cell's tracker is dropped with the failed cell."""
+
+    def give_back(self, key: SkipKey, tensor: Tensor | None) -> None:
+        """Let ``key`` be popped again, judged from now on.
+
+        What the failed call did to the skip it popped, the plain model's does too.
+        """
+        super().give_back(key, tensor)
+        if key in self._noted:
+            self._noted[key] = [(x, x._version) for x, _ in self._noted[key]]
 
     def pop(self, key: SkipKey) -> Tensor | None:
         """Take the tensor stashed as ``key`` out, unless it changed in place here first.
