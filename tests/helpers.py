@@ -87,6 +87,51 @@ class PopAdd(nn.Module):
         return x + skip
 
 
+@skippable(pop=["skip"])
+class PopAddFailingOnce(nn.Module):
+    """Adds the popped 'skip' to its input; with ``fail``, raises after the pop."""
+
+    def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        if fail:
+            raise RuntimeError("after the pop")
+        return x + skip
+
+
+class Count(torch.autograd.Function):
+    """The identity; counts the calls of its backward."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        Count.calls += 1
+        return grad
+
+
+class Counted(nn.Module):
+    """:class:`Count` as a layer."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Count.apply(x)  # type: ignore[no-any-return,no-untyped-call]
+
+
+class ScaleInPlace(nn.Module):
+    """``x.mul_(w)`` with a trained ``w``: an input that wants no gradient comes to want
+    one through the change in place, and is no leaf any more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(self.w)
+
+
 class BackwardFails(torch.autograd.Function):
     """Identity whose backward raises ``ArithmeticError("in backward")``."""
 

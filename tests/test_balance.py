@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PopAdd, StashLinear
+from helpers import Count, Counted, PopAdd, StashLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -476,28 +476,8 @@ def test_balance_by_size_counts_the_skips_a_layer_stashes() -> None:
     assert sizes[0] >= 8 * 4000 * 4  # the stashed (8, 4000) float tensor
 
 
-class _CountsBackward(torch.autograd.Function):
-    """Identity that counts the backward calls through it in ``calls``."""
-
-    calls = 0
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        _CountsBackward.calls += 1
-        return grad
-
-
-class _Probe(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return _CountsBackward.apply(x)  # type: ignore[no-any-return, no-untyped-call]
-
-
 def _frozen_then_trained() -> nn.Sequential:
-    frozen = [nn.Linear(64, 64), _Probe(), nn.Linear(64, 64), _Probe()]
+    frozen = [nn.Linear(64, 64), Counted(), nn.Linear(64, 64), Counted()]
     for layer in frozen:
         layer.requires_grad_(False)
     return nn.Sequential(*frozen, nn.Linear(64, 64), nn.Linear(64, 64))
@@ -508,14 +488,14 @@ def test_profiling_runs_no_backward_that_training_would_not() -> None:
     # timed with a backward (and counted with the tensors it saves) that training never
     # runs, and the balances were off for models with a frozen part.
     model, sample = _frozen_then_trained(), torch.randn(32, 64)
-    _CountsBackward.calls = 0
+    Count.calls = 0
     profile.layerwise_time(model, sample, timeout=0.01, device=torch.device("cpu"))
-    assert _CountsBackward.calls == 0
+    assert Count.calls == 0
     model(sample).sum().backward()  # the plain model's training step: none either
-    assert _CountsBackward.calls == 0
+    assert Count.calls == 0
     wanting = torch.randn(32, 64, requires_grad=True)  # an input wanting one: there
     profile.layerwise_time(model, wanting, timeout=0.01, device=torch.device("cpu"))
-    assert _CountsBackward.calls > 0
+    assert Count.calls > 0
 
 
 def test_a_frozen_layer_fed_no_gradient_saves_nothing_in_its_size() -> None:
@@ -555,7 +535,7 @@ class _StashesAComputedSkip(nn.Module):
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash("skip", _CountsBackward.apply(self.linear(x)))
+        yield stash("skip", Count.apply(self.linear(x)))
         return x
 
 
@@ -563,6 +543,6 @@ def test_timing_runs_the_backward_of_what_a_layer_stashes() -> None:
     # The bug: only the layer's outputs started its backward, so the work on the way to
     # its skips, which training runs every step, was never timed.
     model = nn.Sequential(_StashesAComputedSkip(), nn.Linear(4, 4), PopAdd())
-    _CountsBackward.calls = 0
+    Count.calls = 0
     profile.layerwise_time(model, torch.randn(2, 4), timeout=0.01, device=torch.device("cpu"))
-    assert _CountsBackward.calls > 0
+    assert Count.calls > 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PopAdd, StashLinear
+from helpers import PopAdd, PopAddFailingOnce, ScaleInPlace, StashLinear
 from torch import Tensor, nn
 
 import torchgpipe.executor
@@ -406,17 +406,6 @@ class _FrozenStashOutput(nn.Module):
         return y
 
 
-class _ScaleInPlace(nn.Module):
-    """``x.mul_(w)`` with a trained ``w``: the change in place brings a gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.full((4,), 1.5))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mul_(self.w)
-
-
 @pytest.mark.parametrize(
     ("engine", "checkpoint"),
     [(False, "always"), (True, "always"), (True, "except_last"), (True, "never")],
@@ -433,7 +422,7 @@ def test_a_frozen_skip_given_a_gradient_in_place_before_its_pop_does_not_break(
 
         monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
     torch.manual_seed(0)
-    plain = nn.Sequential(_FrozenStashOutput(), _ScaleInPlace(), PopAdd())
+    plain = nn.Sequential(_FrozenStashOutput(), ScaleInPlace(), PopAdd())
     model = GPipe(copy.deepcopy(plain), [1, 2], chunks=1, checkpoint=checkpoint)  # type: ignore[arg-type]
     x = torch.randn(8, 4)
     model(x).sum().backward()
@@ -479,16 +468,7 @@ def test_a_step_of_a_frozen_model_judges_a_pop_only_where_its_loss_is_recomputed
     torch.testing.assert_close(result.loss, nn.functional.mse_loss(plain(x), target))
 
 
-@skippable(pop=["skip"])
-class _PopsThenFailsOnce(nn.Module):
-    def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
-        skip = yield pop("skip")
-        if fail:
-            raise RuntimeError("once")
-        return x + skip
-
-
-class _RetriesAfterAnInPlaceChange(_PopsThenFailsOnce):
+class _RetriesAfterAnInPlaceChange(PopAddFailingOnce):
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
         try:
             return super().forward(x, fail=True)

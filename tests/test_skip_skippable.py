@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import PopAddFailingOnce
 from torch import Tensor, nn
 
 from torchgpipe.skip import Namespace, SkipError, pop, skippable, stash
@@ -470,15 +471,7 @@ def test_a_subclass_may_call_its_bases_forward_again_after_it_failed() -> None:
 
 def test_a_subclass_may_retry_its_bases_forward_that_failed_after_a_pop() -> None:
     # The failed call gave its pop back, for the retry to pop again.
-    @skippable(pop=["skip"])
-    class Fragile(nn.Module):
-        def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
-            skip = yield pop("skip")
-            if fail:
-                raise RuntimeError("after the pop")
-            return x + skip
-
-    class Retries(Fragile):
+    class Retries(PopAddFailingOnce):
         def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
             try:
                 return super().forward(x, fail=True)
@@ -490,15 +483,7 @@ def test_a_subclass_may_retry_its_bases_forward_that_failed_after_a_pop() -> Non
 
 
 def test_a_subclass_failing_around_its_bases_forward_leaves_nothing_waiting() -> None:
-    @skippable(pop=["skip"])
-    class Fragile(nn.Module):
-        def forward(self, x: Tensor, fail: bool = False):  # type: ignore[no-untyped-def]
-            skip = yield pop("skip")
-            if fail:
-                raise RuntimeError("after the pop")
-            return x + skip
-
-    class GivesUp(Fragile):
+    class GivesUp(PopAddFailingOnce):
         def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
             return super().forward(x, fail=True)  # its pop given back, then taken back
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import BackwardFails, PopAdd, StashLinear
+from helpers import BackwardFails, Count, Counted, PopAdd, ScaleInPlace, StashLinear
 from test_transparency import (
     MODELS,
     _assert_same_grads,
@@ -207,26 +207,6 @@ def test_deferred_batch_norm_updates_as_the_gpipe_path_does() -> None:
             torch.testing.assert_close(a.running_var, b.running_var)
             assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 2
     _assert_same_grads(stepped, forwarded, exact=False)
-
-
-class Count(torch.autograd.Function):
-    """The identity; counts the calls of its backward."""
-
-    calls = 0
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        Count.calls += 1
-        return grad
-
-
-class Counted(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return Count.apply(x)  # type: ignore[no-any-return,no-untyped-call]
 
 
 def test_the_weight_gradient_does_not_run_the_input_gradient_again() -> None:
@@ -670,17 +650,6 @@ def test_interleaved_schedule_says_its_default_virtual_stages_do_not_fit() -> No
     )
 
 
-class _ScaleInPlace(nn.Module):
-    """``x.mul_(w)``: an input that wants no gradient comes to want one, no leaf."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.full((4,), 1.5))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mul_(self.w)
-
-
 @pytest.mark.parametrize("schedule", [Schedule1F1B, ScheduleZeroBubble])
 def test_a_stage_whose_input_comes_to_want_a_gradient_in_place_gets_its_gradients(
     schedule: Any,
@@ -688,7 +657,7 @@ def test_a_stage_whose_input_comes_to_want_a_gradient_in_place_gets_its_gradient
     # The bug: the split backward took that input for one wanting a gradient and stopped
     # there, so the weight pass never reached w (ZB-H1: w.grad None).
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(4, 4).requires_grad_(False), _ScaleInPlace(), nn.Linear(4, 4))
+    plain = nn.Sequential(nn.Linear(4, 4).requires_grad_(False), ScaleInPlace(), nn.Linear(4, 4))
     model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint="never")
     x, target = torch.randn(8, 4), torch.randn(8, 4)
     schedule(model, nn.functional.mse_loss).step(x, target)
