@@ -546,3 +546,48 @@ def test_timing_runs_the_backward_of_what_a_layer_stashes() -> None:
     Count.calls = 0
     profile.layerwise_time(model, torch.randn(2, 4), timeout=0.01, device=torch.device("cpu"))
     assert Count.calls > 0
+
+
+class _SavesForBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        for _ in range(4):
+            x = x.exp().neg()  # each exp saves its result for the backward
+        return x
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_profiling_does_not_depend_on_the_callers_grad_mode(mode: str) -> None:
+    # Training records a graph whatever mode balancing is called in.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _SavesForBackward(), nn.Linear(16, 16))
+    cpu = torch.device("cpu")
+    expected = profile.layerwise_size(
+        model, torch.randn(32, 16), chunks=1, param_scale=2.0, device=cpu
+    )
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        sample = torch.randn(32, 16)
+        sizes = profile.layerwise_size(model, sample, chunks=1, param_scale=2.0, device=cpu)
+        assert balance_by_time(2, model, sample, timeout=0.05) in ([1, 2], [2, 1])
+    assert sizes == expected
+
+
+@pytest.mark.parametrize("by", ["time", "size"])
+def test_a_layer_that_fails_while_profiled_is_named(by: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(5, 4))
+    balance = balance_by_time if by == "time" else balance_by_size
+    with pytest.raises(RuntimeError) as info:
+        balance(2, model, torch.randn(8, 4))
+    assert f"raised in layer 2 (Linear) of the module, run on its own by balance_by_{by}" in (
+        "".join(info.value.__notes__)
+    )
+
+
+def test_a_layer_that_cannot_be_copied_for_profiling_is_named() -> None:
+    class Unpicklable(nn.Linear):
+        def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+            raise TypeError("no copies of this one")
+
+    model = nn.Sequential(nn.Linear(4, 4), Unpicklable(4, 4))
+    with pytest.raises(TypeError, match="no copies") as info:
+        balance_by_size(2, model, torch.randn(8, 4))
+    assert "while copying layer 1 (Unpicklable)" in "".join(info.value.__notes__)

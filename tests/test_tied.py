@@ -55,6 +55,41 @@ def test_each_partition_gets_a_copy_equal_to_the_owner() -> None:
     assert sum(p is owner or p is copy_ for p in pipe.parameters()) == 2
 
 
+class _Marked(nn.Parameter):
+    """A parameter subclass (as quantized or mixed-precision libraries make)."""
+
+
+def test_copies_keep_the_weights_class_and_attributes() -> None:
+    # Optimizer groups are often built from attributes (p._no_weight_decay): a copy
+    # without them would get weight decay while its owner does not, and drift apart.
+    def marked() -> nn.Sequential:  # not deepcopy: a parameter's copy drops its attributes
+        model = _language_model()
+        model[0].weight = _Marked(model[0].weight.detach().clone())
+        model[0].weight._no_weight_decay = True  # type: ignore[attr-defined]  # a user's mark
+        model[4].weight = model[0].weight
+        return model
+
+    plain, pipe = marked(), GPipe(marked(), [2, 3], chunks=4)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        marked = [p for p in model.parameters() if getattr(p, "_no_weight_decay", False)]
+        rest = [p for p in model.parameters() if not getattr(p, "_no_weight_decay", False)]
+        groups = [{"params": rest, "weight_decay": 0.1}, {"params": marked, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-2)
+
+    assert type(pipe[4].weight) is _Marked
+    assert getattr(pipe[4].weight, "_no_weight_decay", False)
+    optimizers = optimizer(plain), optimizer(pipe)
+    for seed in range(3):
+        ids, target = _data(seed)
+        for model, opt in zip((plain, pipe), optimizers, strict=True):
+            opt.zero_grad()
+            F.cross_entropy(model(ids), target).backward()
+            opt.step()
+    torch.testing.assert_close(pipe[4].weight, pipe[0].weight, rtol=0, atol=0)
+    torch.testing.assert_close(pipe[0].weight, plain[0].weight)
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_every_copy_holds_the_sum_of_the_gradients_of_all_uses(checkpoint: str) -> None:
     plain = _language_model()

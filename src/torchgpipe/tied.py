@@ -432,8 +432,16 @@ def _wants_grad(x: Any) -> bool:
 
 
 def _copy(tensor: Tensor, device: torch.device) -> Tensor:
-    """A copy of ``tensor`` on ``device``, of its kind (a meta tensor stays meta)."""
+    """A copy of ``tensor`` on ``device``, of its kind (a meta tensor stays meta).
+
+    A parameter's copy is of its class (a subclass of ``nn.Parameter`` included) and
+    holds its attributes (``p._no_weight_decay = True``, by which optimizer groups are
+    often built): the copies are one weight, and must be treated alike.
+    """
     data = torch.empty_like(tensor) if tensor.is_meta else tensor.detach().to(device, copy=True)
-    if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(data, requires_grad=tensor.requires_grad)
-    return data
+    if not isinstance(tensor, nn.Parameter):
+        return data
+    kind = type(tensor)
+    made = (kind if issubclass(kind, nn.Parameter) else nn.Parameter)(data, tensor.requires_grad)
+    made.__dict__.update(vars(tensor))
+    return made

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import flatten, map_tensors, scatter
 from torchgpipe.rng import own_generators
 from torchgpipe.skip.skippable import SkipKey
@@ -79,14 +80,40 @@ def _synchronize(device: torch.device) -> None:
 def _copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
     # Each layer is copied on its own; a stashing layer's copy and the popping layer's
     # copy still name their skip alike, since a copy of a Namespace equals it.
-    for layer in module:
-        yield copy.deepcopy(layer).to(device).train()
+    for j, layer in enumerate(module):
+        try:
+            made = copy.deepcopy(layer).to(device).train()
+        except Exception as error:
+            add_note(
+                error,
+                f"torchgpipe: raised while copying layer {j} ({type(layer).__name__}) to "
+                f"profile it: balancing runs a copy of each layer, which must deep-copy; "
+                f"otherwise pass balance= by hand",
+            )
+            raise
+        yield made
+
+
+@contextmanager
+def _naming(j: int, layer: nn.Module, by: str) -> Iterator[None]:
+    """Note on a failure which layer raised, and that it was while profiling it."""
+    try:
+        yield
+    except Exception as error:
+        add_note(
+            error,
+            f"torchgpipe: raised in layer {j} ({type(layer).__name__}) of the "
+            f"module, run on its own by {by} to profile it",
+        )
+        raise
 
 
 @contextmanager
 def _profiling() -> Iterator[_DetachingTracker]:
+    # Training records a graph whatever the caller's mode: inference mode too, which
+    # enable_grad alone does not leave (no layer would save for a backward, nor run one).
     tracker = _DetachingTracker()
-    with use_tracker(tracker), torch.enable_grad(), own_generators():
+    with use_tracker(tracker), torch.inference_mode(False), torch.enable_grad(), own_generators():
         yield tracker
 
 
@@ -126,11 +153,12 @@ def _time_pass(
         value = _fresh_input(value)
         _synchronize(device)
         begin = time.perf_counter()
-        output = layer(value)
-        outputs = [y for y in flatten(output)[0] if isinstance(y, Tensor) and y.requires_grad]
-        outputs += [y for y in tracker.stashed if y.requires_grad]  # their backward too
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
+        with _naming(j, layer, "balance_by_time"):
+            output = layer(value)
+            outputs = [y for y in flatten(output)[0] if isinstance(y, Tensor) and y.requires_grad]
+            outputs += [y for y in tracker.stashed if y.requires_grad]  # their backward too
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
         _synchronize(device)
         totals[j] += time.perf_counter() - begin
         tracker.stashed.clear()  # only sizes want them: kept, every pass's would pile up
@@ -153,7 +181,7 @@ def layerwise_size(
     sizes = []
     value = micro_batch
     with _profiling() as tracker:
-        for layer in _copies(module, device):
+        for j, layer in enumerate(_copies(module, device)):
             value = _fresh_input(value)
             known = {_storage(x) for x in _tensors(value)}
             saved: dict[tuple[int, str], int] = {}
@@ -162,7 +190,10 @@ def layerwise_size(
                 saved[_storage(x)] = x.untyped_storage().nbytes()
                 return x
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            with (
+                _naming(j, layer, "balance_by_size"),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+            ):
                 output = layer(value)
             # After the call: a lazy layer makes its parameters there.
             known |= {_storage(p) for p in layer.parameters()}
