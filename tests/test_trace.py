@@ -174,6 +174,56 @@ def test_summary_of_a_merged_trace_counts_per_process() -> None:
     assert summary.ranks == ((0, 2), (1, 3))
 
 
+def test_summary_of_one_process_s_own_trace_leaves_out_the_other_processes_stages() -> None:
+    # A process's own trace of a run across processes holds its stages' spans only: the
+    # others were counted as idle ranks of its own, and the bubble and ideal were wrong.
+    trace = Trace(4)
+    trace.m = 2
+    trace.events = [e for e in _two_ranks().events if e.j % 2 == 0]  # rank 0's stages
+    summary = trace.summary()
+    assert summary.ranks == ((0, 2),)
+    assert summary.busy == pytest.approx((2.0, 0.0, 2.0, 0.0))
+    assert summary.bubble == pytest.approx(0.0)  # rank 0 ran from 0.0 to 4.0 without a pause
+    assert summary.ideal_bubble == pytest.approx((2 - 1) / (2 * 2 + 2 - 1))  # as merged
+    text = str(summary)
+    assert "partitions 1, 3: not in this trace" in text
+    assert "partition 1: busy" not in text
+    assert "of the rank traced (interleaved 1F1B's ideal for 2 ranks, v = 2" in text
+    one = Trace(2)  # one stage per process: GPipe's ideal for the whole pipeline
+    one.m = 4
+    one.events = [e for e in _synthetic(2, 4, 1.0, 5).events if e.j == 1]
+    assert one.summary().ideal_bubble == pytest.approx(1 / 5)
+    assert "GPipe's ideal for n = 2, m = 4" in str(one.summary())
+
+
+def test_summary_of_spans_of_no_length_prints() -> None:
+    trace = Trace(2)
+    trace.events = [CellEvent(j, 0, "forward", 1.0, 1.0, "worker") for j in range(2)]
+    assert "busy     0.00 ms (  0.0%)" in str(trace.summary())
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_steps_loss_is_inside_the_last_stages_cell(checkpoint: str) -> None:
+    # Inside its forward span, or its recomputation's where the cell is checkpointed:
+    # a loss outside every span showed as idle time, more so without checkpointing.
+    from torchgpipe import Schedule1F1B
+
+    called: list[float] = []
+
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        called.append(time.perf_counter())
+        return nn.functional.mse_loss(output, target)
+
+    m = 3
+    model = _model(checkpoint, n=2, m=m)
+    with model.trace() as trace:
+        Schedule1F1B(model, loss_fn).step(torch.randn(6, 4), torch.randn(6, 4))
+    spans = [e for e in trace.events if e.j == 1 and e.kind in ("forward", "recompute")]
+    assert len(called) == m
+    for moment in called:
+        assert any(e.start <= moment <= e.end for e in spans), (moment, spans)
+
+
 def test_summary_of_an_interleaved_step_knows_its_ranks() -> None:
     from torchgpipe import ScheduleInterleaved1F1B
 

@@ -276,8 +276,15 @@ class StepRun:
             else:
                 step.outputs[i] = output
             return
+        loss: Any = None  # the last stage's, in a step
         with self._span(s, i, "forward"):
             cell, result = self._run_forward(s, i, value, inbound)
+            if self.loss_fn is not None and s + 1 == self.n and not cell.checkpointed:
+                # Part of the last stage's cell (and span), drawing on from its generators;
+                # a checkpointed cell's is computed once, in its recomputation (B).
+                target = self._target(s, i, cell)
+                with cell.randomness.forward():
+                    loss = self.loss_fn(result[0], target)
         step.cells[(s, i)] = cell
         step.hold(s, 1)
         output, outbound = result
@@ -294,14 +301,8 @@ class StepRun:
             return
         step.outputs[i] = map_tensors(Tensor.detach, output)  # the step's result: no graph
         if cell.checkpointed:
-            # Its loss is computed once, in its recomputation (its B is in this step).
-            cell.outputs = []
+            cell.outputs = []  # its loss comes in its recomputation
             return
-        # The loss is part of the last stage's cell: it draws on from the cell's generators
-        # (a recomputation draws what the forward and then the loss drew).
-        target = self._target(s, i, cell)
-        with cell.randomness.forward():
-            loss = self.loss_fn(output, target)
         self._record_loss(i, cell, loss)
 
     def _run_forward(
@@ -491,10 +492,7 @@ class StepRun:
         """Action ``sWi``: the weight gradients that ``sBi`` left to do."""
         cell = self.step.cells[(s, i)]
         with self._span(s, i, "weight"):
-            for roots, leaves in cell.plan:
-                torch.autograd.backward(
-                    [root for root, _ in roots],
-                    [grad for _, grad in roots],
-                    inputs=leaves or None,  # None: every leaf the roots reach
-                )
+            for roots, leaves in cell.plan:  # leaves None: every leaf the roots reach
+                ys, grads = [y for y, _ in roots], [g for _, g in roots]
+                torch.autograd.backward(ys, grads, inputs=leaves or None)
         self._release(s, i)

@@ -77,9 +77,14 @@ class TraceSummary:
     worker's; a merged trace: a process's), ``rank_busy`` each rank's time covered by
     the spans of its partitions. ``bubble`` is the fraction of
     ``r * span`` in which the ``r`` ranks sat idle: a rank running another of its
-    partitions is busy. ``ideal_bubble`` is ``(r - 1) / (v * m + r - 1)`` for ``v = n /
-    r`` partitions per rank: GPipe's ``(n - 1) / (m + n - 1)`` where each partition has
-    a rank of its own, interleaved 1F1B's where a rank runs ``v``.
+    partitions is busy. ``ideal_bubble`` is ``(R - 1) / (v * m + R - 1)`` for ``v``
+    partitions per rank and ``R = n / v`` ranks: GPipe's ``(n - 1) / (m + n - 1)``
+    where each partition has a rank of its own, interleaved 1F1B's where a rank runs
+    ``v``.
+
+    A partition with no span ran elsewhere (one process's own trace of a run across
+    processes): it is in no rank, its ``busy`` is 0, and the ranks not traced are taken
+    to hold ``v`` partitions each, as those traced do.
     """
 
     n: int
@@ -92,26 +97,40 @@ class TraceSummary:
     rank_busy: tuple[float, ...]
 
     def __str__(self) -> str:
-        r = len(self.ranks)
-        shared = r < self.n  # some rank runs several partitions
+        traced = sorted(j for group in self.ranks for j in group)
+        r, v = len(self.ranks), len(traced) / max(len(self.ranks), 1)
+        shared = v > 1  # a rank runs several partitions
+        elsewhere = [j for j in range(self.n) if j not in traced]
+
+        def share(busy: float) -> str:
+            return f"{busy / self.span if self.span > 0 else 0.0:6.1%}"
+
         lines = [
-            f"{self.n} partitions{f' on {r} ranks' if shared else ''}, {self.m} "
+            f"{self.n} partitions{f' on {self.n / v:g} ranks' if shared else ''}, {self.m} "
             f"micro-batches, {self.span * 1e3:.2f} ms traced",
             *(
-                f"  partition {j}: busy {b * 1e3:8.2f} ms ({b / self.span:6.1%})"
-                for j, b in enumerate(self.busy)
+                f"  partition {j}: busy {self.busy[j] * 1e3:8.2f} ms ({share(self.busy[j])})"
+                for j in traced
             ),
         ]
+        if elsewhere:
+            names = f"partition{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))}"
+            lines.append(
+                f"  {names}: not in this trace (another process's: gather_trace joins the "
+                f"processes' traces)"
+            )
         if shared:
             lines += [
                 f"  rank {k} (partitions {', '.join(map(str, group))}): busy "
-                f"{b * 1e3:8.2f} ms ({b / self.span:6.1%})"
+                f"{b * 1e3:8.2f} ms ({share(b)})"
                 for k, (group, b) in enumerate(zip(self.ranks, self.rank_busy, strict=True))
             ]
-            ideal = f"interleaved 1F1B's ideal for {r} ranks, v = {self.n / r:g}, m = {self.m}"
+            ideal = f"interleaved 1F1B's ideal for {self.n / v:g} ranks, v = {v:g}, m = {self.m}"
         else:
             ideal = f"GPipe's ideal for n = {self.n}, m = {self.m}"
-        lines.append(f"bubble {self.bubble:.1%} ({ideal}: {self.ideal_bubble:.1%})")
+        ranks = "the rank traced" if r == 1 else f"the {r} ranks traced"
+        bubble = f"bubble {self.bubble:.1%}{f' of {ranks}' if elsewhere else ''}"
+        lines.append(f"{bubble} ({ideal}: {self.ideal_bubble:.1%})")
         return "\n".join(lines)
 
 
@@ -196,14 +215,17 @@ class Trace:
         busy = tuple(
             _covered([(e.start, e.end) for e in self.events if e.j == j]) for j in range(self.n)
         )
-        groups = _ranks(self.events, self.n)
+        groups = _ranks(self.events)
         rank_busy = tuple(
             _covered([(e.start, e.end) for e in self.events if e.j in group]) for group in groups
         )
         r = len(groups)
         bubble = 1 - sum(rank_busy) / (r * span) if span > 0 else 0.0
         m = max(self.m, 1)
-        ideal = (r - 1) / (self.n * m / r + r - 1)
+        # Partitions per rank, as traced; the ranks not traced here hold as many.
+        v = sum(len(group) for group in groups) / r
+        ranks = self.n / v
+        ideal = (ranks - 1) / (v * m + ranks - 1)
         return TraceSummary(self.n, m, span, busy, bubble, ideal, groups, rank_busy)
 
     def chrome(self) -> dict[str, Any]:
@@ -324,20 +346,21 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _ranks(events: list[CellEvent], n: int) -> tuple[tuple[int, ...], ...]:
+def _ranks(events: list[CellEvent]) -> tuple[tuple[int, ...], ...]:
     """The partitions of each rank, in order of their first partition.
 
     A rank's worker runs the forwards of all its partitions, so partitions whose first
     forward span was recorded on one thread share a rank: the caller's thread or a
     worker's in one process, ``"rank r: ..."`` in a merged trace. Backward spans tell
     nothing: autograd's engine records them on its own threads where it runs the
-    backward. A partition without a forward span is a rank of its own.
+    backward. A partition with spans but no forward span is a rank of its own; one
+    without any span ran elsewhere, and is in no rank.
     """
     thread: dict[int, str] = {}
     for e in sorted(events, key=lambda e: e.start):
         if e.kind == "forward":
             thread.setdefault(e.j, e.thread)
     groups: dict[str | int, list[int]] = {}
-    for j in range(n):
+    for j in sorted({e.j for e in events}):
         groups.setdefault(thread.get(j, j), []).append(j)
     return tuple(sorted(tuple(group) for group in groups.values()))
