@@ -20,14 +20,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import reprlib
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from torchgpipe.opaque import PLAIN, OpaqueLeaf, check_opaque, opaque_error
 
 __all__ = [
     "Spec",
@@ -90,16 +90,12 @@ def flatten(value: Any, name: str = "value") -> tuple[list[Any], Spec]:
     leaves: list[Any] = []
     try:
         return leaves, _flatten_into(value, leaves)
-    except _OpaqueLeaf as opaque:
-        raise _opaque_error(value, name, opaque) from None
-
-
-# Leaves that hold no tensor, checked by type before anything slower.
-_PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+    except OpaqueLeaf as opaque:
+        raise opaque_error(value, name, opaque) from None
 
 
 def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
-    if isinstance(value, Tensor) or type(value) in _PLAIN:
+    if isinstance(value, Tensor) or type(value) in PLAIN:
         leaves.append(value)
         return _LEAF
     if isinstance(value, tuple):
@@ -117,94 +113,17 @@ def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
         template = _dataclass_template(value, names)
         children = tuple(_flatten_into(getattr(value, name), leaves) for name in names)
         return Spec("dataclass", type(value), names, children, template)
-    _check_opaque(value, value)
+    check_opaque(value, value)
     leaves.append(value)
     return _LEAF
-
-
-class _OpaqueLeaf(Exception):
-    """A leaf holding tensors where the pipeline cannot see them (raised as TypeError)."""
-
-    def __init__(self, leaf: Any, attributes: list[str], dataclass_: bool) -> None:
-        super().__init__()
-        self.leaf, self.attributes, self.dataclass_ = leaf, attributes, dataclass_
-
-
-def _check_opaque(obj: Any, leaf: Any) -> None:
-    """Refuse ``obj`` if its attributes hold tensors; ``leaf`` is where it came from."""
-    state = dict(getattr(obj, "__dict__", None) or {})
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                state[slot] = getattr(obj, slot)
-    attributes = [name for name, v in state.items() if _holds_tensor(v, set())]
-    if isinstance(obj, AbstractSet | deque) and any(_holds_tensor(v, set()) for v in obj):
-        attributes.append("items")  # a set or deque: neither split nor given gradients
-    if attributes:
-        raise _OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
-
-
-def _holds_tensor(value: Any, seen: set[int]) -> bool:
-    """Whether ``value`` is a tensor or has one in its tuples, lists and dicts."""
-    if isinstance(value, Tensor):
-        return True
-    if not isinstance(value, tuple | list | dict) or id(value) in seen:
-        return False
-    seen.add(id(value))
-    items = value.values() if isinstance(value, dict) else value
-    return any(_holds_tensor(v, seen) for v in items)
 
 
 def _dataclass_template(value: Any, names: tuple[str, ...]) -> Any:
     template = copy.copy(value)
     for name in names:
         object.__setattr__(template, name, None)  # frozen dataclasses too
-    _check_opaque(template, value)  # tensors kept outside the fields
+    check_opaque(template, value)  # tensors kept outside the fields
     return template
-
-
-def _opaque_error(value: Any, name: str, opaque: _OpaqueLeaf) -> TypeError:
-    path = _path_to(value, opaque.leaf, name) or name
-    kind = ("dataclass " if opaque.dataclass_ else "") + type(opaque.leaf).__name__
-    if opaque.attributes == ["items"]:
-        return TypeError(
-            f"{path} is a {kind} holding tensors; the pipeline splits into micro-batches "
-            f"and cuts between partitions only the tensors in tuples, lists, dicts and "
-            f"dataclass fields, so these would be neither split nor given gradients; "
-            f"hold them in a tuple or list instead"
-        )
-    where = ", ".join(repr(a) for a in opaque.attributes if a != "items")
-    fields = " but are not fields" if opaque.dataclass_ else ""
-    if opaque.dataclass_ and isinstance(opaque.leaf, dict):
-        fields = (
-            " but are not among its items (of a dict that is a dataclass, only the items are split)"
-        )
-    return TypeError(
-        f"{path} is a {kind}, whose attributes {where} hold tensors{fields}; the pipeline "
-        f"splits into micro-batches and cuts between partitions only the tensors in "
-        f"tuples, lists, dicts and dataclass fields, so these would be neither split nor "
-        f"given gradients; hold them in a tuple, list, dict or dataclass (as fields) instead"
-    )
-
-
-def _path_to(value: Any, leaf: Any, path: str) -> str | None:
-    """Where ``leaf`` lies in ``value``, indexed like Python would: ``input[0].h``."""
-    if value is leaf:
-        return path
-    if isinstance(value, tuple | list):
-        children = [(f"{path}[{k}]", v) for k, v in enumerate(value)]
-    elif isinstance(value, dict):
-        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        children = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
-    else:
-        return None
-    for child_path, child in children:
-        found = _path_to(child, leaf, child_path)
-        if found is not None:
-            return found
-    return None
 
 
 def _template(value: list[Any] | dict[Any, Any], base: type) -> Any:
@@ -220,7 +139,7 @@ def _template(value: list[Any] | dict[Any, Any], base: type) -> Any:
             mirrored = f.name in value and getattr(value, f.name, None) is value[f.name]
             if mirrored:
                 object.__setattr__(template, f.name, None)
-        _check_opaque(template, value)
+        check_opaque(template, value)
     return template
 
 
@@ -426,7 +345,8 @@ def gather(values: Sequence[Any]) -> Any:
             micro-batches and not in others, or holds tensors in an object the pipeline
             cannot look into (see :func:`flatten`).
         ValueError: a tensor leaf is 0-dim, so it has no batch dimension to join along,
-            or a non-tensor leaf differs between micro-batches.
+            its shapes differ beyond dim 0, or a non-tensor leaf differs between
+            micro-batches.
     """
     flat = [flatten(v, "output") for v in values]
     spec = flat[0][1]
@@ -469,6 +389,14 @@ def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
         )
     if len(column) == 1:
         return column[0]
+    shapes = {tuple(x.shape[1:]) for x in column}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{path} cannot be joined along dim 0: its micro-batches' shapes differ beyond "
+            f"it ({', '.join(str(list(x.shape)) for x in column)}); the outputs are joined "
+            f"along the batch, so give the tensor one shape but for dim 0 in every "
+            f"micro-batch (pad to a fixed length in the model, or join them after it)"
+        )
     return torch.cat(column)
 
 

@@ -1,0 +1,117 @@
+"""Objects that hold tensors where the pipeline cannot see them, and their refusal.
+
+The pipeline splits into micro-batches, and cuts between partitions, the tensors in
+tuples, lists, dicts and dataclass fields (``microbatch.flatten``). Any other object is
+a leaf it passes on whole: one that holds a tensor anywhere in its attributes, however
+deep, is refused, since that tensor would be neither split nor given its gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["PLAIN", "OpaqueLeaf", "check_opaque", "opaque_error"]
+
+# Leaves that hold no tensor, checked by type before anything slower.
+PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+
+
+class OpaqueLeaf(Exception):
+    """A leaf holding tensors where the pipeline cannot see them (raised as TypeError)."""
+
+    def __init__(self, leaf: Any, attributes: list[str], dataclass_: bool) -> None:
+        super().__init__()
+        self.leaf, self.attributes, self.dataclass_ = leaf, attributes, dataclass_
+
+
+def check_opaque(obj: Any, leaf: Any) -> None:
+    """Refuse ``obj`` if its attributes hold tensors; ``leaf`` is where it came from."""
+    attributes = [name for name, v in _state(obj).items() if _holds_tensor(v, {id(obj)})]
+    if isinstance(obj, AbstractSet | deque) and any(_holds_tensor(v, {id(obj)}) for v in obj):
+        attributes.append("items")  # a set or deque: neither split nor given gradients
+    if attributes:
+        raise OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
+
+
+def _state(obj: Any) -> dict[str, Any]:
+    """An object's attributes: its ``__dict__`` and its slots."""
+    state = dict(getattr(obj, "__dict__", None) or {})
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                state[slot] = getattr(obj, slot)
+    return state
+
+
+_DEPTH = 16  # how deep the search for a tensor goes into objects (it ends at cycles too)
+
+
+def _holds_tensor(value: Any, seen: set[int], depth: int = 0) -> bool:
+    """Whether ``value`` is a tensor or holds one, however it is nested.
+
+    In tuples, lists, dicts, sets and deques, and in the attributes of the objects
+    there: an object that holds an object holding a tensor holds it too.
+    """
+    if isinstance(value, Tensor):
+        return True
+    if type(value) in PLAIN or isinstance(value, type) or id(value) in seen or depth > _DEPTH:
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, tuple | list | AbstractSet | deque):
+        items = value
+    else:
+        items = _state(value).values()
+    return any(_holds_tensor(v, seen, depth + 1) for v in items)
+
+
+def opaque_error(value: Any, name: str, opaque: OpaqueLeaf) -> TypeError:
+    """The error that names where in ``value`` (called ``name``) the object lies, and why."""
+    path = _path_to(value, opaque.leaf, name) or name
+    kind = ("dataclass " if opaque.dataclass_ else "") + type(opaque.leaf).__name__
+    if opaque.attributes == ["items"]:
+        return TypeError(
+            f"{path} is a {kind} holding tensors; the pipeline splits into micro-batches "
+            f"and cuts between partitions only the tensors in tuples, lists, dicts and "
+            f"dataclass fields, so these would be neither split nor given gradients; "
+            f"hold them in a tuple or list instead"
+        )
+    where = ", ".join(repr(a) for a in opaque.attributes if a != "items")
+    fields = " but are not fields" if opaque.dataclass_ else ""
+    if opaque.dataclass_ and isinstance(opaque.leaf, dict):
+        fields = (
+            " but are not among its items (of a dict that is a dataclass, only the items are split)"
+        )
+    return TypeError(
+        f"{path} is a {kind}, whose attributes {where} hold tensors{fields}; the pipeline "
+        f"splits into micro-batches and cuts between partitions only the tensors in "
+        f"tuples, lists, dicts and dataclass fields, so these would be neither split nor "
+        f"given gradients; hold them in a tuple, list, dict or dataclass (as fields) instead"
+    )
+
+
+def _path_to(value: Any, leaf: Any, path: str) -> str | None:
+    """Where ``leaf`` lies in ``value``, indexed like Python would: ``input[0].h``."""
+    if value is leaf:
+        return path
+    if isinstance(value, tuple | list):
+        children = [(f"{path}[{k}]", v) for k, v in enumerate(value)]
+    elif isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        children = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:
+        return None
+    for child_path, child in children:
+        found = _path_to(child, leaf, child_path)
+        if found is not None:
+            return found
+    return None
