@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import Fail, Recorder, assert_workers_idle_and_alive, indexed_input
-from torch import nn
+from torch import Tensor, nn
 
 from torchgpipe import GPipe, is_checkpointing
 from torchgpipe.pipeline import clock_cycles
@@ -492,3 +492,91 @@ def test_a_backward_refused_for_one_copy_of_a_tied_weight_may_be_tried_again() -
         torch.testing.assert_close(model[j].weight.grad, plain[0].weight.grad)
     torch.testing.assert_close(model[0].bias.grad, plain[0].bias.grad)
     torch.testing.assert_close(model[2].bias.grad, plain[2].bias.grad)
+
+
+class _HiddenAndFirst(nn.Module):
+    """Hidden states and a view of them: the first position (a CLS token, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.linear(x)
+        return h, h[:, 0]
+
+
+class _ReadsFirst(nn.Module):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4))
+        self.in_place = in_place
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        h, first = pair
+        if self.in_place:
+            h.add_(self.bias)  # changes `first` too, in the plain model and here
+        else:
+            h = h + self.bias
+        return first * 2 + h.sum(1)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_view_passed_with_its_tensor_changed_in_place_is_refused(
+    checkpoint: str, backward_by: str
+) -> None:
+    # Cut from the graph one by one, the two would part: the gradient through the view
+    # was lost (and a recomputation computed other values). Refused, naming the input.
+    torch.manual_seed(0)
+    model = GPipe(
+        nn.Sequential(_HiddenAndFirst(), _ReadsFirst(in_place=True)), [1, 1], chunks=2,
+        checkpoint=checkpoint,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"shares memory with another one \(input\[0\] or"):
+        model(torch.randn(4, 3, 4, requires_grad=True))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_view_passed_with_its_tensor_and_left_alone_keeps_the_plain_gradients(
+    checkpoint: str, backward_by: str
+) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(_HiddenAndFirst(), _ReadsFirst(in_place=False))
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 3, 4)
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+class _ScalesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        x, view = pair
+        x.mul_(3)
+        return view * self.weight
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_an_input_and_its_view_changed_in_place_by_the_first_layer_are_refused(
+    checkpoint: str, backward_by: str
+) -> None:
+    model = GPipe(nn.Sequential(_ScalesInput(), nn.Identity()), [1, 1], chunks=2,
+                  checkpoint=checkpoint)  # fmt: skip
+    t = torch.ones(4, 4)
+    with pytest.raises(RuntimeError, match="shares memory with another one"):
+        model((t, t[:, :2]))
+
+
+def test_a_view_passed_with_its_tensor_may_change_in_place_under_no_grad() -> None:
+    # Nothing is cut from a graph there: the tensors go on as they are, as in the plain model.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_HiddenAndFirst(), _ReadsFirst(in_place=True))
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2)
+    x = torch.randn(4, 3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))

@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from torchgpipe.batchnorm import enter_cell, leave_cell
-from torchgpipe.checkpoint import checkpoint, differentiable
+from torchgpipe.checkpoint import checkpoint, differentiable, will_recompute
 from torchgpipe.dependency import fork, join
 from torchgpipe.grad_hooks import hooked
 from torchgpipe.guards import Restore
-from torchgpipe.microbatch import Spec, flatten, map_tensors, per_tensor, unflatten
+from torchgpipe.microbatch import Spec, flatten, leaf_paths, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
@@ -38,6 +39,7 @@ __all__ = [
     "detach_all",
     "detached",
     "needs_per_leaf",
+    "overlapping",
     "stage_leaf",
     "take_input_grads",
     "tensors_of",
@@ -242,24 +244,98 @@ def tensors_of(result: tuple[Any, dict[SkipKey, Any]]) -> list[Tensor]:
 
 
 def call_stage(
-    partition: nn.Module, pops: bool, outbound: tuple[SkipKey, ...] | None, packed: Any
+    partition: nn.Module,
+    pops: bool,
+    outbound: tuple[SkipKey, ...] | None,
+    packed: Any,
+    *,
+    before: list[Tensor] | None = None,
 ) -> tuple[Any, dict[SkipKey, Any]]:
     """Run a stage's partition; return its output and the skips it stashed.
 
     ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
-    stashes them (``outbound`` is then not None).
+    stashes them (``outbound`` is then not None). The input's tensors were cut from the
+    graph one by one, and those whose memory overlaps another's must not change in
+    place where that matters (see :func:`_refuse_changed_overlaps`; the skips have
+    checks of their own). ``before``: the input's tensors, in order, before they were
+    copied apart (the first stage's views), where the overlaps are found; ``[]`` where
+    nothing was cut.
     """
+    value = packed[0] if pops or outbound is not None else packed
+    leaves, spec = flatten(value)
+    tensors = [x for x in leaves if isinstance(x, Tensor)]
+    overlaps = overlapping(tensors if before is None else before[: len(tensors)])
+    # Values shared in place reach the next layers alike: what is lost is a gradient
+    # through the other tensor, or the change in a recomputation, which copies apart.
+    if overlaps and before is None and not will_recompute():
+        overlaps = overlaps if any(tensors[k].requires_grad for k in overlaps) else []
+    shared = [(tensors[k], tensors[k]._version) for k in overlaps]
     outer = enter_cell()  # deferred batch norm counts its calls per cell
     try:
         if outbound is None:
             if pops:  # pops, but stashes nothing: still under a tracker
                 output, _ = run_cell(partition, (), packed)
-                return output, {}
-            return partition(packed), {}
-        output, skips = run_cell(partition, outbound, packed)
-        return output, dict(skips)
+                skips: dict[SkipKey, Any] = {}
+            else:
+                output, skips = partition(packed), {}
+        else:
+            output, stashed = run_cell(partition, outbound, packed)
+            skips = dict(stashed)
     finally:
         leave_cell(outer)
+    if shared:
+        _refuse_changed_overlaps(shared, leaves, spec)
+    return output, skips
+
+
+def overlapping(tensors: list[Tensor]) -> list[int]:
+    """The places in ``tensors`` of those whose memory overlaps another tensor's there."""
+    if len(tensors) < 2:
+        return []
+    spans = []
+    for k, x in {id(x): (k, x) for k, x in enumerate(tensors)}.values():
+        if x.layout != torch.strided or x.numel() == 0 or x.device.type == "meta":
+            continue
+        try:
+            storage = (str(x.device), x.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own
+            continue
+        extent = 1 + sum((n - 1) * abs(step) for n, step in zip(x.shape, x.stride(), strict=True))
+        spans.append((storage, x.data_ptr(), x.data_ptr() + extent * x.element_size(), k))
+    spans.sort(key=lambda span: (span[0], span[1]))
+    found: set[int] = set()
+    reach: tuple[Any, int, int] = (None, 0, -1)  # the span that reaches furthest
+    for storage, start, end, k in spans:
+        if storage == reach[0] and start < reach[1]:
+            found |= {k, reach[2]}
+        if storage != reach[0] or end > reach[1]:
+            reach = (storage, end, k)
+    return sorted(found)
+
+
+def _refuse_changed_overlaps(
+    shared: list[tuple[Tensor, int]], leaves: list[Any], spec: Spec
+) -> None:
+    """Refuse a cell that changed in place an input whose memory another input shares.
+
+    Between partitions (and from the caller's input into the first) each tensor is cut
+    from the graph on its own: a view and the tensor it views (``(h, h[:, 0])``) arrive
+    as two tensors autograd does not relate. A change in place to one shows in the
+    other's values, but not in its gradient, nor in a checkpointed cell's recomputation,
+    which copies each apart: the gradients would differ from the plain model's.
+    """
+    changed = [x for x, version in shared if x._version != version]
+    if not changed:
+        return
+    paths = [path for path, leaf in zip(leaf_paths(spec, "input"), leaves, strict=True)
+             if any(leaf is x for x in changed)]  # fmt: skip
+    raise RuntimeError(
+        f"a layer changed in place a tensor of its partition's input that shares memory "
+        f"with another one ({' or '.join(paths)}: a view of the other, or both views of "
+        f"one tensor): between partitions each tensor is cut from the graph on its own, so "
+        f"the change would reach neither the other's gradient nor a recomputation; clone "
+        f"one of them where they are made (h[:, 0].clone()), or change neither in place"
+    )
 
 
 def _params(run: StepRun, s: int) -> list[Tensor]:
@@ -307,11 +383,14 @@ def connected_forward(
             params=_params(run, s),
         )
         return result  # type: ignore[no-any-return]
+    # Nothing is cut under no_grad; with grad, a phony's edge parts views of one another.
+    before: list[Tensor] | None = None if grad else []
     if s == 0 and grad:
         # Micro-batches are views of one input, sharing its version counter: a layer
         # that works in place (ReLU(inplace=True)) on two of them would break autograd's
         # checks on what each saved, which the whole batch in one piece does not.
-        # Checkpointed cells copy their input anyway.
+        # Checkpointed cells copy their input anyway. Copies of overlapping ones part.
+        before = [x for x in flatten(packed)[0] if isinstance(x, Tensor)]
         packed = map_tensors(lambda x: x.clone() if x._is_view() else x, packed)
     packed = join(packed, phony)
     span = None
@@ -319,7 +398,7 @@ def connected_forward(
         span = BackwardSpan(run.trace, s, i)
         packed = span.mark_input(packed)
     with randomness.forward():
-        result = function(packed)
+        result = function(packed, before=before)
     if span is not None:
         result = span.mark_output(result)
     if wants_phony:
