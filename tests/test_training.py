@@ -664,3 +664,12 @@ def test_a_stage_whose_input_comes_to_want_a_gradient_in_place_gets_its_gradient
     nn.functional.mse_loss(plain(x), target).backward()
     for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_a_step_under_inference_mode_is_refused_with_what_to_do() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2)
+    schedule = ScheduleGPipe(model, nn.functional.mse_loss)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"forward_only\(input\)"):
+        schedule.step(torch.randn(4, 4), torch.randn(4, 4))
+    with torch.inference_mode():  # a forward without gradients is what inference mode is for
+        assert schedule.forward_only(torch.randn(4, 4)).shape == (4, 4)

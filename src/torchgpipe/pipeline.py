@@ -52,7 +52,14 @@ from torchgpipe.grad_hooks import Aside, Fate, hooked, when_taken
 from torchgpipe.microbatch import flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages, trainable_params
-from torchgpipe.steps import StepResult, TableSteps, batch_size, loss_weights, weighted
+from torchgpipe.steps import (
+    StepResult,
+    TableSteps,
+    batch_size,
+    loss_weights,
+    refuse_inference_mode,
+    weighted,
+)
 from torchgpipe.tied import tie_groups
 from torchgpipe.worker import Workers
 
@@ -157,6 +164,7 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
             "schedule.step(input, target) needs both in one process: every stage is "
             "here, the first takes the input and the last the target"
         )
+    refuse_inference_mode("schedule.step()")
     batches = scatter(input, model.chunks)
     m = len(batches)
     targets = scatter(target, m, name="target")

@@ -174,3 +174,21 @@ def untrained(count: int, m: int) -> None:
             "from outputs that do: the step would train nothing. Compute the loss from "
             "the output itself (no .detach(), .item() or torch.no_grad() in loss_fn)"
         )
+
+
+def refuse_inference_mode(call: str) -> None:
+    """Refuse a step under ``torch.inference_mode()``, which no gradient escapes.
+
+    A step records gradients even under ``torch.no_grad()``; inference mode forbids
+    it, and across processes a stage would send tensors that want no gradient and
+    train nothing before it, silently.
+
+    Raises:
+        RuntimeError: inference mode is on.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{call} runs under torch.inference_mode(), where no gradient can be "
+            f"recorded, but a step trains; leave inference mode for it, or call "
+            f"schedule.forward_only(input) for a forward without gradients"
+        )

@@ -26,7 +26,10 @@ at once, rather than when the failing process exits or the process group times o
 
 The calls made later, each in every process at once (a step, ``clip_grad_norm_``), are
 checked by their exchange's ends: each names its rank's call, and a rank that sees
-another call than its own raises :func:`mismatch`, as every other rank does.
+another call than its own raises :func:`mismatch`, as every other rank does. A step's
+start tells the others how rank 0 runs it, which each compares with its own
+(:func:`agree_with_start`): a forward only or a step, the table, the reduction of the
+loss, and the stage's ``train()``/``eval()`` mode.
 """
 
 from __future__ import annotations
@@ -226,3 +229,46 @@ def mismatch(exchange: Exchange) -> RuntimeError | None:
         f"{said}: every process must make the same call at once (the next call that "
         f"every process makes runs as usual)"
     )
+
+
+def agree_with_start(
+    rank: int,
+    m: int,
+    first: tuple[bool, str, str, bool],
+    mine: tuple[bool, str, str, bool],
+) -> None:
+    """Refuse a step of ``m`` micro-batches that rank 0 started otherwise than this rank.
+
+    ``first`` and ``mine``: rank 0's and this rank's (forward only, the table's text,
+    the loss's reduction, the stage in training mode).
+
+    Raises:
+        ValueError: naming what differs and how to make it agree.
+    """
+    (forward_only, text, reduction, training) = first
+    if forward_only != mine[0]:
+        calls = ("forward_only", "step")
+        said, called = calls if forward_only else calls[::-1]
+        raise ValueError(
+            f"rank 0 runs schedule.{said}() but rank {rank} runs schedule.{called}(); "
+            f"call the same one in every process"
+        )
+    if text != mine[1]:
+        raise ValueError(
+            f"rank {rank} follows a different schedule from rank 0 (for {m} micro-batches); "
+            f"build the same schedule in every process"
+        )
+    if not forward_only and reduction != mine[2]:
+        raise ValueError(
+            f"rank 0's schedule was built with reduction={reduction!r} but rank {rank}'s "
+            f"with reduction={mine[2]!r}, and the ranks would report different losses; "
+            f"build every process's schedule with the same reduction"
+        )
+    if training != mine[3]:
+        modes = ("train()", "eval()")
+        said, called = modes if training else modes[::-1]
+        raise ValueError(
+            f"rank 0's stage is in {said} mode but rank {rank}'s in {called} mode, so "
+            f"their layers (dropout, batch norm) would act as parts of different models; "
+            f"call stage.{said} in every process"
+        )

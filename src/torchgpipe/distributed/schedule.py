@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.checks import mismatch
+from torchgpipe.distributed.checks import agree_with_start, mismatch
 from torchgpipe.distributed.exchange import Exchange, Key, RemoteError, describe
 from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
@@ -73,6 +73,7 @@ from torchgpipe.steps import (
     TableSteps,
     batch_size,
     loss_weights,
+    refuse_inference_mode,
     weighted,
 )
 
@@ -323,7 +324,7 @@ def _start(
         text = table.text()
         seed = draw_seed()  # the one draw of the step, as in one process
         static = bool(key) and key in shapes
-        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction)
+        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction, stage.training)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
         brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
@@ -339,30 +340,15 @@ def _start(
             exchange.halt()
             raise Stopped
         start = _full(stage, start)
-        m, sizes, text, first_forward_only, _, _, seed, reduction = start
+        m, sizes, text, first_forward_only, _, _, seed, reduction, training = start
         _follow(stage, exchange, start, shapes)
         if exchange.halted:
             raise Stopped
-        if first_forward_only != forward_only:
-            calls = ("forward_only", "step")
-            said, mine = calls if first_forward_only else calls[::-1]
-            raise ValueError(
-                f"rank 0 runs schedule.{said}() but rank {stage.rank} runs "
-                f"schedule.{mine}(); call the same one in every process"
-            )
         table = steps.table(m)
-        if table.text() != text:
-            raise ValueError(
-                f"rank {stage.rank} follows a different schedule from rank 0 (for "
-                f"{m} micro-batches); build the same schedule in every process"
-            )
-        if not forward_only and reduction != steps.reduction:
-            raise ValueError(
-                f"rank 0's schedule was built with reduction={reduction!r} but rank "
-                f"{stage.rank}'s with reduction={steps.reduction!r}, and the ranks would "
-                f"report different losses; build every process's schedule with the same "
-                f"reduction"
-            )
+        mine = (forward_only, table.text(), steps.reduction, stage.training)
+        agree_with_start(stage.rank, m, (first_forward_only, text, reduction, training), mine)
+    if not forward_only:
+        refuse_inference_mode(f"rank {stage.rank}'s schedule.step()")
     targets: list[Any] = []
     if stage.is_last and not forward_only:
         if target is None:
