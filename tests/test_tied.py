@@ -279,6 +279,32 @@ def test_loading_one_name_of_a_tied_weight_sets_every_copy() -> None:
     assert torch.equal(outer["pipe"][4].weight, state["pipe.4.weight"])
 
 
+@pytest.mark.parametrize("name", ["0.weight", "4.weight"])
+@pytest.mark.parametrize("bad", ["shape", "not a tensor"])
+def test_a_wrong_value_under_either_name_of_a_tied_weight_is_refused_as_the_plain_model_does(
+    name: str, bad: str
+) -> None:
+    # The value of the last name was written under every name first: a wrong value
+    # under an earlier one was dropped, silently, and one under the last was blamed on
+    # the first.
+    state: dict[str, Any] = dict(_language_model().state_dict())
+    state[name] = torch.zeros(3, 3) if bad == "shape" else "not a tensor"
+    said = "size mismatch for" if bad == "shape" else "While copying the parameter named"
+    for model in (_language_model(), GPipe(_language_model(), [2, 3], chunks=2)):
+        for strict in (True, False):
+            with pytest.raises(RuntimeError, match=f'{said} "?{name}'):
+                model.load_state_dict(state, strict=strict)
+    with torch.device("meta"):
+        meta = _language_model()
+    said = (
+        f"{name} has shape \\(3, 3\\) in the state dict"
+        if bad == "shape"
+        else f"holds {name} \\(str"
+    )
+    with pytest.raises(ValueError if bad == "shape" else TypeError, match=said):
+        GPipe(meta, [2, 3], devices=["cpu", "cpu"], state_dict=state)
+
+
 @pytest.mark.parametrize("drop", [None, "0.weight", "4.weight"])
 def test_tied_state_dict_gives_each_name_what_the_plain_model_loads(drop: str | None) -> None:
     # One rule for load_state_dict and a meta model's state_dict=: the last name present.

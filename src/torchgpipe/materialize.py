@@ -75,6 +75,7 @@ __all__ = [
     "Init",
     "check_materializable",
     "check_meta_arguments",
+    "every_name_fits",
     "key_prefix",
     "loaded_value",
     "materialize",
@@ -247,6 +248,20 @@ def loaded_value(state_dict: Mapping[str, V], keys: Sequence[str]) -> V | None:
     return state_dict[present[-1]] if present else None
 
 
+def every_name_fits(state_dict: Mapping[str, Any], keys: Sequence[str], like: Tensor) -> bool:
+    """Whether each of ``keys`` that ``state_dict`` holds is a tensor of ``like``'s shape.
+
+    The plain model's load refuses a name that is not (a size mismatch, even with
+    ``strict=False``): where one is not, the names are left as given, and the load
+    refuses it alike, naming that key, rather than take another name's value.
+    """
+    return all(
+        isinstance(state_dict[key], Tensor) and state_dict[key].shape == like.shape
+        for key in keys
+        if key in state_dict
+    )
+
+
 def tied_state_dict(
     module: nn.Sequential, state_dict: Mapping[str, Tensor] | None
 ) -> dict[str, Tensor] | None:
@@ -262,16 +277,22 @@ def tied_state_dict(
     if state_dict is None:
         return None
     holders: dict[int, int] = {}  # a stage's tensor has two names, yet one holder
+    tensors: dict[int, Tensor] = {}
     for _, layer in module.named_children():
         for _, tensor in named_tensors(layer):
             holders[id(tensor)] = holders.get(id(tensor), 0) + 1
+            tensors[id(tensor)] = tensor
     loaded = OrderedDict(state_dict)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:  # each module's version, for its _load_from_state_dict
         _keep_metadata(loaded, metadata)
     for key, keys in state_names(module).items():
         value = loaded_value(state_dict, keys)
-        if value is not None and holders[key] > 1:
+        if (
+            value is not None
+            and holders[key] > 1
+            and every_name_fits(state_dict, keys, tensors[key])
+        ):
             loaded.update(dict.fromkeys(keys, value))
     return loaded
 

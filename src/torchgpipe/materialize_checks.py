@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
@@ -357,16 +358,15 @@ def _check_fillable(
             missing.extend(_no_extra_state(saved, holding, state_dict))
         for tensor, holders in holding.items():
             key = holders[0][0]
+            keys = [k for k, _, _ in holders if k in saved]
+            if state_dict is not None:  # every name, a tie's later ones too: loaded alike
+                shapes += [
+                    m for k in keys if k in state_dict for m in _misfit(k, state_dict[k], tensor)
+                ]
             if _later(tensor, layer, here, first):
                 continue  # a later holder of a tie: it takes the first's values
-            keys = [k for k, _, _ in holders if k in saved]
             if keys and state_dict is not None:
                 present = [k for k in keys if k in state_dict]
-                if present and state_dict[present[-1]].shape != tensor.shape:
-                    shapes.append(
-                        f"{present[-1]} has shape {tuple(state_dict[present[-1]].shape)} in "
-                        f"the state dict but {tuple(tensor.shape)} in the model"
-                    )
                 if present or not _counts_batches(holders):
                     missing.extend([] if present else keys[:1])
                     continue  # else a batch count the reset zeroes, as load_state_dict allows
@@ -456,3 +456,11 @@ def _counts_batches(holders: list[tuple[str, nn.Module, str]]) -> bool:
         isinstance(module, _NormBase) and key.rpartition(".")[2] == "num_batches_tracked"
         for key, module, _ in holders
     )
+
+
+def _misfit(key: str, value: Any, tensor: Tensor) -> list[str]:
+    """Why ``value``, under ``key`` in a state dict, cannot fill ``tensor`` (none if it can)."""
+    if isinstance(value, Tensor) and value.shape != tensor.shape:  # other values: a TypeError
+        shape, model = tuple(value.shape), tuple(tensor.shape)
+        return [f"{key} has shape {shape} in the state dict but {model} in the model"]
+    return []

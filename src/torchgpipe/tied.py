@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torchgpipe.grad_hooks import SUMS_SHARES, dense, summed
-from torchgpipe.materialize import loaded_value, state_names, tied_state_dict
+from torchgpipe.materialize import every_name_fits, loaded_value, state_names, tied_state_dict
 from torchgpipe.microbatch import flatten, unflatten
 
 __all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
@@ -349,8 +349,9 @@ class Ties:
         for name, parameter in module.named_parameters(remove_duplicate=False):
             mine.setdefault(id(parameter), []).append(prefix + name)
         for g, group in enumerate(self.groups):
-            value = loaded_value(state_dict, [prefix + key for key in self.names[g]])
-            if value is None:
+            keys = [prefix + key for key in self.names[g]]
+            value = loaded_value(state_dict, keys)
+            if value is None or not every_name_fits(state_dict, keys, group[0]):
                 continue
             for member in group:
                 for key in mine.get(id(member), []):
