@@ -612,6 +612,38 @@ def test_data_parallel_replicas_of_each_stage_match_the_plain_model() -> None:
             torch.testing.assert_close(value, plain.state_dict()[name], msg=name)
 
 
+def _wrong_replicas_rank(rank: int, world: int) -> dict[str, Any]:
+    # The pipeline's own group passed as the replicas': stage 0's gradients were averaged
+    # with stage 1's (the same shapes), silently. Then a parameter frozen on one replica.
+    stage = PipelineStage(mlp(), [4, 4], chunks=2)
+    _step(Schedule1F1B(stage, _mse), _batch(1, 8, 4), _batch(2, 8, 4))
+    grads = _grads(stage)
+    out = {"stages": _outcome(functools.partial(all_reduce_gradients, stage, None))}
+    after = _grads(stage)
+    out["untouched"] = after.keys() == grads.keys() and all(
+        torch.equal(after[k], grads[k]) for k in grads
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    net[0].bias.requires_grad_(rank == 0)
+    net(torch.randn(2, 4)).sum().backward()
+    out["frozen"] = _outcome(functools.partial(all_reduce_gradients, net, None))
+    return out
+
+
+def test_all_reduce_gradients_refuses_a_group_whose_members_hold_different_stages() -> None:
+    results = spawn(_wrong_replicas_rank, 2, timeout=60.0)
+    for rank, out in enumerate(results):
+        for case, held in (("stages", f"stages [{rank}], 4 "), ("frozen", f"{4 - rank} ")):
+            refused = out[case]
+            assert refused["type"] == "ValueError", refused
+            assert refused["text"].startswith(
+                f"the members of group do not all hold the same stages and trainable "
+                f"parameters: this process holds {held}trainable parameter tensors"
+            ), refused["text"]
+        assert out["untouched"]
+
+
 class _ThreeHeads(nn.Module):
     """``used`` on every replica, ``partial`` on rank 0 only, ``unused`` on none."""
 

@@ -29,6 +29,7 @@ result dense, as autograd adds a sparse gradient and a dense one.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import torch
@@ -55,7 +56,8 @@ def all_reduce_gradients(
 
     Raises:
         TypeError: ``group`` is not a process group (a list of ranks, say).
-        ValueError: an unknown ``op``, or a ``group`` this process is not a member of.
+        ValueError: an unknown ``op``, a ``group`` this process is not a member of, or
+            one whose members hold different stages (in every member).
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     import torch.distributed as dist
@@ -68,12 +70,44 @@ def all_reduce_gradients(
     if group is not None:
         check_member(group, "group", "the group of this stage's replicas")
     params = [p for p in module.parameters() if p.requires_grad]
+    _check_replicas(module, params, group)
     buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:
         buckets.setdefault((p.dtype, p.device), []).append(p)
     size = dist.get_world_size(group)
     for bucket in buckets.values():
         _reduce_bucket(bucket, group, divide=size if op == "mean" else 1)
+
+
+def _check_replicas(module: nn.Module, params: list[nn.Parameter], group: Any) -> None:
+    """Refuse, in every member at once, a ``group`` whose members hold different stages.
+
+    Each member's layout (its stages, where ``module`` is a ``PipelineStage``, and its
+    trainable parameters' shapes, dtypes and devices) is digested, and one small
+    ``all_reduce`` (max of the digest and of its negation) tells whether all agree.
+    Otherwise the members would average different stages' gradients, silently where the
+    shapes agree (identical blocks), or the collectives would not match.
+    """
+    import torch.distributed as dist
+
+    stages = getattr(module, "stages", None)
+    layout = [(tuple(p.shape), str(p.dtype), p.device.type) for p in params]
+    digest = hashlib.sha256(repr((stages, layout)).encode()).digest()
+    value = int.from_bytes(digest[:7], "little")  # fits an int64, and its negation too
+    nccl = str(dist.get_backend(group)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != value or int(both[1]) != -value:
+        held = f"stages {list(stages)}, " if stages is not None else ""
+        raise ValueError(
+            f"the members of group do not all hold the same stages and trainable "
+            f"parameters: this process holds {held}{len(params)} trainable parameter "
+            f"tensors, and another holds others (other stages, or parameters frozen "
+            f"otherwise); pass the group of this stage's replicas (the processes that "
+            f"hold the same stages of pipelines alike), not the pipeline's own group, and "
+            f"freeze parameters alike in every replica"
+        )
 
 
 def _check_group(group: object) -> None:
