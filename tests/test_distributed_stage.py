@@ -958,15 +958,18 @@ def test_dropout_on_every_rank_follows_the_seed_rank_0_draws() -> None:
 
 
 class _WithStatistic(nn.Module):
-    """A head whose output holds a 0-dim tensor, which cannot be gathered."""
+    """A head whose output holds a number that differs between micro-batches.
+
+    Not a tensor with a batch dimension: the micro-batches' outputs cannot be gathered.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, float]:
         h = self.linear(x)
-        return h, h.detach().norm()
+        return h, float(h.detach().norm())
 
 
 def test_an_output_the_last_rank_cannot_gather_fails_every_rank() -> None:
@@ -987,7 +990,8 @@ def test_an_output_the_last_rank_cannot_gather_fails_every_rank() -> None:
     )
     for failed in (step1, forward1):
         assert isinstance(failed, ValueError)
-        assert "output[1] is a 0-dim tensor" in str(failed)
+        assert "output[1] is " in str(failed)
+        assert "in micro-batch 0 but" in str(failed)
     for failed in (step0, forward0):
         assert isinstance(failed, RemoteError)
         assert "rank 1 (stages [1]) raised ValueError" in str(failed)

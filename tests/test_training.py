@@ -673,3 +673,35 @@ def test_a_step_under_inference_mode_is_refused_with_what_to_do() -> None:
         schedule.step(torch.randn(4, 4), torch.randn(4, 4))
     with torch.inference_mode():  # a forward without gradients is what inference mode is for
         assert schedule.forward_only(torch.randn(4, 4)).shape == (4, 4)
+
+
+class _WithAuxiliaryLoss(nn.Module):
+    """Logits and a 0-dim auxiliary loss (a mixture of experts' balancing loss, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.linear(x)
+        return logits, logits.softmax(-1).mean(0).square().sum()
+
+
+def test_a_step_whose_output_holds_a_0_dim_tensor_gives_one_per_micro_batch() -> None:
+    # Gathered after the backward, the output was refused: the step raised with every
+    # .grad already filled. The loss uses each micro-batch's own, as in the plain model.
+    def loss_fn(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        logits, aux = output
+        return nn.functional.cross_entropy(logits, target) + 0.01 * aux
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), _WithAuxiliaryLoss())
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    result = Schedule1F1B(model, loss_fn).step(x, y)
+    logits, aux = result.output
+    assert logits.shape == (8, 3)
+    assert aux.shape == (2,)
+    expected = [loss_fn(plain(half), t) for half, t in zip(x.chunk(2), y.chunk(2), strict=True)]
+    torch.testing.assert_close(aux, torch.stack([plain(half)[1] for half in x.chunk(2)]))
+    torch.testing.assert_close(result.loss, torch.stack(expected).mean())

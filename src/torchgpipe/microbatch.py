@@ -334,11 +334,12 @@ def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
     return size
 
 
-def gather(values: Sequence[Any]) -> Any:
+def gather(values: Sequence[Any], *, stack_scalars: bool = False) -> Any:
     """Concatenate micro-batch values back into one, in order, keeping their shape.
 
     A non-tensor leaf must be equal (or the same object) in every micro-batch, and is
-    taken once.
+    taken once. With ``stack_scalars``, a 0-dim tensor leaf (a step's output holding an
+    auxiliary loss) becomes one value per micro-batch, stacked (shape ``[m]``).
 
     Raises:
         TypeError: the micro-batches have different shapes, a leaf is a tensor in some
@@ -359,10 +360,11 @@ def gather(values: Sequence[Any]) -> Any:
             )
     columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
     paths = leaf_paths(spec, "output")
-    return unflatten([_gather_leaf(p, c) for p, c in zip(paths, columns, strict=True)], spec)
+    leaves = [_gather_leaf(p, c, stack_scalars) for p, c in zip(paths, columns, strict=True)]
+    return unflatten(leaves, spec)
 
 
-def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
+def _gather_leaf(path: str, column: tuple[Any, ...], stack_scalars: bool) -> Any:
     is_tensor = [isinstance(x, Tensor) for x in column]
     if not any(is_tensor):
         first = column[0]
@@ -381,6 +383,8 @@ def _gather_leaf(path: str, column: tuple[Any, ...]) -> Any:
             f"{path} is a tensor in some micro-batches and not in others; the outputs "
             f"are joined leaf by leaf: return a tensor there from every micro-batch"
         )
+    if stack_scalars and all(x.dim() == 0 for x in column):
+        return torch.stack(column)
     if any(x.dim() == 0 for x in column):
         raise ValueError(
             f"{path} is a 0-dim tensor, which has no batch dimension to gather along; "

@@ -195,7 +195,7 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
     return StepResult(
         loss=weighted(weights, losses),
         losses=losses,
-        output=gather(record.outputs),
+        output=gather(record.outputs, stack_scalars=True),
         peak_held=tuple(record.peak),
     )
 

@@ -42,7 +42,8 @@ class StepResult:
 
     ``loss`` is the batch's loss as ``loss_fn(model(input), target)`` would give it
     (under the step's reduction), ``losses`` each micro-batch's ``loss_fn`` value,
-    ``output`` the model's output gathered from the micro-batches, all detached.
+    ``output`` the model's output gathered from the micro-batches (a 0-dim tensor in
+    it as one value per micro-batch, stacked), all detached.
     ``peak_held[s]`` is the most micro-batches whose activations (or, when
     checkpointed, inputs) stage ``s`` held at once during the step.
     """

@@ -246,7 +246,7 @@ def _run(
         elif not exchange.halted:
             ran_here = run
             if stage.is_last:
-                output = gather(step.outputs)
+                output = gather(step.outputs, stack_scalars=not forward_only)
     except Stopped:
         pass
     except BaseException as error:
