@@ -438,3 +438,17 @@ def test_gather_names_an_output_whose_shapes_differ_beyond_the_batch() -> None:
     values = [(torch.ones(2, 5), torch.ones(2)), (torch.ones(2, 7), torch.ones(2))]
     with pytest.raises(ValueError, match=r"output\[0\] cannot be joined.*\[2, 5\], \[2, 7\]"):
         gather(values)
+
+
+def test_flatten_passes_objects_whose_attributes_it_cannot_read_or_holding_modules() -> None:
+    class Raises:
+        __slots__ = ("value",)
+
+        def __getattr__(self, name: str) -> object:
+            raise KeyError(name)  # not an AttributeError
+
+    holder = Box(Raises())  # type: ignore[arg-type]
+    layer = Box(nn.Linear(2, 2))  # type: ignore[arg-type]  # a layer's weights are no batch data
+    leaves, _ = flatten((torch.ones(2), holder, layer))
+    assert leaves[1] is holder
+    assert leaves[2] is layer

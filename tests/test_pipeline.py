@@ -580,3 +580,109 @@ def test_a_view_passed_with_its_tensor_may_change_in_place_under_no_grad() -> No
     x = torch.randn(4, 3, 4)
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x))
+
+
+class _QueryKey(nn.Module):
+    """Two slices of one tensor, each skipping the other's elements (attention's q, k)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.linear(x)
+        return h[..., :4], h[..., 4:]
+
+
+class _ScalesQuery(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        q, k = pair
+        q.mul_(0.5)  # q *= scale: k's elements are not q's
+        return self.linear(q) * k
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_slices_that_lie_apart_may_change_in_place(checkpoint: str, backward_by: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(_QueryKey(), _ScalesQuery())
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+class _Frozen(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x[:, :1]  # wants no gradient: the input does not, nor a parameter here
+
+
+class _ScalesByWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        h, first = pair
+        h.mul_(self.weight)  # now h, and first through it, want a gradient
+        return h + first
+
+
+def test_a_change_in_place_that_makes_a_shared_input_want_a_gradient_is_refused(
+    backward_by: str,
+) -> None:
+    model = GPipe(nn.Sequential(_Frozen(), _ScalesByWeight()), [1, 1], chunks=2,
+                  checkpoint="never")  # fmt: skip
+    with pytest.raises(RuntimeError, match="shares memory with another one"):
+        model(torch.randn(4, 3))
+
+
+def test_a_popped_skip_that_shares_memory_with_the_input_is_judged_too(backward_by: str) -> None:
+    from torchgpipe.skip import pop, skippable, stash
+
+    @skippable(stash=["h"])
+    class Stash(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(5, 5)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            h = self.linear(x)
+            yield stash("h", h)
+            return h[:, :1]
+
+    @skippable(pop=["h"])
+    class PopChange(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.tensor(3.0))
+
+        def forward(self, first: Tensor):  # type: ignore[no-untyped-def]
+            h = yield pop("h")
+            h.mul_(self.weight)  # after the pop: `first`, a view of h, changes too
+            return h.sum(1, keepdim=True) + first * first
+
+    model = GPipe(nn.Sequential(Stash(), PopChange()), [1, 1], chunks=2, checkpoint="never")
+    with pytest.raises(RuntimeError, match="shares memory with another one"):
+        model(torch.randn(4, 5))
+
+
+def test_one_micro_batch_on_the_engines_way_leaves_views_to_autograd() -> None:
+    # Nothing is cut there (no phony joins a first micro-batch): as the plain model.
+    from torchgpipe import pipeline
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(_HiddenAndFirst(), _ReadsFirst(in_place=True))
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=1, checkpoint="never")
+    x = torch.randn(4, 3, 4)
+    plain(x).square().sum().backward()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+        model(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)

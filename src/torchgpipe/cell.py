@@ -7,6 +7,7 @@ whose ``B`` runs on the rank's worker), and a cell in the caller's graph
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -254,22 +255,20 @@ def call_stage(
     """Run a stage's partition; return its output and the skips it stashed.
 
     ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
-    stashes them (``outbound`` is then not None). The input's tensors were cut from the
-    graph one by one, and those whose memory overlaps another's must not change in
-    place where that matters (see :func:`_refuse_changed_overlaps`; the skips have
-    checks of their own). ``before``: the input's tensors, in order, before they were
-    copied apart (the first stage's views), where the overlaps are found; ``[]`` where
-    nothing was cut.
+    stashes them (``outbound`` is then not None). Its tensors were cut from the graph
+    one by one, and those whose memory overlaps another's must not change in place where
+    that matters (see :func:`_refuse_changed_overlaps`). ``before``: its tensors, in
+    order, before they were copied apart (the first stage's views), where the overlaps
+    are found; ``[]`` where nothing was cut.
     """
-    value = packed[0] if pops or outbound is not None else packed
-    leaves, spec = flatten(value)
+    leaves, spec = flatten(packed)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
-    overlaps = overlapping(tensors if before is None else before[: len(tensors)])
-    # Values shared in place reach the next layers alike: what is lost is a gradient
-    # through the other tensor, or the change in a recomputation, which copies apart.
-    if overlaps and before is None and not will_recompute():
-        overlaps = overlaps if any(tensors[k].requires_grad for k in overlaps) else []
+    overlaps = overlapping(tensors if before is None else before)
     shared = [(tensors[k], tensors[k]._version) for k in overlaps]
+    # Values shared in place reach the next layers alike: what is lost is a gradient
+    # through the other tensor (one that wants a gradient, or comes to: x.mul_(w)), or
+    # the change in a recomputation, which copies apart; copies made apart differ at once.
+    judged = before is not None or will_recompute()
     outer = enter_cell()  # deferred batch norm counts its calls per cell
     try:
         if outbound is None:
@@ -283,34 +282,57 @@ def call_stage(
             skips = dict(stashed)
     finally:
         leave_cell(outer)
-    if shared:
+    if shared and (judged or any(x.requires_grad for x, _ in shared)):
         _refuse_changed_overlaps(shared, leaves, spec)
     return output, skips
 
 
 def overlapping(tensors: list[Tensor]) -> list[int]:
-    """The places in ``tensors`` of those whose memory overlaps another tensor's there."""
+    """The places in ``tensors`` of those whose memory overlaps another tensor's there.
+
+    Two tensors of one storage overlap where their spans of memory meet and one of them
+    fills its span (``h`` and ``h[:, 0]``); two that both skip elements (``q =
+    qkv[..., :d]``, ``k = qkv[..., d:]``) are taken to lie apart.
+    """
     if len(tensors) < 2:
         return []
-    spans = []
-    for k, x in {id(x): (k, x) for k, x in enumerate(tensors)}.values():
-        if x.layout != torch.strided or x.numel() == 0 or x.device.type == "meta":
+    storages: dict[int, list[int]] = {}  # by where the storage starts: a device's memory
+    seen: set[int] = set()
+    for k, x in enumerate(tensors):
+        if id(x) in seen or x.layout != torch.strided or x.is_meta or x.numel() == 0:
             continue
+        seen.add(id(x))
         try:
-            storage = (str(x.device), x.untyped_storage().data_ptr())
+            storage = x.data_ptr() - int(x.storage_offset()) * x.element_size()
         except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own
             continue
-        extent = 1 + sum((n - 1) * abs(step) for n, step in zip(x.shape, x.stride(), strict=True))
-        spans.append((storage, x.data_ptr(), x.data_ptr() + extent * x.element_size(), k))
-    spans.sort(key=lambda span: (span[0], span[1]))
+        storages.setdefault(storage, []).append(k)
     found: set[int] = set()
-    reach: tuple[Any, int, int] = (None, 0, -1)  # the span that reaches furthest
-    for storage, start, end, k in spans:
-        if storage == reach[0] and start < reach[1]:
-            found |= {k, reach[2]}
-        if storage != reach[0] or end > reach[1]:
-            reach = (storage, end, k)
+    for places in storages.values():
+        if len(places) < 2:
+            continue
+        spans = [(_span(tensors[k]), k) for k in places]
+        for ((a0, a1), ka), ((b0, b1), kb) in itertools.combinations(spans, 2):
+            if a0 < b1 and b0 < a1 and (_fills(tensors[ka]) or _fills(tensors[kb])):
+                found |= {ka, kb}
     return sorted(found)
+
+
+def _span(x: Tensor) -> tuple[int, int]:
+    """The first byte of ``x`` and the one after its last."""
+    extent = 1 + sum((n - 1) * abs(step) for n, step in zip(x.shape, x.stride(), strict=True))
+    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
+
+
+def _fills(x: Tensor) -> bool:
+    """Whether ``x``'s elements fill its span, in some order of its dimensions."""
+    expected = 1
+    for size, step in sorted(zip(x.shape, x.stride(), strict=True), key=lambda d: d[1]):
+        if size > 1:
+            if step != expected:
+                return False
+            expected *= size
+    return True
 
 
 def _refuse_changed_overlaps(
@@ -383,8 +405,8 @@ def connected_forward(
             params=_params(run, s),
         )
         return result  # type: ignore[no-any-return]
-    # Nothing is cut under no_grad; with grad, a phony's edge parts views of one another.
-    before: list[Tensor] | None = None if grad else []
+    # Nothing is cut but where a phony joins: its edge parts the anchor from its views.
+    before: list[Tensor] | None = None if grad and phony is not None else []
     if s == 0 and grad:
         # Micro-batches are views of one input, sharing its version counter: a layer
         # that works in place (ReLU(inplace=True)) on two of them would break autograd's

@@ -2,8 +2,9 @@
 
 The pipeline splits into micro-batches, and cuts between partitions, the tensors in
 tuples, lists, dicts and dataclass fields (``microbatch.flatten``). Any other object is
-a leaf it passes on whole: one that holds a tensor anywhere in its attributes, however
-deep, is refused, since that tensor would be neither split nor given its gradient.
+a leaf it passes on whole: one that holds a tensor in its attributes, or in the
+attributes of the objects there (a few levels deep), is refused, since that tensor would
+be neither split nor given its gradient.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Set as AbstractSet
+from types import ModuleType
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = ["PLAIN", "OpaqueLeaf", "check_opaque", "opaque_error"]
 
@@ -40,28 +42,37 @@ def check_opaque(obj: Any, leaf: Any) -> None:
 
 
 def _state(obj: Any) -> dict[str, Any]:
-    """An object's attributes: its ``__dict__`` and its slots."""
-    state = dict(getattr(obj, "__dict__", None) or {})
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                state[slot] = getattr(obj, slot)
+    """An object's attributes: its ``__dict__`` and its slots (none it cannot read)."""
+    try:
+        state = dict(getattr(obj, "__dict__", None) or {})
+        for cls in type(obj).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for slot in (slots,) if isinstance(slots, str) else slots:
+                if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                    state[slot] = getattr(obj, slot)
+    except Exception:  # an attribute that raises when read: nothing known there
+        return {}
     return state
 
 
-_DEPTH = 16  # how deep the search for a tensor goes into objects (it ends at cycles too)
+# How far the search for a tensor goes into objects: levels, and objects in all (it
+# ends at cycles too). Not into modules (Python's or torch's: a layer's parameters are
+# not batch data, and a module reaches every global) nor classes.
+_DEPTH, _VISITS = 4, 64
+_NOT_SEARCHED = (type, ModuleType, nn.Module)
 
 
 def _holds_tensor(value: Any, seen: set[int], depth: int = 0) -> bool:
-    """Whether ``value`` is a tensor or holds one, however it is nested.
+    """Whether ``value`` is a tensor or holds one, nested (up to ``_DEPTH`` levels).
 
     In tuples, lists, dicts, sets and deques, and in the attributes of the objects
     there: an object that holds an object holding a tensor holds it too.
     """
     if isinstance(value, Tensor):
         return True
-    if type(value) in PLAIN or isinstance(value, type) or id(value) in seen or depth > _DEPTH:
+    if type(value) in PLAIN or isinstance(value, _NOT_SEARCHED) or id(value) in seen:
+        return False
+    if depth > _DEPTH or len(seen) > _VISITS:
         return False
     seen.add(id(value))
     if isinstance(value, dict):

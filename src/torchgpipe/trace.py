@@ -120,10 +120,16 @@ class TraceSummary:
                 f"processes' traces)"
             )
         if shared:
+            # A partial trace does not know the pipeline's numbers of its ranks.
+            labels = [
+                f"the rank of partitions {', '.join(map(str, group))}"
+                if elsewhere
+                else f"rank {k} (partitions {', '.join(map(str, group))})"
+                for k, group in enumerate(self.ranks)
+            ]
             lines += [
-                f"  rank {k} (partitions {', '.join(map(str, group))}): busy "
-                f"{b * 1e3:8.2f} ms ({share(b)})"
-                for k, (group, b) in enumerate(zip(self.ranks, self.rank_busy, strict=True))
+                f"  {label}: busy {b * 1e3:8.2f} ms ({share(b)})"
+                for label, b in zip(labels, self.rank_busy, strict=True)
             ]
             ideal = f"interleaved 1F1B's ideal for {self.n / v:g} ranks, v = {v:g}, m = {self.m}"
         else:
