@@ -7,21 +7,19 @@ whose ``B`` runs on the rank's worker), and a cell in the caller's graph
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from torchgpipe.batchnorm import enter_cell, leave_cell
-from torchgpipe.checkpoint import checkpoint, differentiable, will_recompute
+from torchgpipe.checkpoint import checkpoint, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.grad_hooks import hooked
 from torchgpipe.guards import Restore
-from torchgpipe.microbatch import Spec, flatten, leaf_paths, map_tensors, per_tensor, unflatten
+from torchgpipe.microbatch import Spec, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.skip.tracker import run_cell
@@ -40,7 +38,6 @@ __all__ = [
     "detach_all",
     "detached",
     "needs_per_leaf",
-    "overlapping",
     "stage_leaf",
     "take_input_grads",
     "tensors_of",
@@ -245,119 +242,24 @@ def tensors_of(result: tuple[Any, dict[SkipKey, Any]]) -> list[Tensor]:
 
 
 def call_stage(
-    partition: nn.Module,
-    pops: bool,
-    outbound: tuple[SkipKey, ...] | None,
-    packed: Any,
-    *,
-    before: list[Tensor] | None = None,
+    partition: nn.Module, pops: bool, outbound: tuple[SkipKey, ...] | None, packed: Any
 ) -> tuple[Any, dict[SkipKey, Any]]:
     """Run a stage's partition; return its output and the skips it stashed.
 
     ``packed`` is the input, or ``(input, inbound skips)`` where the stage pops skips or
-    stashes them (``outbound`` is then not None). Its tensors were cut from the graph
-    one by one, and those whose memory overlaps another's must not change in place where
-    that matters (see :func:`_refuse_changed_overlaps`). ``before``: its tensors, in
-    order, before they were copied apart (the first stage's views), where the overlaps
-    are found; ``[]`` where nothing was cut.
+    stashes them (``outbound`` is then not None).
     """
-    leaves, spec = flatten(packed)
-    tensors = [x for x in leaves if isinstance(x, Tensor)]
-    overlaps = overlapping(tensors if before is None else before)
-    shared = [(tensors[k], tensors[k]._version) for k in overlaps]
-    # Values shared in place reach the next layers alike: what is lost is a gradient
-    # through the other tensor (one that wants a gradient, or comes to: x.mul_(w)), or
-    # the change in a recomputation, which copies apart; copies made apart differ at once.
-    judged = before is not None or will_recompute()
     outer = enter_cell()  # deferred batch norm counts its calls per cell
     try:
         if outbound is None:
             if pops:  # pops, but stashes nothing: still under a tracker
                 output, _ = run_cell(partition, (), packed)
-                skips: dict[SkipKey, Any] = {}
-            else:
-                output, skips = partition(packed), {}
-        else:
-            output, stashed = run_cell(partition, outbound, packed)
-            skips = dict(stashed)
+                return output, {}
+            return partition(packed), {}
+        output, skips = run_cell(partition, outbound, packed)
+        return output, dict(skips)
     finally:
         leave_cell(outer)
-    if shared and (judged or any(x.requires_grad for x, _ in shared)):
-        _refuse_changed_overlaps(shared, leaves, spec)
-    return output, skips
-
-
-def overlapping(tensors: list[Tensor]) -> list[int]:
-    """The places in ``tensors`` of those whose memory overlaps another tensor's there.
-
-    Two tensors of one storage overlap where their spans of memory meet and one of them
-    fills its span (``h`` and ``h[:, 0]``); two that both skip elements (``q =
-    qkv[..., :d]``, ``k = qkv[..., d:]``) are taken to lie apart.
-    """
-    if len(tensors) < 2:
-        return []
-    storages: dict[int, list[int]] = {}  # by where the storage starts: a device's memory
-    seen: set[int] = set()
-    for k, x in enumerate(tensors):
-        if id(x) in seen or x.layout != torch.strided or x.is_meta or x.numel() == 0:
-            continue
-        seen.add(id(x))
-        try:
-            storage = x.data_ptr() - int(x.storage_offset()) * x.element_size()
-        except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own
-            continue
-        storages.setdefault(storage, []).append(k)
-    found: set[int] = set()
-    for places in storages.values():
-        if len(places) < 2:
-            continue
-        spans = [(_span(tensors[k]), k) for k in places]
-        for ((a0, a1), ka), ((b0, b1), kb) in itertools.combinations(spans, 2):
-            if a0 < b1 and b0 < a1 and (_fills(tensors[ka]) or _fills(tensors[kb])):
-                found |= {ka, kb}
-    return sorted(found)
-
-
-def _span(x: Tensor) -> tuple[int, int]:
-    """The first byte of ``x`` and the one after its last."""
-    extent = 1 + sum((n - 1) * abs(step) for n, step in zip(x.shape, x.stride(), strict=True))
-    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
-
-
-def _fills(x: Tensor) -> bool:
-    """Whether ``x``'s elements fill its span, in some order of its dimensions."""
-    expected = 1
-    for size, step in sorted(zip(x.shape, x.stride(), strict=True), key=lambda d: d[1]):
-        if size > 1:
-            if step != expected:
-                return False
-            expected *= size
-    return True
-
-
-def _refuse_changed_overlaps(
-    shared: list[tuple[Tensor, int]], leaves: list[Any], spec: Spec
-) -> None:
-    """Refuse a cell that changed in place an input whose memory another input shares.
-
-    Between partitions (and from the caller's input into the first) each tensor is cut
-    from the graph on its own: a view and the tensor it views (``(h, h[:, 0])``) arrive
-    as two tensors autograd does not relate. A change in place to one shows in the
-    other's values, but not in its gradient, nor in a checkpointed cell's recomputation,
-    which copies each apart: the gradients would differ from the plain model's.
-    """
-    changed = [x for x, version in shared if x._version != version]
-    if not changed:
-        return
-    paths = [path for path, leaf in zip(leaf_paths(spec, "input"), leaves, strict=True)
-             if any(leaf is x for x in changed)]  # fmt: skip
-    raise RuntimeError(
-        f"a layer changed in place a tensor of its partition's input that shares memory "
-        f"with another one ({' or '.join(paths)}: a view of the other, or both views of "
-        f"one tensor): between partitions each tensor is cut from the graph on its own, so "
-        f"the change would reach neither the other's gradient nor a recomputation; clone "
-        f"one of them where they are made (h[:, 0].clone()), or change neither in place"
-    )
 
 
 def _params(run: StepRun, s: int) -> list[Tensor]:
@@ -405,14 +307,11 @@ def connected_forward(
             params=_params(run, s),
         )
         return result  # type: ignore[no-any-return]
-    # Nothing is cut but where a phony joins: its edge parts the anchor from its views.
-    before: list[Tensor] | None = None if grad and phony is not None else []
     if s == 0 and grad:
         # Micro-batches are views of one input, sharing its version counter: a layer
         # that works in place (ReLU(inplace=True)) on two of them would break autograd's
         # checks on what each saved, which the whole batch in one piece does not.
-        # Checkpointed cells copy their input anyway. Copies of overlapping ones part.
-        before = [x for x in flatten(packed)[0] if isinstance(x, Tensor)]
+        # Checkpointed cells copy their input anyway.
         packed = map_tensors(lambda x: x.clone() if x._is_view() else x, packed)
     packed = join(packed, phony)
     span = None
@@ -420,7 +319,7 @@ def connected_forward(
         span = BackwardSpan(run.trace, s, i)
         packed = span.mark_input(packed)
     with randomness.forward():
-        result = function(packed, before=before)
+        result = function(packed)
     if span is not None:
         result = span.mark_output(result)
     if wants_phony:

@@ -350,9 +350,8 @@ class StepRun:
             )
         cell.leaves = per_tensor(partial(stage_leaf, first=s == 0), leaves)
         cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
-        before = tensors if s == 0 else None  # the first stage's views were copied apart
         with cell.randomness.forward():
-            result = self._call(s, unflatten(aliases(cell.leaves), spec), before)
+            result = self._call(s, unflatten(aliases(cell.leaves), spec))
         cell.outputs = tensors_of(result)
         return cell, result
 
@@ -364,10 +363,9 @@ class StepRun:
             trainable = self._trainable[s] = any(p.requires_grad for p in part.parameters())
         return trainable
 
-    def _call(self, s: int, packed: Any, before: Any = None) -> tuple[Any, dict[SkipKey, Any]]:
+    def _call(self, s: int, packed: Any) -> tuple[Any, dict[SkipKey, Any]]:
         """Partition ``s`` on its input; return its output and the skips it stashed."""
-        part, pops, outbound = self.partitions[s], bool(self.inbound[s]), self.outbound[s]
-        return call_stage(part, pops, outbound, packed, before=before)
+        return call_stage(self.partitions[s], bool(self.inbound[s]), self.outbound[s], packed)
 
     # B
 

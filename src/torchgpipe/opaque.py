@@ -34,8 +34,9 @@ class OpaqueLeaf(Exception):
 
 def check_opaque(obj: Any, leaf: Any) -> None:
     """Refuse ``obj`` if its attributes hold tensors; ``leaf`` is where it came from."""
-    attributes = [name for name, v in _state(obj).items() if _holds_tensor(v, {id(obj)})]
-    if isinstance(obj, AbstractSet | deque) and any(_holds_tensor(v, {id(obj)}) for v in obj):
+    search = _Search(obj)
+    attributes = [name for name, v in _state(obj).items() if search.holds_tensor(v)]
+    if isinstance(obj, AbstractSet | deque) and any(search.holds_tensor(v) for v in obj):
         attributes.append("items")  # a set or deque: neither split nor given gradients
     if attributes:
         raise OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
@@ -55,33 +56,45 @@ def _state(obj: Any) -> dict[str, Any]:
     return state
 
 
-# How far the search for a tensor goes into objects: levels, and objects in all (it
-# ends at cycles too). Not into modules (Python's or torch's: a layer's parameters are
-# not batch data, and a module reaches every global) nor classes.
-_DEPTH, _VISITS = 4, 64
+# How far the search for a tensor goes into objects: levels, and values looked at in
+# all (it ends at cycles too). Not into modules (Python's or torch's: a layer's
+# parameters are not batch data, and a module reaches every global) nor classes.
+_DEPTH, _LOOKS = 4, 64
 _NOT_SEARCHED = (type, ModuleType, nn.Module)
 
 
-def _holds_tensor(value: Any, seen: set[int], depth: int = 0) -> bool:
-    """Whether ``value`` is a tensor or holds one, nested (up to ``_DEPTH`` levels).
+class _Search:
+    """One object's search for tensors, within one budget of values looked at."""
 
-    In tuples, lists, dicts, sets and deques, and in the attributes of the objects
-    there: an object that holds an object holding a tensor holds it too.
-    """
-    if isinstance(value, Tensor):
-        return True
-    if type(value) in PLAIN or isinstance(value, _NOT_SEARCHED) or id(value) in seen:
+    def __init__(self, root: Any) -> None:
+        self.seen, self.looks = {id(root)}, 0
+
+    def holds_tensor(self, value: Any, depth: int = 0) -> bool:
+        """Whether ``value`` is a tensor or holds one, nested (up to ``_DEPTH`` levels).
+
+        In tuples, lists, dicts, sets and deques, and in the attributes of the objects
+        there: an object that holds an object holding a tensor holds it too.
+        """
+        self.looks += 1
+        if isinstance(value, Tensor):
+            return True
+        if type(value) in PLAIN or isinstance(value, _NOT_SEARCHED) or id(value) in self.seen:
+            return False
+        if depth >= _DEPTH:
+            return False
+        self.seen.add(id(value))
+        if isinstance(value, dict):
+            items: Any = value.values()
+        elif isinstance(value, tuple | list | AbstractSet | deque):
+            items = value
+        else:
+            items = _state(value).values()
+        for item in items:
+            if self.looks >= _LOOKS:  # the budget is spent: taken as holding none
+                return False
+            if self.holds_tensor(item, depth + 1):
+                return True
         return False
-    if depth > _DEPTH or len(seen) > _VISITS:
-        return False
-    seen.add(id(value))
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, tuple | list | AbstractSet | deque):
-        items = value
-    else:
-        items = _state(value).values()
-    return any(_holds_tensor(v, seen, depth + 1) for v in items)
 
 
 def opaque_error(value: Any, name: str, opaque: OpaqueLeaf) -> TypeError:
