@@ -543,34 +543,6 @@ def test_a_step_under_inference_mode_on_one_rank_fails_every_rank(where: int) ->
         torch.testing.assert_close(o[1], loss)
 
 
-def test_ranks_whose_stages_are_in_different_modes_refuse_the_call() -> None:
-    # Dropout stayed on in rank 1's half of a model rank 0 evaluated.
-    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
-
-    def body(stage: PipelineStage) -> Any:
-        schedule = Schedule1F1B(stage, _mse)
-        stage.train(stage.rank == 1)
-        refused = [
-            _outcome(lambda: schedule.forward_only(x if stage.is_first else None)),
-            _outcome(lambda: _step(schedule, x, y)),
-        ]
-        stage.train()
-        return refused, _step(schedule, x, y).loss
-
-    out = _on_ranks(2, [4, 4], body, chunks=4)
-    assert all(isinstance(o, tuple) for o in out), out
-    said = "rank 0's stage is in eval() mode but rank 1's in train() mode"
-    for refused in out[1][0]:
-        assert isinstance(refused, ValueError), repr(refused)
-        assert said in str(refused)
-    for refused in out[0][0]:
-        assert isinstance(refused, RemoteError), repr(refused)
-        assert said in str(refused)
-    loss, _, _ = _reference(mlp(), x, y)
-    for o in out:
-        torch.testing.assert_close(o[1], loss)
-
-
 def test_a_missing_input_or_target_fails_where_it_is_missing() -> None:
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)
 

@@ -834,3 +834,12 @@ def test_engine_backward_twice_through_a_kept_graph_records_a_span_each(
             spans = [e for e in trace.events if e.kind == "backward" and (e.j, e.i) == (j, i)]
             assert len(spans) == 2, (j, i)
             assert sum(e.end <= between for e in spans) == 1
+
+
+def test_a_trace_is_a_dataclass_that_asdict_and_astuple_take() -> None:
+    import dataclasses
+
+    trace = Trace(2)
+    trace.events.append(CellEvent(0, 0, "forward", 0.0, 1.0, "worker-0"))
+    assert dataclasses.asdict(trace)["events"][0]["kind"] == "forward"
+    assert dataclasses.astuple(trace)[0] == 2

@@ -64,6 +64,7 @@ from torchgpipe.materialize_checks import (
     check_materializable,
     check_meta_arguments,
     key_prefix,
+    loads_into,
     meta_layers,
     on_meta,
 )
@@ -256,7 +257,7 @@ def every_name_fits(state_dict: Mapping[str, Any], keys: Sequence[str], like: Te
     refuses it alike, naming that key, rather than take another name's value.
     """
     return all(
-        isinstance(state_dict[key], Tensor) and state_dict[key].shape == like.shape
+        isinstance(state_dict[key], Tensor) and loads_into(state_dict[key], like)
         for key in keys
         if key in state_dict
     )

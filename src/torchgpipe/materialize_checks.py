@@ -31,6 +31,7 @@ __all__ = [
     "check_materializable",
     "check_meta_arguments",
     "key_prefix",
+    "loads_into",
     "meta_layers",
     "on_meta",
 ]
@@ -460,7 +461,15 @@ def _counts_batches(holders: list[tuple[str, nn.Module, str]]) -> bool:
 
 def _misfit(key: str, value: Any, tensor: Tensor) -> list[str]:
     """Why ``value``, under ``key`` in a state dict, cannot fill ``tensor`` (none if it can)."""
-    if isinstance(value, Tensor) and value.shape != tensor.shape:  # other values: a TypeError
+    if isinstance(value, Tensor) and not loads_into(value, tensor):  # others: a TypeError
         shape, model = tuple(value.shape), tuple(tensor.shape)
         return [f"{key} has shape {shape} in the state dict but {model} in the model"]
     return []
+
+
+def loads_into(value: Tensor, tensor: Tensor) -> bool:
+    """Whether a load takes ``value`` into ``tensor``: the same shape, as torch's load wants.
+
+    Or a 0-dim tensor saved as one element (shape ``(1,)``), which torch's load takes too.
+    """
+    return value.shape == tensor.shape or (tensor.dim() == 0 and tuple(value.shape) == (1,))

@@ -2,9 +2,9 @@
 
 The pipeline splits into micro-batches, and cuts between partitions, the tensors in
 tuples, lists, dicts and dataclass fields (``microbatch.flatten``). Any other object is
-a leaf it passes on whole: one that holds a tensor in its attributes, or in the
-attributes of the objects there (a few levels deep), is refused, since that tensor would
-be neither split nor given its gradient.
+a leaf it passes on whole: one that holds a tensor in its attributes (or in the tuples,
+lists and dicts there) is refused, since that tensor would be neither split nor given
+its gradient. An object held in its attributes is not looked into.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Set as AbstractSet
-from types import ModuleType
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 __all__ = ["PLAIN", "OpaqueLeaf", "check_opaque", "opaque_error"]
 
@@ -34,9 +33,8 @@ class OpaqueLeaf(Exception):
 
 def check_opaque(obj: Any, leaf: Any) -> None:
     """Refuse ``obj`` if its attributes hold tensors; ``leaf`` is where it came from."""
-    search = _Search(obj)
-    attributes = [name for name, v in _state(obj).items() if search.holds_tensor(v)]
-    if isinstance(obj, AbstractSet | deque) and any(search.holds_tensor(v) for v in obj):
+    attributes = [name for name, v in _state(obj).items() if _holds_tensor(v, set())]
+    if isinstance(obj, AbstractSet | deque) and any(_holds_tensor(v, set()) for v in obj):
         attributes.append("items")  # a set or deque: neither split nor given gradients
     if attributes:
         raise OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
@@ -56,45 +54,20 @@ def _state(obj: Any) -> dict[str, Any]:
     return state
 
 
-# How far the search for a tensor goes into objects: levels, and values looked at in
-# all (it ends at cycles too). Not into modules (Python's or torch's: a layer's
-# parameters are not batch data, and a module reaches every global) nor classes.
-_DEPTH, _LOOKS = 4, 64
-_NOT_SEARCHED = (type, ModuleType, nn.Module)
+def _holds_tensor(value: Any, seen: set[int]) -> bool:
+    """Whether ``value`` is a tensor or has one in its tuples, lists and dicts.
 
-
-class _Search:
-    """One object's search for tensors, within one budget of values looked at."""
-
-    def __init__(self, root: Any) -> None:
-        self.seen, self.looks = {id(root)}, 0
-
-    def holds_tensor(self, value: Any, depth: int = 0) -> bool:
-        """Whether ``value`` is a tensor or holds one, nested (up to ``_DEPTH`` levels).
-
-        In tuples, lists, dicts, sets and deques, and in the attributes of the objects
-        there: an object that holds an object holding a tensor holds it too.
-        """
-        self.looks += 1
-        if isinstance(value, Tensor):
-            return True
-        if type(value) in PLAIN or isinstance(value, _NOT_SEARCHED) or id(value) in self.seen:
-            return False
-        if depth >= _DEPTH:
-            return False
-        self.seen.add(id(value))
-        if isinstance(value, dict):
-            items: Any = value.values()
-        elif isinstance(value, tuple | list | AbstractSet | deque):
-            items = value
-        else:
-            items = _state(value).values()
-        for item in items:
-            if self.looks >= _LOOKS:  # the budget is spent: taken as holding none
-                return False
-            if self.holds_tensor(item, depth + 1):
-                return True
+    Not in the attributes of another object there: looking into every object an
+    attribute reaches (a logger, a module, a config with a large table) would cost
+    each cell more than it saves.
+    """
+    if isinstance(value, Tensor):
+        return True
+    if not isinstance(value, tuple | list | dict) or id(value) in seen:
         return False
+    seen.add(id(value))
+    items = value.values() if isinstance(value, dict) else value
+    return any(_holds_tensor(v, seen) for v in items)
 
 
 def opaque_error(value: Any, name: str, opaque: OpaqueLeaf) -> TypeError:

@@ -154,7 +154,11 @@ class Trace:
     # time.time() - time.perf_counter() when the trace began: the events' times plus
     # this are on the wall clock, which processes share (see ``on_wall_clock``).
     origin: float = field(default_factory=lambda: time.time() - time.perf_counter())
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Not a field: dataclasses.asdict() and astuple() copy every field, and a lock
+        # cannot be copied.
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         # A lock cannot be pickled, and a copy's events are its own: it gets a new one.

@@ -29,7 +29,8 @@ checked by their exchange's ends: each names its rank's call, and a rank that se
 another call than its own raises :func:`mismatch`, as every other rank does. A step's
 start tells the others how rank 0 runs it, which each compares with its own
 (:func:`agree_with_start`): a forward only or a step, the table, the reduction of the
-loss, and the stage's ``train()``/``eval()`` mode.
+loss. Not the layers' ``train()``/``eval()`` modes: a stage may hold layers in either
+on purpose (a frozen backbone's batch norm), and only each process sees its own.
 """
 
 from __future__ import annotations
@@ -234,18 +235,18 @@ def mismatch(exchange: Exchange) -> RuntimeError | None:
 def agree_with_start(
     rank: int,
     m: int,
-    first: tuple[bool, str, str, bool],
-    mine: tuple[bool, str, str, bool],
+    first: tuple[bool, str, str],
+    mine: tuple[bool, str, str],
 ) -> None:
     """Refuse a step of ``m`` micro-batches that rank 0 started otherwise than this rank.
 
     ``first`` and ``mine``: rank 0's and this rank's (forward only, the table's text,
-    the loss's reduction, the stage in training mode).
+    the loss's reduction).
 
     Raises:
         ValueError: naming what differs and how to make it agree.
     """
-    (forward_only, text, reduction, training) = first
+    (forward_only, text, reduction) = first
     if forward_only != mine[0]:
         calls = ("forward_only", "step")
         said, called = calls if forward_only else calls[::-1]
@@ -263,12 +264,4 @@ def agree_with_start(
             f"rank 0's schedule was built with reduction={reduction!r} but rank {rank}'s "
             f"with reduction={mine[2]!r}, and the ranks would report different losses; "
             f"build every process's schedule with the same reduction"
-        )
-    if training != mine[3]:
-        modes = ("train()", "eval()")
-        said, called = modes if training else modes[::-1]
-        raise ValueError(
-            f"rank 0's stage is in {said} mode but rank {rank}'s in {called} mode, so "
-            f"their layers (dropout, batch norm) would act as parts of different models; "
-            f"call stage.{said} in every process"
         )

@@ -90,12 +90,18 @@ def _check_replicas(module: nn.Module, params: list[nn.Parameter], group: Any) -
     """
     import torch.distributed as dist
 
-    stages = getattr(module, "stages", None)
+    from torchgpipe.distributed.stage import PipelineStage
+
+    stages = module.stages if isinstance(module, PipelineStage) else None
     layout = [(tuple(p.shape), str(p.dtype), p.device.type) for p in params]
     digest = hashlib.sha256(repr((stages, layout)).encode()).digest()
     value = int.from_bytes(digest[:7], "little")  # fits an int64, and its negation too
-    nccl = str(dist.get_backend(group)) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = torch.device("cpu")
+    if str(dist.get_backend(group)) == "nccl":  # NCCL moves this process's GPU's tensors
+        gpus = [p.device for p in params if p.device.type == "cuda"]
+        if isinstance(module, PipelineStage) and module.device.type == "cuda":
+            gpus.insert(0, module.device)
+        device = gpus[0] if gpus else torch.device("cuda", torch.cuda.current_device())
     both = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     if int(both[0]) != value or int(both[1]) != -value:

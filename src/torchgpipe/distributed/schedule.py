@@ -324,7 +324,7 @@ def _start(
         text = table.text()
         seed = draw_seed()  # the one draw of the step, as in one process
         static = bool(key) and key in shapes
-        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction, stage.training)
+        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
         brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
@@ -340,13 +340,13 @@ def _start(
             exchange.halt()
             raise Stopped
         start = _full(stage, start)
-        m, sizes, text, first_forward_only, _, _, seed, reduction, training = start
+        m, sizes, text, first_forward_only, _, _, seed, reduction = start
         _follow(stage, exchange, start, shapes)
         if exchange.halted:
             raise Stopped
         table = steps.table(m)
-        mine = (forward_only, table.text(), steps.reduction, stage.training)
-        agree_with_start(stage.rank, m, (first_forward_only, text, reduction, training), mine)
+        mine = (forward_only, table.text(), steps.reduction)
+        agree_with_start(stage.rank, m, (first_forward_only, text, reduction), mine)
     if not forward_only:
         refuse_inference_mode(f"rank {stage.rank}'s schedule.step()")
     targets: list[Any] = []
