@@ -437,3 +437,18 @@ def test_flatten_passes_objects_whose_attributes_it_cannot_read_or_holding_modul
     leaves, _ = flatten((torch.ones(2), holder, layer))
     assert leaves[1] is holder
     assert leaves[2] is layer
+
+
+def test_flatten_looks_into_the_sets_and_deques_of_an_objects_attributes() -> None:
+    for held in (deque([torch.ones(2)]), frozenset({torch.ones(2)})):
+        with pytest.raises(TypeError, match=r"input\[0\] is a Box, whose attributes 'h'"):
+            flatten((Box(held),), "input")  # type: ignore[arg-type]
+
+
+def test_flatten_of_an_object_holding_a_large_table_or_a_deep_list_stays_cheap() -> None:
+    deep: list[object] = []
+    for _ in range(5000):  # deeper than Python's recursion allows
+        deep = [0, deep]
+    table = {f"token {k}": k for k in range(50_000)}
+    leaves, _ = flatten((torch.ones(2), Box(table), Box(deep)))  # type: ignore[arg-type]
+    assert len(leaves) == 3

@@ -33,8 +33,8 @@ class OpaqueLeaf(Exception):
 
 def check_opaque(obj: Any, leaf: Any) -> None:
     """Refuse ``obj`` if its attributes hold tensors; ``leaf`` is where it came from."""
-    attributes = [name for name, v in _state(obj).items() if _holds_tensor(v, set())]
-    if isinstance(obj, AbstractSet | deque) and any(_holds_tensor(v, set()) for v in obj):
+    attributes = [name for name, v in _state(obj).items() if _Search().holds_tensor(v)]
+    if isinstance(obj, AbstractSet | deque) and _Search().holds_tensor(list(obj)):
         attributes.append("items")  # a set or deque: neither split nor given gradients
     if attributes:
         raise OpaqueLeaf(leaf, attributes, dataclass_=obj is not leaf)
@@ -54,20 +54,39 @@ def _state(obj: Any) -> dict[str, Any]:
     return state
 
 
-def _holds_tensor(value: Any, seen: set[int]) -> bool:
-    """Whether ``value`` is a tensor or has one in its tuples, lists and dicts.
+# How far one attribute's search goes: containers deep, and values looked at (a config's
+# large table is not read through at every cell; what lies past them is taken as none).
+_DEPTH, _LOOKS = 32, 256
+
+
+class _Search:
+    """One attribute's search for tensors in its tuples, lists, dicts, sets and deques.
 
     Not in the attributes of another object there: looking into every object an
-    attribute reaches (a logger, a module, a config with a large table) would cost
-    each cell more than it saves.
+    attribute reaches (a logger, a module, a config) would cost each cell more than it
+    saves.
     """
-    if isinstance(value, Tensor):
-        return True
-    if not isinstance(value, tuple | list | dict) or id(value) in seen:
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.looks = 0
+
+    def holds_tensor(self, value: Any, depth: int = 0) -> bool:
+        """Whether ``value`` is a tensor or has one in its containers."""
+        self.looks += 1
+        if isinstance(value, Tensor):
+            return True
+        if not isinstance(value, tuple | list | dict | AbstractSet | deque):
+            return False
+        if id(value) in self.seen or depth >= _DEPTH:
+            return False
+        self.seen.add(id(value))
+        for item in value.values() if isinstance(value, dict) else value:
+            if self.looks >= _LOOKS:
+                return False
+            if self.holds_tensor(item, depth + 1):
+                return True
         return False
-    seen.add(id(value))
-    items = value.values() if isinstance(value, dict) else value
-    return any(_holds_tensor(v, seen) for v in items)
 
 
 def opaque_error(value: Any, name: str, opaque: OpaqueLeaf) -> TypeError:
