@@ -33,6 +33,13 @@ class Recorder(nn.Module):
         return x
 
 
+def assert_same_grads(model: nn.Module, plain: nn.Module) -> None:
+    """Every parameter of ``model`` holds the gradient of ``plain``'s, in order."""
+    pairs = zip(model.named_parameters(), plain.named_parameters(), strict=True)
+    for (name, ours), (_, theirs) in pairs:
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+
+
 def indexed_input(m: int, width: int = 3) -> Tensor:
     """m samples whose first column is their index."""
     x = torch.zeros(m, width)

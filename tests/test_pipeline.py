@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Fail, Recorder, assert_workers_idle_and_alive, indexed_input
+from helpers import (
+    Fail,
+    Recorder,
+    assert_same_grads,
+    assert_workers_idle_and_alive,
+    indexed_input,
+)
 from torch import Tensor, nn
 
 from torchgpipe import GPipe, is_checkpointing
@@ -531,8 +537,7 @@ def test_a_view_passed_with_its_tensor_and_left_alone_keeps_the_plain_gradients(
     x = torch.randn(4, 3, 4)
     plain(x).square().sum().backward()
     model(x).square().sum().backward()
-    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_same_grads(model, plain)
 
 
 def test_a_view_passed_with_its_tensor_may_change_in_place_under_no_grad() -> None:
@@ -576,8 +581,7 @@ def test_slices_that_lie_apart_may_change_in_place(checkpoint: str, backward_by:
     x = torch.randn(6, 4)
     plain(x).square().sum().backward()
     model(x).square().sum().backward()
-    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_same_grads(model, plain)
 
 
 def test_one_micro_batch_on_the_engines_way_leaves_views_to_autograd() -> None:
@@ -592,5 +596,4 @@ def test_one_micro_batch_on_the_engines_way_leaves_views_to_autograd() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline, "workers_run_backward", lambda devices: False)
         model(x).square().sum().backward()
-    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_same_grads(model, plain)
