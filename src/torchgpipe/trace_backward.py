@@ -273,11 +273,11 @@ def _next(x: Tensor) -> tuple[tuple[Node | None, int], ...]:
 
 def _own(nodes: list[Node | None], first: int, last: int) -> list[Node]:
     """``nodes`` numbered strictly between ``first`` and ``last``, each once."""
-    own: dict[int, Node] = {}  # by id: the engine's nodes compare by identity
+    own: dict[Node, None] = {}  # ordered; nodes compare by identity (see _own_sinks)
     for node in nodes:
         if node is not None and first < _number(node) < last:
-            own.setdefault(id(node), node)
-    return list(own.values())
+            own[node] = None
+    return list(own)
 
 
 def _own_sinks(fed: list[Node], first: int, last: int) -> list[Node]:
@@ -287,14 +287,17 @@ def _own_sinks(fed: list[Node], first: int, last: int) -> list[Node]:
     :class:`BackwardSpan`). Every own node runs before some sink, so once every sink
     has run, the cell's part of the graph has.
     """
+    # The set holds the nodes it has seen, not their ids: the Python object of a C++
+    # node lives only while referenced, and a freed one's id is soon another node's
+    # (with torch 2.11, a chain's sink was taken for a node seen and left out).
     stack = list(fed)
-    seen: set[int] = set()
+    seen: set[Node] = set()
     sinks = []
     while stack:
         node = stack.pop()
-        if id(node) in seen:
+        if node in seen:
             continue
-        seen.add(id(node))
+        seen.add(node)
         following = _own([n for n, _ in node.next_functions], first, last)
         stack.extend(following)
         if not following:
