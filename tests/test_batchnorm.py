@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_grads
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -839,6 +840,61 @@ def test_a_batch_norm_subclass_buffer_is_restored_for_the_recomputation(deferred
     ):
         torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
     torch.testing.assert_close(model[1].scale, plain[1].scale)
+
+
+class _Renorm(nn.BatchNorm1d):
+    """Batch renormalization's correction: reads the running variance in training."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        assert self.running_var is not None
+        batch = input.var(0, unbiased=False).add(self.eps).sqrt().detach()
+        correction = batch / self.running_var.add(self.eps).sqrt()  # read before updating
+        return super().forward(input) * correction
+
+
+def _renorm_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), _Renorm(4, momentum=0.9), nn.Linear(4, 1)).double()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_layer_reading_the_running_statistics_in_training_recomputes_what_it_read(
+    checkpoint: str,
+) -> None:
+    # The bug: the running statistics were left out of the buffers restored for a
+    # recomputation (torch's batch norm updates them without a new version, so they
+    # seem unchanged), on the belief that training-mode batch norm does not read them:
+    # a batch renormalization (or quantization-aware training's fused convolution and
+    # batch norm) read, in micro-batch i's recomputation, what the later ones had left,
+    # and the first layer's gradient was off by 100 % and more.
+    plain = _renorm_mlp()
+    model = GPipe(_renorm_mlp(), [2, 1], chunks=4, checkpoint=checkpoint)
+    x = torch.randn(8, 4, dtype=torch.float64) * 3 + 1
+    model(x).square().sum().backward()
+    for piece in scatter(x, 4):  # without deferral, each micro-batch updates in turn
+        plain(piece).square().sum().backward()
+    assert_same_grads(model, plain)
+    torch.testing.assert_close(model[1].running_var, plain[1].running_var)
+    assert int(model[1].num_batches_tracked) == 4
+
+
+def test_a_deferred_layer_reading_the_running_statistics_recomputes_what_it_read() -> None:
+    # Deferred: the statistics change at the last micro-batch's deferred forward, after
+    # every micro-batch read them; the recomputations read the values before the step.
+    x = torch.randn(8, 4, dtype=torch.float64) * 3 + 1
+    grads, stats = [], []
+    for checkpoint in ("always", "except_last", "never"):
+        model = GPipe(
+            _renorm_mlp(), [2, 1], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True
+        )
+        model(x).square().sum().backward()
+        grads.append(model[0].weight.grad)
+        assert grads[-1] is not None
+        assert grads[-1].abs().max() > 1e-3
+        stats.append(model[1].running_var)
+    for grad, stat in zip(grads[:2], stats[:2], strict=True):
+        torch.testing.assert_close(grad, grads[2])
+        torch.testing.assert_close(stat, stats[2])
 
 
 def test_other_holders_of_a_converted_layer_see_it_deferred() -> None:

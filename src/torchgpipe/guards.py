@@ -8,21 +8,27 @@ state the forward computed from:
 - The parameters: those the forward used. Under ``torch.func.functional_call`` the
   forward used the tensors it was given, which are gone from the modules by the time
   of backward: the recomputation puts them back (so their gradients are theirs).
-- Batch norm's running statistics are updated by the forward and put back after the
-  recomputation (:func:`freeze_running_stats`). Training-mode batch norm does not read
-  them, so the recomputation computes what the forward did. Deferred batch norm's too:
-  the deferred forward leaves them alone in a recomputation, but a subclass's forward
-  around it may change them besides (batchnorm.py refuses one that changes them
-  instead of calling it).
-- Any other buffer that a layer changes in its forward (spectral norm's power
-  iteration, a step counter, a batch-norm subclass's own buffer) is set, for the
-  recomputation, to a copy of the value the cell's forward started from, and then back
-  to the value the later forwards left: the recomputed weight is the forward's, and
-  the buffer ends as in the plain model.
+- Any buffer that a layer changes in its forward (batch norm's running statistics,
+  spectral norm's power iteration, a step counter) is set, for the recomputation, to a
+  copy of the value the cell's forward started from, and then back to the value the
+  later forwards left: the recomputed weight is the forward's, what a layer reads of
+  the statistics in training is what its forward read (a batch renormalization, the
+  fused convolution and batch norm of quantization-aware training), and the buffer
+  ends as in the plain model.
+- Deferred batch norm's running statistics change once per step, in the last
+  micro-batch's deferred forward, so every cell's forward started from their values
+  before the step: each recomputation gets copies of those, kept when the run first
+  used the partition (the deferred forward leaves them alone in a recomputation; a
+  subclass's forward may change them besides, as batchnorm.py allows, and changes the
+  copies). A subclass that reads them after its deferred forward, in the last
+  micro-batch, read the step's update there but reads the values before in its
+  recomputation.
 
 Which buffers a forward changes (in place, or by assigning a new tensor) is learned at
 the partition's first checkpointed forward, which keeps a copy of each before it runs;
-later forwards keep a copy only of those seen changing. A buffer first seen changing
+later forwards keep a copy only of those seen changing, and of batch norm's running
+statistics in training, which torch's kernels update without a new version. A buffer
+first seen changing
 later (a layer that changes it only now and then) is learned then, with a warning: that
 one cell's recomputation starts from the changed value.
 
@@ -34,17 +40,20 @@ from the modules as they are then) lives with the run and its cells.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards", "freeze_running_stats"]
+from torchgpipe.batchnorm import DeferredBatchNorm
 
-# What batch norm tracks, which freeze_running_stats puts back: not kept as other buffers.
+__all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards"]
+
+# What deferred batch norm tracks: kept once per run, not as other buffers (its forward
+# updates them at the last micro-batch only, so a checkpointed last cell would seem to
+# change them for the first time, and warn).
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 # Per buffer: the tensor before the forward, its version then, and a copy where needed.
@@ -79,19 +88,25 @@ class RunGuard:
 
     def __init__(self, guard: RecomputeGuard) -> None:
         self.guard = guard
-        self.batch_norms: list[_BatchNorm] = []
-        self.buffers: list[tuple[nn.Module, str]] = []
+        self.before_step: Restore = []  # deferred batch norm's statistics
+        # Per buffer: its module, its name, and whether torch's batch norm updates it in
+        # training without counting a version (the running statistics).
+        self.buffers: list[tuple[nn.Module, str, bool]] = []
         self.parameters: list[tuple[nn.Module, str]] = []
         for module in guard.partition.modules():
             self.parameters += [(module, n) for n, p in module._parameters.items() if p is not None]
-            tracked: tuple[str, ...] = ()
-            if isinstance(module, _BatchNorm) and module.track_running_stats:
-                self.batch_norms.append(module)  # deferred too: see the module's docstring
-                tracked = _RUNNING_STATS
+            stats = isinstance(module, _BatchNorm) and module.track_running_stats
+            deferred = stats and isinstance(module, DeferredBatchNorm)
+            if deferred:
+                self.before_step += [
+                    (module, n, b.clone())
+                    for n in _RUNNING_STATS
+                    if (b := module._buffers.get(n)) is not None
+                ]
             self.buffers += [
-                (module, n)
+                (module, n, stats and n in _RUNNING_STATS)
                 for n, b in module._buffers.items()
-                if b is not None and n not in tracked
+                if b is not None and not (deferred and n in _RUNNING_STATS)
             ]
         self.used: list[Tensor | None] | None = None  # the parameters the forwards used
         self.swaps: Swaps | None = None  # those the modules no longer hold, once checked
@@ -104,11 +119,12 @@ class RunGuard:
             return None
         changing = self.guard.changing
         kept: Kept = []
-        for module, name in self.buffers:
+        for module, name, uncounted in self.buffers:
             b = module._buffers.get(name)
             if b is None:  # removed or set to None since the run began: nothing to keep
                 return None
-            copy = b.clone() if changing is None or (id(module), name) in changing else None
+            known = changing is None or (id(module), name) in changing
+            copy = b.clone() if known or (uncounted and module.training) else None
             kept.append((b, b._version, copy))
         return kept
 
@@ -118,13 +134,14 @@ class RunGuard:
             return None
         restore: Restore = []
         guard, changed = self.guard, set()
-        for (module, name), (b, version, copy) in zip(self.buffers, kept, strict=True):
+        for (module, name, uncounted), (b, version, copy) in zip(self.buffers, kept, strict=True):
             now = module._buffers.get(name)
-            if now is b and b._version == version:
+            updated = uncounted and module.training  # with no version to show for it
+            if now is b and b._version == version and not updated:
                 continue
             changed.add((id(module), name))
             # Replaced by a new tensor, the old one untouched: it is the value before.
-            before = b if b._version == version else copy
+            before = b if b._version == version and not updated else copy
             if before is not None:
                 restore.append((module, name, before))
             elif not guard.warned:
@@ -148,28 +165,25 @@ class RunGuard:
         """
         if self.swaps is None:
             self.swaps = self._parameters_used()
-        swaps: Swaps = []
-        if restore:
-            # A copy each time: a second backward (retain_graph) starts from it again.
-            swaps = [(m._buffers, name, b.clone()) for m, name, b in restore]
+        restore = [*restore, *self.before_step] if restore else self.before_step
+        # A copy each time: a second backward (retain_graph) starts from it again.
+        swaps: Swaps = [(m._buffers, name, b.clone()) for m, name, b in restore]
         if self.swaps:
             swaps += self.swaps
-        if not swaps and not self.batch_norms:  # the common case, once per recomputed cell
+        if not swaps:  # the common case, once per recomputed cell
             return nullcontext()
         return self._swapped(swaps)
 
     @contextmanager
     def _swapped(self, swaps: Swaps) -> Iterator[None]:
-        frozen: Any = freeze_running_stats(self.batch_norms) if self.batch_norms else nullcontext()
-        with frozen:
-            now = [(slots, name, slots.get(name)) for slots, name, _ in swaps]
-            for slots, name, before in swaps:
-                slots[name] = before
-            try:
-                yield
-            finally:
-                for slots, name, value in now:
-                    slots[name] = value
+        now = [(slots, name, slots.get(name)) for slots, name, _ in swaps]
+        for slots, name, before in swaps:
+            slots[name] = before
+        try:
+            yield
+        finally:
+            for slots, name, value in now:
+                slots[name] = value
 
     def _parameters_used(self) -> Swaps:
         """The parameters the forwards used where the modules now hold others."""
@@ -206,24 +220,3 @@ class RunGuards:
                 return None
             made = self._made[s] = guard.for_run()
         return made
-
-
-@contextmanager
-def freeze_running_stats(modules: Sequence[_BatchNorm]) -> Iterator[None]:
-    """Put the running statistics of ``modules`` back as they were when the block ends."""
-    saved = [[t.clone() for t in _tracked(m) if t is not None] for m in modules]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, tensors in zip(modules, saved, strict=True):
-                current = [t for t in _tracked(m) if t is not None]
-                for now, before in zip(current, tensors, strict=True):
-                    # Through .data: the graphs of other micro-batches saved these
-                    # tensors (batch norm's backward in training mode does not read
-                    # them), and a version bump would fail their backward's checks.
-                    now.data.copy_(before)
-
-
-def _tracked(m: _BatchNorm) -> tuple[Tensor | None, ...]:
-    return (m.running_mean, m.running_var, m.num_batches_tracked)
