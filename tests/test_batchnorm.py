@@ -897,6 +897,61 @@ def test_a_deferred_layer_reading_the_running_statistics_recomputes_what_it_read
         torch.testing.assert_close(stat, stats[2])
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_lazy_batch_norm_in_a_checkpointed_partition_trains_as_the_plain_one(
+    checkpoint: str,
+) -> None:
+    # Regression: the running statistics of a layer not yet initialized were copied
+    # before its first forward (ValueError: uninitialized parameter).
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d(), nn.Linear(4, 1)).double()
+
+    plain = build()
+    model = GPipe(build(), [2, 1], chunks=4, checkpoint=checkpoint)
+    for step in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        for piece in scatter(x, 4):
+            plain(piece).square().sum().backward()
+    assert_same_grads(model, plain)
+    torch.testing.assert_close(model[1].running_var, plain[1].running_var)
+    assert int(model[1].num_batches_tracked) == 8
+
+
+class _QuietScale(nn.Module):
+    """A buffer changed in place with no new version (as a fused observer does), and read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x * self.scale
+        if self.training:
+            self.scale.data.mul_(0.5)  # .data: the buffer's version stays
+        return out
+
+
+def test_a_buffer_changed_without_a_new_version_is_restored_for_the_recomputation() -> None:
+    # Quantization-aware training's default observer updates its scale in a kernel that
+    # leaves the version as it was: the recomputation read what the later micro-batches
+    # had left, and the gradients differed from the plain model's.
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), _QuietScale(), nn.Linear(4, 1)).double()
+
+    plain = build()
+    model = GPipe(build(), [2, 1], chunks=4, checkpoint="always")
+    for step in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        for piece in scatter(x, 4):
+            plain(piece).square().sum().backward()
+    assert_same_grads(model, plain)
+    torch.testing.assert_close(model[1].scale, plain[1].scale)
+
+
 def test_other_holders_of_a_converted_layer_see_it_deferred() -> None:
     # Documented, not refused: a DeferredBatchNorm of one's own inside a GPipe without
     # the flag is torchgpipe 0.0.7's usage. Give GPipe a copy to keep the layer plain.

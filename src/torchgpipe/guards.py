@@ -25,7 +25,8 @@ state the forward computed from:
   recomputation.
 
 Which buffers a forward changes (in place, or by assigning a new tensor) is learned at
-the partition's first checkpointed forward, which keeps a copy of each before it runs;
+the partition's first checkpointed forward, which keeps a copy of each before it runs
+and compares values after (a fused kernel may change one with no new version);
 later forwards keep a copy only of those seen changing, and of batch norm's running
 statistics in training, which torch's kernels update without a new version. A buffer
 first seen changing
@@ -44,8 +45,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from torchgpipe.batchnorm import DeferredBatchNorm
 
@@ -56,8 +59,9 @@ __all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards"]
 # change them for the first time, and warn).
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
-# Per buffer: the tensor before the forward, its version then, and a copy where needed.
-Kept = list[tuple[Tensor, int, Tensor | None]]
+# Per buffer: the tensor before the forward, its version then, a copy where needed, and
+# whether it was lazy (no value yet: its forward gives it one).
+Kept = list[tuple[Tensor, int, Tensor | None, bool]]
 # What one cell's recomputation starts from: per buffer its forward changed, the module,
 # the name, the value before.
 Restore = list[tuple[nn.Module, str, Tensor]]
@@ -124,8 +128,9 @@ class RunGuard:
             if b is None:  # removed or set to None since the run began: nothing to keep
                 return None
             known = changing is None or (id(module), name) in changing
-            copy = b.clone() if known or (uncounted and module.training) else None
-            kept.append((b, b._version, copy))
+            lazy = is_lazy(b)
+            wanted = (known or (uncounted and module.training)) and not lazy
+            kept.append((b, b._version, b.clone() if wanted else None, lazy))
         return kept
 
     def after_forward(self, kept: Kept | None) -> Restore | None:
@@ -134,14 +139,26 @@ class RunGuard:
             return None
         restore: Restore = []
         guard, changed = self.guard, set()
-        for (module, name, uncounted), (b, version, copy) in zip(self.buffers, kept, strict=True):
+        learning = guard.changing is None
+        for (module, name, uncounted), (b, version, copy, lazy) in zip(
+            self.buffers, kept, strict=True
+        ):
             now = module._buffers.get(name)
             updated = uncounted and module.training  # with no version to show for it
-            if now is b and b._version == version and not updated:
+            same = now is b and b._version == version
+            if same and not updated and learning and copy is not None:
+                # Once, at the first checkpointed forward: a fused kernel may change a
+                # buffer in place with no new version (fake quantization's observer).
+                updated = not _equal(copy, b)
+            if same and not updated and (id(module), name) not in (guard.changing or ()):
                 continue
             changed.add((id(module), name))
             # Replaced by a new tensor, the old one untouched: it is the value before.
-            before = b if b._version == version and not updated else copy
+            before = b if now is not b and b._version == version and not updated else copy
+            if lazy:  # torch's lazy batch norm starts from reset statistics; others: unknown
+                before = _reset_value(name, now) if uncounted and now is not None else None
+                if before is None:
+                    continue
             if before is not None:
                 restore.append((module, name, before))
             elif not guard.warned:
@@ -220,3 +237,16 @@ class RunGuards:
                 return None
             made = self._made[s] = guard.for_run()
         return made
+
+
+def _equal(before: Tensor, now: Tensor) -> bool:
+    """Whether ``now`` holds the values of ``before`` (True where torch cannot say)."""
+    try:
+        return before.shape == now.shape and bool(torch.equal(before, now))
+    except (RuntimeError, NotImplementedError):  # a layout torch.equal does not take
+        return True
+
+
+def _reset_value(name: str, now: Tensor) -> Tensor:
+    """What batch norm's ``reset_running_stats`` gives the statistic ``name``."""
+    return torch.ones_like(now) if name == "running_var" else torch.zeros_like(now)
