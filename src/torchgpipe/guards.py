@@ -129,6 +129,14 @@ class RunGuard:
                 return None
             known = changing is None or (id(module), name) in changing
             lazy = is_lazy(b)
+            if lazy and not uncounted:
+                raise ValueError(
+                    f"torchgpipe: the buffer {name!r} of a {type(module).__name__} has no "
+                    f"value yet (a lazy module) in a checkpointed partition, whose "
+                    f"recomputation needs the value the forward started from; initialize "
+                    f"the lazy modules first (one forward of the plain model, or of the "
+                    f"GPipe under checkpoint='never'), or use checkpoint='never'"
+                )
             wanted = (known or (uncounted and module.training)) and not lazy
             kept.append((b, b._version, b.clone() if wanted else None, lazy))
         return kept
@@ -155,10 +163,8 @@ class RunGuard:
             changed.add((id(module), name))
             # Replaced by a new tensor, the old one untouched: it is the value before.
             before = b if now is not b and b._version == version and not updated else copy
-            if lazy:  # torch's lazy batch norm starts from reset statistics; others: unknown
-                before = _reset_value(name, now) if uncounted and now is not None else None
-                if before is None:
-                    continue
+            if lazy:  # torch's lazy batch norm: from the reset statistics
+                before = None if now is None else _reset_value(name, now)
             if before is not None:
                 restore.append((module, name, before))
             elif not guard.warned:
@@ -242,7 +248,13 @@ class RunGuards:
 def _equal(before: Tensor, now: Tensor) -> bool:
     """Whether ``now`` holds the values of ``before`` (True where torch cannot say)."""
     try:
-        return before.shape == now.shape and bool(torch.equal(before, now))
+        if before.shape != now.shape:
+            return False
+        if torch.equal(before, now):
+            return True
+        # NaN equals nothing: a buffer holding one, only read, is not changing.
+        floating = before.is_floating_point() or before.is_complex()
+        return floating and bool(torch.allclose(before, now, rtol=0, atol=0, equal_nan=True))
     except (RuntimeError, NotImplementedError):  # a layout torch.equal does not take
         return True
 
