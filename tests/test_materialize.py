@@ -1341,10 +1341,7 @@ def test_a_wide_integer_buffer_with_one_element_left_is_refused(left: slice) -> 
         GPipe(layers, [1, 1])
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [torch.int64, torch.int16, getattr(torch, "uint16", torch.uint8), torch.bool],  # 2.3+
-)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint16, torch.bool])
 def test_integer_buffers_laid_out_in_pieces_are_marked_and_checked(dtype: torch.dtype) -> None:
     # Regression: index_put, which marked them, is not there for uint16 (an error from
     # inside torch), and the check copied the whole tensor.

@@ -68,7 +68,7 @@ from torchgpipe.materialize_checks import (
     meta_layers,
     on_meta,
 )
-from torchgpipe.resets import Holder, every_use, initialize, own_tensors, reset
+from torchgpipe.resets import Holder, initialize, own_tensors, reset
 from torchgpipe.split_stage import Stage
 
 __all__ = [
@@ -188,7 +188,7 @@ def _holders(layer: nn.Module) -> list[Holder]:
     each holder a tensor of its own (:func:`_retie` ties them again).
     """
     holders, seen = [], set()
-    for module in every_use(layer):
+    for module in layer.modules(remove_duplicate=False):
         for name, tensor in own_tensors(module):
             if tensor.is_meta and (id(module), name) not in seen:
                 seen.add((id(module), name))

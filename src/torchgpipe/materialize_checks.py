@@ -22,14 +22,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
-from torchgpipe.resets import (
-    every_use,
-    legacy_hooks,
-    own_tensors,
-    reset_of,
-    tensor_holders,
-    under,
-)
+from torchgpipe.resets import legacy_hooks, own_tensors, reset_of, tensor_holders, under
 from torchgpipe.split_stage import Placeholder, Stage
 
 __all__ = [
@@ -302,7 +295,7 @@ def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, int]:
     """
     first: dict[int, int] = {}
     for _, layer in layers:
-        for module in every_use(layer):
+        for module in layer.modules(remove_duplicate=False):
             for _, tensor in own_tensors(module):
                 first.setdefault(id(tensor), id(layer))
     return first
@@ -327,7 +320,7 @@ def _init_fills(
     """
     watched: dict[int, tuple[int, Tensor]] = {}
     for _, layer in meta:
-        for module in every_use(layer):
+        for module in layer.modules(remove_duplicate=False):
             for _, tensor in own_tensors(module):
                 if tensor.numel() and not _later(tensor, layer, here, first):
                     watched.setdefault(id(tensor), (id(layer), tensor))

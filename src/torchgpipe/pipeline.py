@@ -391,8 +391,7 @@ class _Backward:
 
 def _fate(p: Tensor) -> Fate:
     """What the engine's backward under way does with a gradient for parameter ``p``."""
-    with torch.enable_grad():  # torch < 2.3 finds a leaf's node with an op recorded
-        node = get_gradient_edge(p).node
+    node = get_gradient_edge(p).node
     try:
         return "accumulate" if torch._C._will_engine_execute_node(node) else "drop"
     except RuntimeError:  # torch refuses to tell of a leaf that autograd.grad captures

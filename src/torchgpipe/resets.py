@@ -45,15 +45,6 @@ def own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [(n, t) for table in tables for n, t in table.items() if t is not None]
 
 
-def every_use(module: nn.Module) -> Iterator[nn.Module]:
-    """``module`` and its submodules, one met in two places once for each.
-
-    ``modules(remove_duplicate=False)`` needs torch 2.3; ``named_modules`` takes it in
-    every torch this library supports.
-    """
-    return (sub for _, sub in module.named_modules(remove_duplicate=False))
-
-
 def reset(
     layer: nn.Module, held: list[Holder], watched: dict[int, tuple[int, Tensor]], prefix: str
 ) -> None:
