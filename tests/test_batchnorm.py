@@ -898,6 +898,15 @@ def test_a_deferred_layer_reading_the_running_statistics_recomputes_what_it_read
         torch.testing.assert_close(stat, stats[2])
 
 
+def _two_steps_beside_the_plain_one(model: GPipe, plain: nn.Module) -> None:
+    """Two backward steps of ``model`` (4 micro-batches), and of ``plain`` one at a time."""
+    for step in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        for piece in scatter(x, 4):
+            plain(piece).square().sum().backward()
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_a_lazy_batch_norm_in_a_checkpointed_partition_trains_as_the_plain_one(
     checkpoint: str,
@@ -910,11 +919,7 @@ def test_a_lazy_batch_norm_in_a_checkpointed_partition_trains_as_the_plain_one(
 
     plain = build()
     model = GPipe(build(), [2, 1], chunks=4, checkpoint=checkpoint)
-    for step in range(2):
-        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        model(x).square().sum().backward()
-        for piece in scatter(x, 4):
-            plain(piece).square().sum().backward()
+    _two_steps_beside_the_plain_one(model, plain)
     assert_same_grads(model, plain)
     torch.testing.assert_close(model[1].running_var, plain[1].running_var)
     assert int(model[1].num_batches_tracked) == 8
@@ -986,11 +991,7 @@ def test_a_buffer_changed_without_a_new_version_is_restored_for_the_recomputatio
 
     plain = build()
     model = GPipe(build(), [2, 1], chunks=4, checkpoint="always")
-    for step in range(2):
-        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        model(x).square().sum().backward()
-        for piece in scatter(x, 4):
-            plain(piece).square().sum().backward()
+    _two_steps_beside_the_plain_one(model, plain)
     assert_same_grads(model, plain)
     torch.testing.assert_close(model[1].scale, plain[1].scale)
 
