@@ -486,20 +486,57 @@ def test_a_hook_or_the_callers_backward_failing_on_one_rank_fails_every_rank() -
     _assert_close({**results[0]["next grads"], **results[1]["next grads"]}, grads)
 
 
-def _refused_rank(rank: int, world: int) -> dict[str, Any]:
-    # Rank 1 is given a bad argument: it raises before building its transport and its
-    # process ends (os._exit, as an uncaught exception would end it).
-    outcome = _outcome(lambda: PipelineStage(mlp(), [4, 4], chunks=0 if rank == 1 else 2))
-    if rank == 1:
+def _refused_rank(rank: int, world: int, refusing: tuple[int, ...]) -> dict[str, Any]:
+    # The ranks `refusing` are given a bad argument: each raises before building its
+    # transport and its process ends (os._exit, as an uncaught exception would end it).
+    # The others wait for each other before they leave: one that left would be gone too
+    # for a slower one's greeting.
+    live = dist.new_group([r for r in range(world) if r not in refusing])
+    balance = [8 // world] * world
+    chunks = 0 if rank in refusing else 2
+    outcome = _outcome(lambda: PipelineStage(mlp(), balance, chunks=chunks))
+    if rank in refusing:
         os._exit(3)
+    dist.barrier(group=live)
     return outcome
 
 
-def test_a_rank_that_refuses_its_arguments_is_reported_as_a_remote_error() -> None:
-    results = spawn(_refused_rank, 2, timeout=60.0, dies=1)
-    assert results[0]["type"] == "RemoteError", results[0]
-    assert "failed before building its stage" in results[0]["text"]
-    assert results[0]["seconds"] < 30
+@pytest.mark.parametrize(("world", "refusing"), [(2, (1,)), (4, (2,)), (4, (2, 3))])
+def test_a_rank_that_refuses_its_arguments_is_reported_as_a_remote_error_naming_it(
+    world: int, refusing: tuple[int, ...]
+) -> None:
+    results = spawn(_refused_rank, world, refusing, timeout=60.0, dies=len(refusing))
+    for rank, out in enumerate(results):
+        if rank in refusing:
+            continue
+        assert out["type"] == "RemoteError", out
+        assert out["seconds"] < 30
+        if len(refusing) == 1:
+            [gone] = refusing
+            assert (out["rank"], out["stages"]) == (gone, (gone,)), out
+            assert f"could not reach rank {gone} while setting up" in out["text"]
+            assert "failed before building its stage" in out["text"]
+        else:  # which failed first is not known: every one is named
+            assert (out["rank"], out["stages"]) == (-1, ()), out
+            assert f"could not reach ranks {list(refusing)} while setting up" in out["text"]
+
+
+def _destroyed_rank(rank: int, world: int) -> dict[str, Any]:
+    stage = PipelineStage(mlp(), [4, 4], chunks=2)
+    schedule = ScheduleGPipe(stage, _mse)
+    x, y = _batch(1, 4, 4), _batch(2, 4, 4)
+    schedule.step(x if rank == 0 else None, y if rank == 1 else None)
+    dist.destroy_process_group()
+    return _outcome(lambda: schedule.step(x if rank == 0 else None, y if rank == 1 else None))
+
+
+def test_a_step_after_the_process_group_was_destroyed_is_refused_saying_so() -> None:
+    # The transport holds the group, whose connections stay up after the destroy: a step
+    # would run on a group torch.distributed no longer knows of.
+    for out in spawn(_destroyed_rank, 2):
+        assert out["type"] == "RuntimeError", out
+        assert "the pipeline's process group was destroyed" in out["text"]
+        assert "build the process group and the PipelineStage anew" in out["text"]
 
 
 def _other_call_rank(rank: int, world: int) -> dict[str, Any]:

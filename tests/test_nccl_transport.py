@@ -423,7 +423,8 @@ def test_a_round_that_cannot_be_built_is_left_whole_for_the_drain() -> None:
     # issues both receives, matching rank 0's two sends.
     from torchgpipe.distributed.plan import Message, RankPlan
     from torchgpipe.distributed.transfers import Transfers
-    from torchgpipe.distributed.transport import Transfer, pack
+    from torchgpipe.distributed.transport import Transfer
+    from torchgpipe.distributed.wire import pack
     from torchgpipe.mailbox import Stopped
 
     rules = NCCLRules(2)
@@ -671,7 +672,7 @@ def test_static_shapes_follow_the_stages_between_train_and_eval() -> None:
 def test_a_static_message_marks_real_data_apart_from_a_failed_senders_zeros() -> None:
     from torchgpipe.distributed.plan import Message, RankPlan
     from torchgpipe.distributed.transfers import Transfers
-    from torchgpipe.distributed.transport import MARK, pack
+    from torchgpipe.distributed.wire import MARK, pack
 
     (transport,) = LocalTransport.mesh(1)
     key = ("F", 1, 0)

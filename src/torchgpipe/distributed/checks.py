@@ -38,20 +38,40 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
-from torchgpipe.distributed.exchange import Exchange, describe
+from torchgpipe.distributed.exchange import Exchange, RemoteError, describe
+from torchgpipe.distributed.transport import ProcessGroupTransport, TransportError
 from torchgpipe.mailbox import Stopped
 
 __all__ = [
     "check_placement",
     "check_rank",
+    "connect",
     "differences",
     "fingerprint",
     "mismatch",
     "other_calls",
     "start_together",
 ]
+
+
+def connect(group: Any, device: torch.device | None, partitions: int) -> ProcessGroupTransport:
+    """This process's transport on ``group`` (``None``: every process).
+
+    Raises:
+        RemoteError: another rank cannot be reached: it failed before building its
+            stage (a bad argument), or died. Named with its stages where the transport
+            knows which it is (``ProcessGroupTransport`` greets every rank first).
+    """
+    try:
+        return ProcessGroupTransport(group, device=device)
+    except TransportError as error:
+        peer = error.peer
+        world = torch.distributed.get_world_size(group)
+        stages = tuple(range(peer, partitions, world)) if peer >= 0 else ()
+        raise RemoteError(str(error), rank=peer, stages=stages) from error
 
 
 def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -54,14 +54,8 @@ from torch import Tensor
 
 from torchgpipe.distributed.plan import Message, RankPlan
 from torchgpipe.distributed.transfers import Transfers
-from torchgpipe.distributed.transport import (
-    Transport,
-    TransportError,
-    filled,
-    pack,
-    shell,
-    unpack,
-)
+from torchgpipe.distributed.transport import Transport, TransportError
+from torchgpipe.distributed.wire import filled, pack, shell, unpack
 from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
 from torchgpipe.microbatch import flatten
 from torchgpipe.schedules import Action

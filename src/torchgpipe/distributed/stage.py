@@ -23,11 +23,17 @@ from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm, expect_micro_batches
 from torchgpipe.devices import Device, PlacedModule, as_device
-from torchgpipe.distributed.checks import check_placement, check_rank, fingerprint, start_together
+from torchgpipe.distributed.checks import (
+    check_placement,
+    check_rank,
+    connect,
+    fingerprint,
+    start_together,
+)
 from torchgpipe.distributed.collect import clip_across, collect, refuse
-from torchgpipe.distributed.exchange import Exchange, Key, RemoteError
+from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
-from torchgpipe.distributed.transport import ProcessGroupTransport, Transport, TransportError
+from torchgpipe.distributed.transport import Transport
 from torchgpipe.gpipe import (
     Checkpoint,
     check_balance,
@@ -162,10 +168,7 @@ class PipelineStage(PlacedModule, StageHolder):
         self.table_text: str | None = None
         wanted = None if device is None else as_device(device)
         if transport is None:
-            try:
-                transport = ProcessGroupTransport(group, device=wanted)
-            except TransportError as error:
-                raise RemoteError(str(error), rank=error.peer, stages=()) from error
+            transport = connect(group, wanted, len(self.balance))
         elif wanted is not None and wanted != transport.device:
             raise ValueError(
                 f"device is {wanted} but the transport receives on {transport.device}; "
@@ -435,20 +438,18 @@ class PipelineStage(PlacedModule, StageHolder):
         for layer in self._deferred:  # not layer.expect: its class may have its own
             expect_micro_batches(layer, m)
 
-    def _owner(self, stage: int) -> int:
-        return stage % self.world_size
-
     def exchange(self) -> Exchange:
         """A new exchange for one step (or the start), listening to every peer."""
+        self.transport.check_open()
         routes = self.skip_layout.routes
         index = {route.key: k for k, route in enumerate(routes)}
 
-        def owner(key: Key) -> int:
+        def owner(key: Key) -> int:  # the rank of the stage that takes it
             kind = key[0]
             if kind in ("F", "G"):
-                return self._owner(key[1])
+                return int(key[1]) % self.world_size
             route = routes[index[key[1]]]
-            return self._owner(route.pop_partition if kind == "S" else route.stash_partition)
+            return (route.pop_partition if kind == "S" else route.stash_partition) % self.world_size
 
         def wire(key: Key) -> Key:
             return (key[0], index[key[1]], *key[2:]) if key[0] in ("S", "SG") else key

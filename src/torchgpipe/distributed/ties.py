@@ -29,7 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.distributed.transport import Transfer, Transport, tensor_bytes
+from torchgpipe.distributed.transport import Transfer, Transport
+from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 
 __all__ = ["AcrossRanks", "tied_ranks"]

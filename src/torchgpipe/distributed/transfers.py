@@ -33,14 +33,8 @@ import torch
 from torch import Tensor
 
 from torchgpipe.distributed.plan import Key, Message, RankPlan
-from torchgpipe.distributed.transport import (
-    MARK,
-    Pending,
-    Transfer,
-    Transport,
-    TransportError,
-    packed_size,
-)
+from torchgpipe.distributed.transport import Pending, Transfer, Transport, TransportError
+from torchgpipe.distributed.wire import MARK, packed_size
 from torchgpipe.mailbox import Stopped
 
 __all__ = ["Transfers"]

@@ -16,14 +16,15 @@ Every failure to reach a peer (it died, it closed, it timed out) raises
 
 :class:`ProcessGroupTransport` runs the transfers on the pipeline's process group (gloo
 on CPU, NCCL on GPU) and the side channel on a gloo group (the pipeline's own when it
-is gloo, under another tag). ``local.py`` holds :class:`LocalTransport`, which connects
+is gloo, under another tag); on gloo, which has no groups of operations, it issues
+them straight on the ``ProcessGroup``, one by one. ``wire.py`` makes the buffers.
+``local.py`` holds :class:`LocalTransport`, which connects
 threads of one process, for tests of the protocol above it without processes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from torchgpipe.microbatch import distinct_tensors, unflatten
+from torchgpipe.distributed.wire import pack, packed_size, unpack
 
 __all__ = [
     "Pending",
@@ -42,7 +43,6 @@ __all__ = [
     "Transport",
     "TransportError",
     "check_member",
-    "tensor_bytes",
 ]
 
 Message = tuple[Any, list[Tensor]]
@@ -140,12 +140,18 @@ class Transport(ABC):
             TransportError: a message could not be delivered.
         """
 
+    def check_open(self) -> None:  # noqa: B027  # a no-op where a closed one fails anyway
+        """Refuse to start a call (a step) on channels that were closed since.
+
+        Raises:
+            RuntimeError: they were, saying what to do.
+        """
+
 
 # ProcessGroupTransport
 
 _HEAD = 512  # bytes of the first transfer of a message: the header's length, then it
 _LENGTH = 8
-_ALIGN = 16  # each tensor's bytes start at a multiple of this in the data buffer
 _TAG = 0x7467  # the side channel's, apart from the user's own point-to-point messages
 _DATA_TAG = 0x7468  # the transfers' (gloo matches by tag; NCCL ignores tags)
 
@@ -172,8 +178,8 @@ class ProcessGroupTransport(Transport):
     Raises:
         RuntimeError: ``torch.distributed`` is not available or not initialized.
         ValueError: this process is not in ``group`` (or ``side_group``); NCCL with a
-            device that is not a CUDA device; a side group that is not gloo or not of
-            the same size.
+            device that is not a CUDA device; a side group that is not a gloo group of
+            exactly the pipeline's processes, in their order.
     """
 
     def __init__(
@@ -211,12 +217,10 @@ class ProcessGroupTransport(Transport):
         self.wire = self.device if self.backend == "nccl" else torch.device("cpu")
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.side_group = self._side_group(side_group)
-        self._side_global = [
-            dist.get_global_rank(self.side_group, r) for r in range(self.world_size)
-        ]
         # Side-channel sends in flight, with their buffers: a send does not wait for the
         # receiver, whose listener may be slow to take the GIL from a thread that computes.
         self._pending: list[tuple[Any, Tensor, int]] = []
+        self._greet()
         # NCCL sets up a communicator at its first operation, which must then be a
         # collective of every rank of the group, not a batch of point-to-point ones.
         try:
@@ -229,6 +233,52 @@ class ProcessGroupTransport(Transport):
                 -1,
             ) from error
 
+    def _greet(self) -> None:
+        """Exchange a word with every other rank on the side channel, before anything else.
+
+        A rank that failed before building its stage (a bad argument), or died, closed
+        its connections: the ranks that cannot hear from it name it, where a collective
+        would only say that some process is gone. Every peer is tried, whatever the
+        others do. A rank that comes late may find several gone (those that failed
+        here first left): it names them all, and no one rank.
+
+        Raises:
+            TransportError: a rank cannot be reached, naming it (``peer`` -1 if several).
+        """
+        word = torch.tensor([self.rank], dtype=torch.int64)
+        lost: dict[int, TransportError] = {}
+        sent, peers = [], [p for p in range(self.world_size) if p != self.rank]
+        for peer in peers:  # sends first: a send does not wait for its receive
+            try:
+                sent.append((peer, self._side("send", word, peer)))
+            except TransportError as error:
+                lost.setdefault(peer, error)
+        for peer in peers:
+            try:
+                self._side("recv", torch.empty(1, dtype=torch.int64), peer)
+            except TransportError as error:
+                lost.setdefault(peer, error)
+        for peer, work in sent:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                lost.setdefault(peer, TransportError(str(error), peer))
+        if len(lost) == 1:
+            [(peer, cause)] = lost.items()
+            raise TransportError(
+                f"rank {self.rank} could not reach rank {peer} while setting up: it "
+                f"failed before building its stage (see its own output for why) or died. "
+                f"The process group said: {cause}",
+                peer,
+            ) from cause
+        if lost:
+            raise TransportError(
+                f"rank {self.rank} could not reach ranks {sorted(lost)} while setting up: "
+                f"one failed before building its stage (see their own output for why) or "
+                f"died, and others may have left since, after failing on it",
+                -1,
+            ) from next(iter(lost.values()))
+
     def _side_group(self, given: Any) -> Any:
         dist = self._dist
         if given is None:
@@ -237,10 +287,12 @@ class ProcessGroupTransport(Transport):
             return dist.new_group(self._global, backend="gloo", use_local_synchronization=True)
         check_member(given, "side_group")
         backend = str(dist.get_backend(given))
-        if backend != "gloo" or dist.get_world_size(given) != self.world_size:
+        size = dist.get_world_size(given)
+        members = [dist.get_global_rank(given, r) for r in range(size)]
+        if backend != "gloo" or members != self._global:
             raise ValueError(
-                f"side_group must be a gloo group of the pipeline's {self.world_size} "
-                f"processes, got a {backend} group of {dist.get_world_size(given)}; leave "
+                f"side_group must be a gloo group of the pipeline's processes (global ranks "
+                f"{self._global}), got a {backend} group of global ranks {members}; leave "
                 f"it out to let the transport make one"
             )
         return given
@@ -267,6 +319,25 @@ class ProcessGroupTransport(Transport):
         for buffer in transfers:
             work = self._side("send", buffer, peer)
             self._pending.append((work, buffer, peer))
+
+    def check_open(self) -> None:
+        """Refuse a call once the process groups were destroyed; see :meth:`Transport.check_open`.
+
+        The transport holds its groups, whose connections then stay up: a step would run
+        on a group that ``torch.distributed`` no longer knows of.
+        """
+        dist = self._dist
+        for group in {id(self.group): self.group, id(self.side_group): self.side_group}.values():
+            try:
+                known = dist.is_initialized() and dist.get_rank(group) >= 0
+            except (ValueError, RuntimeError):  # "the group is not registered"
+                known = False
+            if not known:
+                raise RuntimeError(
+                    f"rank {self.rank}: the pipeline's process group was destroyed "
+                    f"(torch.distributed.destroy_process_group()); build the process group "
+                    f"and the PipelineStage anew to run more steps, in every process"
+                )
 
     def flush(self) -> None:
         """Wait for the side-channel sends in flight; see :meth:`Transport.flush`."""
@@ -299,7 +370,12 @@ class ProcessGroupTransport(Transport):
         return header, unpack(data, layout, torch.device("cpu"))
 
     def issue(self, transfers: Sequence[Transfer]) -> list[Pending]:
-        """Start ``transfers`` as one ``batch_isend_irecv``; see :meth:`Transport.issue`."""
+        """Start ``transfers`` as one ``batch_isend_irecv`` (on gloo, one by one).
+
+        See :meth:`Transport.issue`.
+        """
+        if self.backend == "gloo":
+            return self._issue_gloo(transfers)
         dist = self._dist
         ops = [
             dist.P2POp(
@@ -323,12 +399,35 @@ class ProcessGroupTransport(Transport):
             works = works[:1] * len(transfers)
         return [_Work(work, t, self.rank) for work, t in zip(works, transfers, strict=True)]
 
+    def _issue_gloo(self, transfers: Sequence[Transfer]) -> list[Pending]:
+        """Issue ``transfers`` straight on a gloo group, one after another.
+
+        What ``batch_isend_irecv`` does with a backend that has no groups of operations,
+        without ``torch.distributed``'s checks of each one, which cost more than a small
+        transfer itself, several times per cell. Ranks are the group's own.
+        """
+        group: Any = self.group  # a ProcessGroup, given or WORLD (never None here)
+        works: list[Pending] = []
+        for t in transfers:
+            try:
+                operation = group.send if t.kind == "send" else group.recv
+                works.append(_Work(operation([t.buffer], t.peer, _DATA_TAG), t, self.rank))
+            except RuntimeError as error:  # gloo reports a lost peer this way
+                direction = "to" if t.kind == "send" else "from"
+                raise TransportError(
+                    f"rank {self.rank} could not start a {t.kind} {direction} rank "
+                    f"{t.peer}: {error}",
+                    t.peer,
+                ) from error
+        return works
+
     def _side(self, op: str, buffer: Tensor, peer: int) -> Any:
-        dist = self._dist
+        # Straight on the gloo group, as _issue_gloo; its ranks are the pipeline's.
+        group = self.side_group
         try:
             if op == "send":
-                return dist.isend(buffer, self._side_global[peer], group=self.side_group, tag=_TAG)
-            dist.recv(buffer, self._side_global[peer], group=self.side_group, tag=_TAG)
+                return group.send([buffer], peer, _TAG)
+            group.recv([buffer], peer, _TAG).wait()
             return None
         except RuntimeError as error:  # gloo reports a lost peer this way
             direction = "to" if op == "send" else "from"
@@ -373,121 +472,6 @@ class _Work:
             raise TransportError(
                 f"rank {self._rank} could not {kind} {direction} rank {peer}: {error}", peer
             ) from error
-
-
-Layout = list[tuple[tuple[int, ...], torch.dtype]]
-MARK = 16  # the bytes of the mark at the end of a marked buffer (see pack)
-
-
-def packed_size(layout: Layout) -> int:
-    """The bytes of the buffer that :func:`pack` makes for tensors of ``layout``."""
-    return sum(_aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in layout)
-
-
-def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -> Tensor | None:
-    """The tensors' bytes one after another (each aligned) in one buffer on ``wire``.
-
-    None when they have no bytes at all. Their layout (shapes and dtypes) travels apart.
-    ``mark``: :data:`MARK` more bytes at the end, the first of them 1: real data, as
-    opposed to the zeros that a failed sender sends in its place (``transfers.py``).
-    """
-    total = packed_size([(tuple(t.shape), t.dtype) for t in tensors])
-    if not total and not mark:
-        return None
-    buffer = torch.empty(total + (MARK if mark else 0), dtype=torch.uint8, device=wire)
-    if mark:
-        buffer[total:] = 0
-        buffer[total] = 1
-    offset = 0
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        if size:
-            buffer[offset : offset + size].copy_(tensor_bytes(t))
-        offset += _aligned(size)
-    return buffer
-
-
-def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[Tensor]:
-    """The tensors of a buffer made by :func:`pack`, on ``device``, in its memory.
-
-    Each is a tensor of its own over its part of the buffer, not a view of the buffer:
-    views would share one version counter, so a layer changing one tensor in place
-    (``relu_``) would fail autograd's check on another that a layer saved, where the
-    sender's tensors were independent.
-    """
-    if buffer is not None and buffer.device != device:
-        buffer = buffer.to(device)
-    tensors, offset = [], 0
-    for shape, dtype in layout:
-        size = math.prod(shape) * dtype.itemsize
-        if size == 0 or buffer is None:
-            tensors.append(torch.empty(shape, dtype=dtype, device=device))
-        else:
-            # Parts start at multiples of _ALIGN, itself a multiple of every item size.
-            start = (buffer.storage_offset() + offset) // dtype.itemsize
-            tensor = torch.empty(0, dtype=dtype, device=buffer.device)
-            tensors.append(tensor.set_(buffer.untyped_storage(), start, shape, _strides(shape)))
-        offset += _aligned(size)
-    return tensors
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def shell(
-    leaves: list[Any],
-) -> tuple[list[Tensor], tuple[list[Any], list[int], list[bool], list[int]]]:
-    """The distinct tensors of ``leaves``, and what rebuilds the leaves from them.
-
-    A tensor found twice (a stage returning ``(h, h)``) travels once and arrives as one
-    tensor in both places (``microbatch.distinct_tensors``). The rest: the leaves
-    without their tensors, where the tensors were, which want a gradient, and which of
-    the distinct tensors each one is.
-    """
-    tensors, which = distinct_tensors(leaves)
-    slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
-    wants = [leaves[k].requires_grad for k in slots]
-    return tensors, ([None if isinstance(x, Tensor) else x for x in leaves], slots, wants, which)
-
-
-def filled(
-    spec: Any,
-    leaves: list[Any],
-    slots: list[int],
-    wants: list[bool],
-    which: list[int],
-    tensors: list[Tensor],
-) -> Any:
-    """The value of a message: its tensors back in their slots, wanting grad as sent."""
-    leaves = list(leaves)
-    for slot, k, grad in zip(slots, which, wants, strict=True):
-        leaves[slot] = tensors[k].requires_grad_(True) if grad else tensors[k]
-    return unflatten(leaves, spec)
-
-
-def _aligned(size: int) -> int:
-    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def tensor_bytes(t: Tensor) -> Tensor:
-    """The bytes of ``t``'s values, flat, as uint8; a sparse ``t`` is refused (TypeError).
-
-    A conjugate or negative view (``z.conj()``, its ``.imag``) keeps the memory it views
-    and a bit that says to flip it: its values are resolved first.
-    """
-    if t.layout != torch.strided:
-        raise TypeError(
-            f"a tensor of layout {t.layout} (shape {list(t.shape)}) cannot pass between "
-            f"stages on different processes, only dense ones: return it dense from its "
-            f"stage (.to_dense()), or give the layers that make and use it one stage"
-        )
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _to_bytes(t: Tensor) -> bytes:

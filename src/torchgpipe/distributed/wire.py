@@ -1,0 +1,158 @@
+"""The wire form of a message's tensors: their bytes, one after another, in one buffer.
+
+A message between processes moves its tensors as one flat ``uint8`` buffer (one
+transfer, however many tensors it holds), and their layout (shapes and dtypes) apart:
+on the side channel, or known from the last step (static shapes). :func:`pack` makes
+the buffer, :func:`unpack` gives the tensors back, each over its own part of it;
+:func:`shell` and :func:`filled` take a value's tensors out of its leaves and put them
+back. A buffer may end with a mark that tells real data from the zeros a failed sender
+sends in its place (``transfers.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.microbatch import distinct_tensors, unflatten
+
+__all__ = ["MARK", "Layout", "filled", "pack", "packed_size", "shell", "tensor_bytes", "unpack"]
+
+_ALIGN = 16  # each tensor's bytes start at a multiple of this in the buffer
+
+Layout = list[tuple[tuple[int, ...], torch.dtype]]
+MARK = 16  # the bytes of the mark at the end of a marked buffer (see pack)
+
+
+def packed_size(layout: Layout) -> int:
+    """The bytes of the buffer that :func:`pack` makes for tensors of ``layout``."""
+    return sum(_aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in layout)
+
+
+def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -> Tensor | None:
+    """The tensors' bytes one after another (each aligned) in one buffer on ``wire``.
+
+    None when they have no bytes at all. Their layout (shapes and dtypes) travels apart.
+    ``mark``: :data:`MARK` more bytes at the end, the first of them 1: real data, as
+    opposed to the zeros that a failed sender sends in its place (``transfers.py``).
+    The buffer is made by one ``torch.cat`` of the parts: a message is packed per cell,
+    and filling a buffer part by part costs several dispatches more per tensor.
+    """
+    constants = _constants(wire)
+    parts = []
+    for t in tensors:
+        data = tensor_bytes(t)
+        if not data.numel():
+            continue
+        if data.device != wire:
+            data = data.to(wire)
+        parts.append(data)
+        if pad := _aligned(data.numel()) - data.numel():
+            parts.append(constants[MARK : MARK + pad])  # zeros
+    if mark:
+        parts.append(constants[:MARK])
+    if not parts:
+        return None
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
+_CONSTANTS: dict[torch.device, Tensor] = {}
+
+
+def _constants(wire: torch.device) -> Tensor:
+    """A mark (a 1 and zeros), then zeros to pad with, on ``wire``; made once per device."""
+    found = _CONSTANTS.get(wire)
+    if found is None:
+        found = torch.zeros(MARK + _ALIGN, dtype=torch.uint8, device=wire)
+        found[0] = 1
+        if wire.type == "cuda":  # written on this stream; read on any
+            torch.cuda.synchronize(wire)
+        _CONSTANTS[wire] = found
+    return found
+
+
+def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[Tensor]:
+    """The tensors of a buffer made by :func:`pack`, on ``device``, in its memory.
+
+    Each is a tensor of its own over its part of the buffer, not a view of the buffer:
+    views would share one version counter, so a layer changing one tensor in place
+    (``relu_``) would fail autograd's check on another that a layer saved, where the
+    sender's tensors were independent.
+    """
+    if buffer is not None and buffer.device != device:
+        buffer = buffer.to(device)
+    tensors, offset = [], 0
+    for shape, dtype in layout:
+        size = math.prod(shape) * dtype.itemsize
+        if size == 0 or buffer is None:
+            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+        else:
+            # Parts start at multiples of _ALIGN, itself a multiple of every item size.
+            start = (buffer.storage_offset() + offset) // dtype.itemsize
+            tensor = torch.empty(0, dtype=dtype, device=buffer.device)
+            tensors.append(tensor.set_(buffer.untyped_storage(), start, shape, _strides(shape)))
+        offset += _aligned(size)
+    return tensors
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def shell(
+    leaves: list[Any],
+) -> tuple[list[Tensor], tuple[list[Any], list[int], list[bool], list[int]]]:
+    """The distinct tensors of ``leaves``, and what rebuilds the leaves from them.
+
+    A tensor found twice (a stage returning ``(h, h)``) travels once and arrives as one
+    tensor in both places (``microbatch.distinct_tensors``). The rest: the leaves
+    without their tensors, where the tensors were, which want a gradient, and which of
+    the distinct tensors each one is.
+    """
+    tensors, which = distinct_tensors(leaves)
+    slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
+    wants = [leaves[k].requires_grad for k in slots]
+    return tensors, ([None if isinstance(x, Tensor) else x for x in leaves], slots, wants, which)
+
+
+def filled(
+    spec: Any,
+    leaves: list[Any],
+    slots: list[int],
+    wants: list[bool],
+    which: list[int],
+    tensors: list[Tensor],
+) -> Any:
+    """The value of a message: its tensors back in their slots, wanting grad as sent."""
+    leaves = list(leaves)
+    for slot, k, grad in zip(slots, which, wants, strict=True):
+        leaves[slot] = tensors[k].requires_grad_(True) if grad else tensors[k]
+    return unflatten(leaves, spec)
+
+
+def _aligned(size: int) -> int:
+    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def tensor_bytes(t: Tensor) -> Tensor:
+    """The bytes of ``t``'s values, flat, as uint8; a sparse ``t`` is refused (TypeError).
+
+    A conjugate or negative view (``z.conj()``, its ``.imag``) keeps the memory it views
+    and a bit that says to flip it: its values are resolved first.
+    """
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"a tensor of layout {t.layout} (shape {list(t.shape)}) cannot pass between "
+            f"stages on different processes, only dense ones: return it dense from its "
+            f"stage (.to_dense()), or give the layers that make and use it one stage"
+        )
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
