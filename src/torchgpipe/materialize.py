@@ -188,7 +188,7 @@ def _holders(layer: nn.Module) -> list[Holder]:
     each holder a tensor of its own (:func:`_retie` ties them again).
     """
     holders, seen = [], set()
-    for module in layer.modules(remove_duplicate=False):
+    for _, module in layer.named_modules(remove_duplicate=False):  # modules() has it from 2.11
         for name, tensor in own_tensors(module):
             if tensor.is_meta and (id(module), name) not in seen:
                 seen.add((id(module), name))

@@ -295,7 +295,7 @@ def _first_holders(layers: list[tuple[str, nn.Module]]) -> dict[int, int]:
     """
     first: dict[int, int] = {}
     for _, layer in layers:
-        for module in layer.modules(remove_duplicate=False):
+        for _, module in layer.named_modules(remove_duplicate=False):  # modules() has it from 2.11
             for _, tensor in own_tensors(module):
                 first.setdefault(id(tensor), id(layer))
     return first
@@ -320,7 +320,7 @@ def _init_fills(
     """
     watched: dict[int, tuple[int, Tensor]] = {}
     for _, layer in meta:
-        for module in layer.modules(remove_duplicate=False):
+        for _, module in layer.named_modules(remove_duplicate=False):  # modules() has it from 2.11
             for _, tensor in own_tensors(module):
                 if tensor.numel() and not _later(tensor, layer, here, first):
                     watched.setdefault(id(tensor), (id(layer), tensor))
