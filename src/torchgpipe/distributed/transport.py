@@ -404,31 +404,32 @@ class ProcessGroupTransport(Transport):
 
         What ``batch_isend_irecv`` does with a backend that has no groups of operations,
         without ``torch.distributed``'s checks of each one, which cost more than a small
-        transfer itself, several times per cell. Ranks are the group's own.
+        transfer itself, several times per cell.
         """
-        group: Any = self.group  # a ProcessGroup, given or WORLD (never None here)
-        works: list[Pending] = []
-        for t in transfers:
-            try:
-                operation = group.send if t.kind == "send" else group.recv
-                works.append(_Work(operation([t.buffer], t.peer, _DATA_TAG), t, self.rank))
-            except RuntimeError as error:  # gloo reports a lost peer this way
-                direction = "to" if t.kind == "send" else "from"
-                raise TransportError(
-                    f"rank {self.rank} could not start a {t.kind} {direction} rank "
-                    f"{t.peer}: {error}",
-                    t.peer,
-                ) from error
-        return works
+        return [
+            _Work(self._gloo(self.group, t.kind, t.buffer, t.peer, _DATA_TAG), t, self.rank)
+            for t in transfers
+        ]
 
-    def _side(self, op: str, buffer: Tensor, peer: int) -> Any:
-        # Straight on the gloo group, as _issue_gloo; its ranks are the pipeline's.
-        group = self.side_group
+    def _side(self, op: Literal["send", "recv"], buffer: Tensor, peer: int) -> Any:
+        """A side-channel send (its work), or a receive, waited for (None)."""
+        work = self._gloo(self.side_group, op, buffer, peer, _TAG)
+        if op == "send":
+            return work
         try:
-            if op == "send":
-                return group.send([buffer], peer, _TAG)
-            group.recv([buffer], peer, _TAG).wait()
-            return None
+            work.wait()
+        except RuntimeError as error:  # gloo reports a lost peer this way
+            raise TransportError(
+                f"rank {self.rank} could not recv from rank {peer}: {error}", peer
+            ) from error
+        return None
+
+    def _gloo(
+        self, group: Any, op: Literal["send", "recv"], buffer: Tensor, peer: int, tag: int
+    ) -> Any:
+        """Start ``op`` on a gloo ``group`` (a ProcessGroup; ranks are its own); its work."""
+        try:
+            return (group.send if op == "send" else group.recv)([buffer], peer, tag)
         except RuntimeError as error:  # gloo reports a lost peer this way
             direction = "to" if op == "send" else "from"
             raise TransportError(
