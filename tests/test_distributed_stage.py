@@ -459,6 +459,43 @@ def test_a_rank_that_closes_its_transport_mid_step_is_named_by_the_others() -> N
         assert seconds < timeout / 4  # seen by the transport, not by a timeout
 
 
+@pytest.mark.parametrize("input", ["the same", "a new layout"])
+def test_a_rank_gone_between_steps_fails_the_next_step_at_once_on_every_rank(
+    input: str,
+) -> None:
+    # Rank 0's start must reach ranks 2 and 3 although rank 1 is gone: with the same
+    # input the frames are known, and rank 0 issues transfers with rank 3 that only a
+    # rank 3 following the plan matches (interleaved: stage 7 on rank 3 sends to 0).
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    if input == "a new layout":
+        x, y = _batch(3, 16, 4), _batch(4, 16, 4)
+    timeout = 2.0
+    gone = threading.Barrier(4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = ScheduleInterleaved1F1B(stage, _mse)
+        first = _batch(1, 8, 4), _batch(2, 8, 4)
+        for _ in range(2):  # the second step on frames known from the first
+            _step(schedule, *first)
+        if stage.rank == 1:
+            transport = stage.transport
+            assert isinstance(transport, LocalTransport)
+            transport.close()  # as a process that dies between steps
+            gone.wait()
+            return None
+        gone.wait()
+        start = time.monotonic()
+        return _outcome(lambda: _step(schedule, x, y)), time.monotonic() - start
+
+    out = _on_ranks(4, [1] * 8, body, chunks=4, timeout=2 * timeout)
+    for r in (0, 2, 3):
+        remote, seconds = out[r]
+        assert isinstance(remote, RemoteError), repr(remote)
+        assert remote.rank == 1
+        assert "rank 1 (stages [1, 5]) died or cannot be reached" in str(remote)
+        assert seconds < timeout / 4  # seen by the transport, not by a timeout
+
+
 def test_a_target_of_another_batch_size_fails_on_the_last_rank() -> None:
     x, y = _batch(1, 8, 4), _batch(2, 6, 4)
     out = _on_ranks(2, [4, 4], lambda stage: _step(Schedule1F1B(stage, _mse), x, y), chunks=4)

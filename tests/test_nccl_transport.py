@@ -459,24 +459,38 @@ def test_a_round_that_cannot_be_built_is_left_whole_for_the_drain() -> None:
     rules.check()
 
 
-def _counting(transport: Transport, counts: list[int]) -> Transport:
-    """``transport``, counting the metadata it sends on the side channel."""
+def _counting(transport: Transport, counts: list[str]) -> Transport:
+    """``transport``, noting the metadata and the moved values it sends on the side channel."""
     send = transport.send
 
     def counted(peer: int, header: Any, tensors: Any) -> None:
-        if header[0] == "metadata":
-            counts.append(transport.rank)
+        if header[0] in ("metadata", "moved"):
+            counts.append(header[0])
         send(peer, header, tensors)
 
     transport.send = counted  # type: ignore[method-assign]
     return transport
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+class _GPULike(LocalTransport):
+    """A LocalTransport that reads no marks, as on a GPU wire (NCCL's default path)."""
+
+    reads_marks = False  # type: ignore[assignment]
+
+
+def _gpu_like(transport: Transport) -> Transport:
+    transport.__class__ = _GPULike
+    return transport
+
+
+@pytest.mark.parametrize("mode", ["static", "default", "default on a GPU wire"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("layouts", [1, 8])
-def test_static_shapes_send_no_metadata_once_the_input_repeats(
-    schedule: str, layouts: int, monkeypatch: Any
+def test_no_metadata_travels_once_the_input_repeats(
+    schedule: str, layouts: int, mode: str, monkeypatch: Any
 ) -> None:
+    # With static shapes, as promised; by default, as predicted from the last step where
+    # a mark can be read; on a GPU wire the default sends metadata at every step.
     from torchgpipe.distributed import schedule as step_module
 
     monkeypatch.setattr(step_module, "LAYOUTS", layouts)  # how many layouts are remembered
@@ -484,16 +498,18 @@ def test_static_shapes_send_no_metadata_once_the_input_repeats(
     models = [skip_net() for _ in range(2)]
     first, second = BATCHES
     batches = [first, first, second, second, first]  # a new input shape, then the old
-    counts: list[list[int]] = [[] for _ in batches]
+    counts: list[list[str]] = [[] for _ in batches]
 
     def rank(transport: Transport) -> Any:
-        seen: list[int] = []
+        seen: list[str] = []
+        if mode == "default on a GPU wire":
+            transport = _gpu_like(transport)
         stage = PipelineStage(
             models[transport.rank],
             _balance(2, schedule, 8),
             transport=_counting(transport, seen),
             chunks=4,
-            static_shapes=True,
+            static_shapes=mode == "static",
         )
         driver = SCHEDULES[schedule](stage, _mse)
         out = []
@@ -508,8 +524,13 @@ def test_static_shapes_send_no_metadata_once_the_input_repeats(
 
     results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
     _check_against_plain(results, skip_net, batches)
+    assert all("moved" not in c for c in counts)  # every value laid out as predicted
     sent = [len(c) for c in counts]
     assert sent[0] > 0  # the first step sends metadata
+    if mode == "default on a GPU wire":
+        assert sent == [sent[0]] * len(batches)
+        rules.check()
+        return
     assert sent[2] == sent[0]  # and so does the first with a new input shape
     assert sent[1] == sent[3] == 0  # the repeats send none
     if layouts > 1:
@@ -565,6 +586,146 @@ def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matche
         assert outcomes[0] == pytest.approx(expected, rel=1e-6)
         assert outcomes[2] == pytest.approx(expected, rel=1e-6)  # then a step that works
     rules.check()
+
+
+class _Widen(nn.Module):
+    """One feature more at steps it is told to (a layout that changes at one input)."""
+
+    wide: bool = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, x[:, :1]], dim=1) if _Widen.wide else x
+
+
+class _Narrow(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :8]
+
+
+def _widening() -> nn.Sequential:
+    """``mlp()`` with a value between stages 0 and 1 that may be one feature wider."""
+    layers = list(mlp())
+    return nn.Sequential(*layers[:3], _Widen(), _Narrow(), *layers[3:])
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize(
+    ("world", "schedule"),
+    [(2, "gpipe"), (2, "1f1b"), (2, "zero-bubble"), (2, "interleaved"), (4, "1f1b"), (4, "gpipe")],
+)
+def test_a_value_laid_out_anew_moves_to_the_side_channel(
+    world: int, schedule: str, checkpoint: str
+) -> None:
+    # By default a step on a repeated input predicts every value's layout from the last
+    # step; stage 0's output (and its gradient) here is one feature wider at steps 1
+    # and 2. Those values go whole on the side channel, the planned transfers carry
+    # zeros marked so (still matched as NCCL wants), and step 2 predicts the new layout.
+    rules = NCCLRules(world)
+    models = [_widening() for _ in range(world)]
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    wide = [False, True, True, True, False]
+    balance = [4, 2, 2, 2] if world == 4 or schedule == "interleaved" else [4, 6]
+
+    def rank(transport: Transport) -> Any:
+        seen: list[str] = []
+        stage = PipelineStage(
+            models[transport.rank],
+            balance,
+            transport=_counting(transport, seen),
+            chunks=4,
+            checkpoint=checkpoint,
+        )
+        driver = SCHEDULES[schedule](stage, _mse)
+        out = []
+        for widen in wide:
+            if stage.is_first:
+                _Widen.wide = widen  # stage 0 alone runs it, and waits for no other rank
+            stage.zero_grad()
+            before = len(seen)
+            result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
+            grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+            out.append((result.loss, result.output, grads, seen[before:]))
+        return out
+
+    results = run_threads(rank, world, timeout=30.0, observe=rules.group)
+    _Widen.wide = False
+    rules.check()
+    plain = _widening()
+    plain(x).sub(y).pow(2).mean().backward()
+    expected = {n: p.grad for n, p in plain.named_parameters()}
+    names = {n for out in results for n in out[0][2]}
+    assert names == set(expected)
+    for out in results:
+        for loss, output, grads, _ in out:
+            if loss is not None:
+                with torch.no_grad():
+                    assert float(loss) == pytest.approx(float(_mse(plain(x), y)), rel=1e-6)
+            if output is not None:
+                torch.testing.assert_close(output, plain(x).detach())
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, expected[name])
+    sent = [[kind for out in results for kind in out[k][3]] for k in range(len(wide))]
+    assert "metadata" in sent[0]  # nothing known yet
+    assert "moved" not in sent[0]
+    assert sent[1] == ["moved"] * 8  # stage 0's output and its gradient, 4 micro-batches
+    assert sent[2] == ["metadata"] * len(sent[0])  # a step that moved is not remembered
+    assert sent[3] == []  # the wider layout, learned
+    assert sent[4] == ["moved"] * 8  # and back
+
+
+def test_a_value_that_changes_at_every_step_moves_every_other_step() -> None:
+    received: list[int] = []
+
+    class Tag(nn.Module):
+        step = 0
+
+        def forward(self, x: Tensor) -> tuple[Tensor, int]:
+            return x, Tag.step
+
+    class Untag(nn.Module):
+        def forward(self, pair: tuple[Tensor, int]) -> Tensor:
+            received.append(pair[1])
+            return pair[0]
+
+    def build() -> nn.Sequential:
+        layers = list(mlp())
+        return nn.Sequential(*layers[:4], Tag(), Untag(), *layers[4:])
+
+    models = [build() for _ in range(2)]
+    x, y = BATCHES[0]
+    rules = NCCLRules(2)
+
+    steps = 4
+
+    def rank(transport: Transport) -> Any:
+        seen: list[str] = []
+        stage = PipelineStage(
+            models[transport.rank],
+            [5, 5],
+            transport=_counting(transport, seen),
+            chunks=2,
+            checkpoint="never",
+        )
+        driver = ScheduleGPipe(stage, _mse)
+        losses, sent = [], []
+        for k in range(steps):
+            if stage.is_first:
+                Tag.step = k
+            before = len(seen)
+            losses.append(_loss_or_error(driver, x, y))
+            sent.append(seen[before:])
+        return losses, sent
+
+    results = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    rules.check()
+    with torch.no_grad():
+        expected = float(_mse(build()(x), y))
+    for losses, _ in results:
+        assert losses == [pytest.approx(expected, rel=1e-6)] * steps
+    # Rank 0 sends the tagged value: metadata, then a move (the tag changed), then
+    # metadata (a step that moved is not remembered), then a move.
+    assert results[0][1] == [["metadata"] * 2, ["moved"] * 2, ["metadata"] * 2, ["moved"] * 2]
+    assert received[:8] == [0, 0, 1, 1, 2, 2, 3, 3]  # each micro-batch's, each step's own
 
 
 def test_an_input_that_cannot_be_pickled_stays_on_rank_0() -> None:
@@ -642,7 +803,7 @@ def test_static_shapes_follow_the_stages_between_train_and_eval() -> None:
     modes = ["train", "eval", "eval", "train", "train"]
 
     def rank(transport: Transport) -> Any:
-        seen: list[int] = []
+        seen: list[str] = []
         stage = PipelineStage(
             models[transport.rank],
             [1, 1],
@@ -672,7 +833,7 @@ def test_static_shapes_follow_the_stages_between_train_and_eval() -> None:
 def test_a_static_message_marks_real_data_apart_from_a_failed_senders_zeros() -> None:
     from torchgpipe.distributed.plan import Message, RankPlan
     from torchgpipe.distributed.transfers import Transfers
-    from torchgpipe.distributed.wire import MARK, pack
+    from torchgpipe.distributed.wire import DATA, FAILED, MARK, MOVED, pack
 
     (transport,) = LocalTransport.mesh(1)
     key = ("F", 1, 0)
@@ -690,5 +851,7 @@ def test_a_static_message_marks_real_data_apart_from_a_failed_senders_zeros() ->
     real = pack([torch.ones(2)], torch.device("cpu"), mark=True)
     assert real is not None
     assert real.numel() == 16 + MARK
-    assert not transfers.filler(real)
-    assert transfers.filler(transfers.zeros(key))
+    assert transfers.mark(real) == DATA
+    assert transfers.mark(transfers.zeros(key)) == FAILED
+    assert transfers.mark(transfers.zeros(key, MOVED)) == MOVED
+    assert transfers.zeros(key, MOVED).numel() == real.numel()

@@ -16,8 +16,9 @@ a schedule, as in one process::
     optimizer.step()
 
 Activations, gradients and skips travel between processes with their shapes and
-dtypes, which may change from step to step (``static_shapes=True`` when they do not: a
-faster step). Each process issues its transfers from one thread, in an order both ranks
+dtypes, which may change from step to step (on gloo, a step on an input laid out as a
+recent one's expects the layouts it saw; ``static_shapes=True`` promises that they
+hold, for NCCL). Each process issues its transfers from one thread, in an order both ranks
 of every pair derive from the schedule's table, as NCCL requires. A failure on one rank
 makes every rank's step fail: the rank that raised re-raises its exception, the others
 a :class:`RemoteError` naming it.

@@ -12,9 +12,9 @@ mailbox; any other goes to the rank that runs it, in two parts:
 - its **tensors**, as one flat buffer, in the round of the step's plan (``plan.py``)
   where the action that made it sent it: before its next action, the rank's own thread
   issues every round due by then, each as one group of sends and receives, each receive
-  sized by the metadata that came ahead (``transfers.py``). So the transfers on the
-  pipeline's process group come from one thread per process, in the same order on
-  both ranks of a pair.
+  sized by the metadata that came ahead, or known from the last step on an input laid
+  out alike (``transfers.py``). So the pipeline's process group sees transfers from
+  one thread per process, in the same order on both ranks of a pair.
 
 ::
 
@@ -25,15 +25,15 @@ mailbox; any other goes to the rank that runs it, in two parts:
     end(status) ───────────── side ──────────▶ listener(0) stops      (and the other way)
 
 A step ends with every rank sending ``end`` to every other on the side channel, with
-its status: whether it failed or stopped, where and why, and what it lost track of.
-``end`` also says that no more metadata follows: a rank that stopped half-way then
-still issues the rest of its rounds, with the transfers whose metadata went out (its
-sends) or came in (its receives) and no others, so both ranks of every pair issue the
-same operations, and the process group is left clean for the next step. A failing
-rank sends ``end`` at once, which stops the takes waiting on the others; they send
-theirs in turn. So a failure anywhere makes every rank fail, naming the rank, the stage
-and the action where it started. A rank that dies is seen by the transport
-(``TransportError``) and reported the same way, as the rank the most others lost.
+its status (failed or stopped, where and why, what it lost track of). It also says
+that no more metadata follows: a rank that stopped half-way then still issues the rest
+of its rounds, with the transfers whose metadata went out (its sends) or came in (its
+receives) and no others (every planned one, when frames were known), so both ranks of
+every pair issue the same operations, and the process group is left clean for the next
+step. A failing rank sends ``end`` at once, which stops the takes waiting on the
+others; they send theirs in turn. So a failure anywhere makes every rank fail, naming
+the rank, the stage and the action where it started. A dead rank is seen by the
+transport (``TransportError``) and reported alike, as the rank the most others lost.
 
 An exchange serves one call of every process (a step, ``collect.py``), tagged by its
 first key's first element; a wait on a peer in another call ends at once, and each
@@ -53,9 +53,9 @@ from typing import Any
 from torch import Tensor
 
 from torchgpipe.distributed.plan import Message, RankPlan
-from torchgpipe.distributed.transfers import Transfers
+from torchgpipe.distributed.transfers import Transfers, layout_change
 from torchgpipe.distributed.transport import Transport, TransportError
-from torchgpipe.distributed.wire import filled, pack, shell, unpack
+from torchgpipe.distributed.wire import FAILED, MOVED, filled, pack, shell, unpack
 from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
 from torchgpipe.microbatch import flatten
 from torchgpipe.schedules import Action
@@ -166,8 +166,10 @@ class Exchange(Mailbox):
         # wait_for() when a side-channel value arrives.
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
+        self._moved: dict[Key, tuple[Any, list[Tensor]]] = {}  # values sent whole
         self._silent: set[int] = set()
-        self.signature = b""  # a digest of the layout of the step's input (static shapes)
+        self.signature = b""  # a digest of the layout of the step's input (known frames)
+        self.moved = 0  # the values this rank sent whole, not laid out as expected
         # This process's call (its maker sets it): the tag its keys begin with, its name.
         self.tag, self.call = "start", "schedule.step()"
         self._opened: dict[int, str] = {}  # each peer's tag, by its first value (_arrived)
@@ -184,13 +186,16 @@ class Exchange(Mailbox):
 
     # Messages
 
-    def follow(self, plan: RankPlan, frames: dict[Key, Any] | None = None) -> None:
+    def follow(
+        self, plan: RankPlan, frames: dict[Key, Any] | None = None, *, strict: bool = True
+    ) -> None:
         """Transfer the step's tensors by ``plan``; :meth:`begin` before each action.
 
-        ``frames``: the metadata of every message, the same as the last step's (static
-        shapes): none goes on the side channel (``transfers.py``).
+        ``frames``: the metadata of every message, as in the last step on an input
+        laid out as this one: none goes on the side channel; ``strict``: a value laid
+        out otherwise fails its action, else it moves there (``transfers.py``).
         """
-        self.transfers.follow(plan, frames)
+        self.transfers.follow(plan, frames, strict=strict)
 
     def begin(self, position: int) -> None:
         """Issue the transfers due before this rank's action ``position`` (``plan.py``)."""
@@ -217,20 +222,24 @@ class Exchange(Mailbox):
                     f"receives it was issued (a bug in the step's plan)"
                 )
             return super().take(key)
-        frame, buffer = got
-        # With static shapes, a failed sender's drain sends zeros in place of data.
-        if self.halted or self.transfers.filler(buffer):
+        frame, buffer, sender = got
+        # With known frames, a failed sender's drain sends zeros in place of data.
+        mark = self.transfers.mark(buffer)
+        if self.halted or mark == FAILED:
             raise Stopped
-        _, _, layout, body = frame
+        if mark == MOVED:  # laid out otherwise than last time: the side channel has it
+            frame, tensors = self._moved_value(wire_key, sender)
+            self.transfers.seen[wire_key] = frame  # remembered for the next step
+        else:
+            tensors = unpack(buffer, frame[2], self.transport.device)
         try:
-            spec, leaves, slots, wants, which = pickle.loads(body)
+            spec, leaves, slots, wants, which = pickle.loads(frame[3])
         except Exception as error:
             raise RuntimeError(
                 f"rank {self.rank} could not read the value that came under {key}: "
                 f"{error!r}; every process must be able to unpickle what passes between "
                 f"stages (import the classes of its non-tensor values)"
             ) from error
-        tensors = unpack(buffer, layout, self.transport.device)
         return filled(spec, leaves, slots, wants, which, tensors)
 
     def wait_for(self, key: Key, peer: int) -> Any:
@@ -275,11 +284,17 @@ class Exchange(Mailbox):
         frame = ("metadata", wire_key, layout, body)
         static = self.transfers.static
         if static is not None:
+            if frame != static[wire_key] and not self.transfers.strict:
+                # Whole on the side channel, then zeros whose mark sends the receiver there.
+                self._side(peer, ("moved", *frame[1:]), tensors)
+                self.moved += 1
+                self.transfers.hold(wire_key, frame, self.transfers.zeros(wire_key, MOVED))
+                return
             if frame != static[wire_key]:
                 self.transfers.hold(wire_key, static[wire_key], self.transfers.zeros(wire_key))
                 raise ValueError(
                     f"static_shapes=True, but the value under {key} is not laid out as in "
-                    f"the last step with this input ({_layout_change(static[wire_key], frame)})."
+                    f"the last step with this input ({layout_change(static[wire_key], frame)})."
                     f" If its shapes vary at a given input shape, build the PipelineStage "
                     f"with static_shapes=False; if a stage's parameters were frozen or "
                     f"unfrozen since (requires_grad_), or the ranks are not all in the same "
@@ -317,6 +332,16 @@ class Exchange(Mailbox):
                     raise Stopped
                 self._arrived.wait()
 
+    def _moved_value(self, key: Key, peer: int) -> tuple[Any, list[Tensor]]:
+        """The frame and tensors of a value ``peer`` sent whole; Stopped if it was lost."""
+        with self._arrived:
+            while key not in self._moved:
+                if peer in self._silent:
+                    raise Stopped
+                self._arrived.wait()
+            frame, tensors = self._moved.pop(key)
+        return frame, [t.to(self.transport.device) for t in tensors]
+
     def _consume_metadata(self, key: Key) -> None:
         with self._arrived:
             del self._metadata[key]
@@ -345,9 +370,12 @@ class Exchange(Mailbox):
             if status["failed"]:
                 self.halt()
             return False
-        if header[0] == "metadata":
+        if header[0] in ("metadata", "moved"):
             with self._arrived:
-                self._metadata[header[1]] = header
+                if header[0] == "metadata":
+                    self._metadata[header[1]] = header
+                else:
+                    self._moved[header[1]] = (("metadata", *header[1:]), tensors)
                 self._arrived.notify_all()
             return True
         try:
@@ -392,6 +420,7 @@ class Exchange(Mailbox):
         Call it on the thread of this rank's actions: it issues the plan's last rounds.
         """
         status = {**status, "lost": dict(self.lost), "tag": self.tag, "call": self.call}
+        status["moved"] = self.moved
         for peer in self.peers:
             if peer in self.lost:
                 continue
@@ -463,29 +492,6 @@ class Exchange(Mailbox):
 
 
 _PLANNED = frozenset({"F", "G", "S", "SG"})  # the kinds of key a step's plan transfers
-
-
-def _layout_change(before: Any, now: Any) -> str:
-    """What differs between two frames of one message, in words."""
-    if before[2] != now[2]:
-        return f"tensors {_shapes(before[2])} then, {_shapes(now[2])} now"
-    (spec, leaves, _, wants, which), (new_spec, new_leaves, _, new_wants, new_which) = (
-        pickle.loads(before[3]),
-        pickle.loads(now[3]),
-    )
-    if wants != new_wants:
-        return f"which tensors want a gradient: {wants} then, {new_wants} now"
-    if spec != new_spec:
-        return "its structure changed"
-    if which != new_which:
-        return "which of its tensors are one and the same tensor changed"
-    return f"its non-tensor values changed: {leaves} then, {new_leaves} now"
-
-
-def _shapes(layout: list[tuple[tuple[int, ...], Any]]) -> str:
-    return ", ".join(
-        f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in layout
-    )
 
 
 def _unreachable(error: TransportError) -> str:

@@ -24,10 +24,14 @@ fail in the sum itself).
 The start names the table by its text, or None when it is the last step's; ``kind``
 says a step or a forward only; ``reduction`` is the schedule's (the other ranks refuse
 a step whose table or reduction is not theirs: the losses and gradients would differ).
-With ``PipelineStage(static_shapes=True)``, ``key`` is a digest of the layout of the
-step's input, and ``static`` says that a step on an input so laid out ended well: this
-one reuses its messages' layouts. Every rank remembers those of the last
-:data:`LAYOUTS` layouts (alternating batch sizes stay fast).
+``key`` is a digest of the layout of the step's input (empty on a GPU wire, unless
+``PipelineStage(static_shapes=True)``), and ``static`` says that a step on an input so
+laid out ended well: this one reuses its messages' layouts, and a value laid out
+otherwise fails its action (static shapes) or moves to the side channel
+(``transfers.py``). Every rank remembers those of the last :data:`LAYOUTS` layouts
+(alternating batch sizes stay fast), except a layout whose step moved a value (every
+rank's end says how many it moved): the next step on it sends metadata, so a value
+that changes at every step costs one move every other step.
 
 ``seed`` is the step's seed, which rank 0 draws from its default generator
 (:func:`torchgpipe.rng.draw_seed`) as one process's step does: every rank's cells draw
@@ -267,14 +271,16 @@ def _run(
         [torch.stack(losses).cpu()] if losses else [],
     )
     remote = mismatch(exchange) or exchange.remote_failure()
-    # Static shapes: what a step that ended well sent and received, for the next ones.
+    # Known frames: what a step that ended well sent and received, for the next ones.
     ended_well = failure is None and remote is None and step is not None
     # Every rank sees a step end alike, so every rank's memory holds the same layouts.
     if not ended_well:
         shapes.clear()
     elif exchange.signature:
         shapes.pop(exchange.signature, None)
-        shapes[exchange.signature] = exchange.transfers.seen  # the latest last
+        moved = exchange.moved + sum(status.get("moved", 0) for status, _ in exchange.ends.values())
+        if not moved:  # else the next step on it sends metadata: a value changed
+            shapes[exchange.signature] = exchange.transfers.seen  # the latest last
         while len(shapes) > LAYOUTS:
             del shapes[next(iter(shapes))]
     if failure is not None:
@@ -318,7 +324,7 @@ def _start(
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.table(m)
         key = b""
-        if stage.static_shapes:
+        if stage.static_shapes or exchange.transport.reads_marks:
             signature = _signature(table, forward_only, stage.training, batches)
             key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
@@ -328,9 +334,15 @@ def _start(
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
         brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
-        for peer in exchange.peers:
-            exchange.send(peer, START, brief)
+        lost = False
+        for peer in exchange.peers:  # every peer: each follows the plan once it has it
+            try:
+                exchange.send(peer, START, brief)
+            except Stopped:
+                lost = True
         stage.table_text = text
+        if lost:
+            raise Stopped
     else:
         # Even after a halt: if rank 0 did start, it may have sent this rank metadata,
         # whose transfers this rank must take part in. None: rank 0 was lost, or made
@@ -371,7 +383,7 @@ def join_step(stage: PipelineStage, exchange: Exchange) -> bool:
 
     Rank 0 may have sent this rank metadata, and issue those transfers: this rank takes
     part in them (its exchange follows the step's plan) as a rank that failed at the
-    step's start would, halted, and forgets the layouts of static shapes as every rank
+    step's start would, halted, and forgets the remembered layouts as every rank
     of a failed step does. It waits for rank 0's first value: its start, or another
     call's.
     """
@@ -404,7 +416,7 @@ def _follow(
     """Follow the plan of the table that rank 0 started (as ``start`` says).
 
     ``shapes``: what the last steps that ended well sent and received, by the layout of
-    their input (``start``'s key: a digest of the layout, empty without static shapes).
+    their input (``start``'s key: a digest of the layout, or empty: none remembered).
     """
     _, _, text, forward_only, key, static, *_ = start
     exchange.signature = key  # this step's messages are remembered under it, if it ends well
@@ -417,15 +429,16 @@ def _follow(
                 f"lost process, build the process group and the stages anew"
             )
         frames = shapes[key]
-    exchange.follow(_plan(stage, table, "F" if forward_only else "FBW"), frames)
+    plan = _plan(stage, table, "F" if forward_only else "FBW")
+    exchange.follow(plan, frames, strict=stage.static_shapes)
 
 
 LAYOUTS = 8
-"""How many input layouts a stage with static shapes remembers (the latest ones)."""
+"""How many input layouts a stage remembers the messages' layouts of (the latest ones)."""
 
 
 def _signature(table: Schedule, forward_only: bool, training: bool, batches: list[Any]) -> bytes:
-    """What decides the layout of every message, given static shapes: the step's input.
+    """What decides the layout of every message, if any does: the step's input.
 
     And the mode of the stages: in training mode a checkpointed cell marks every floating
     output as wanting a gradient, in eval mode only those that do (the layouts of one

@@ -104,13 +104,13 @@ class PipelineStage(PlacedModule, StageHolder):
             (or the part of it with this process's layers) to fill them from instead.
         static_shapes: whether the values between stages are laid out the same (shapes,
             dtypes, structure, non-tensor values, which tensors want a gradient) at
-            every step whose input is laid out the same, as
-            ``torch.distributed.pipelining`` assumes. Then, after the first
-            such step, no metadata travels and receives are posted without waiting: a
-            faster step. The layouts of the last 8 inputs' steps are remembered. A value
-            that changes anyway fails its step with an error that says so (the transfers
-            stay matched). Default False: each step sends each value's metadata ahead,
-            so anything may change.
+            every step whose input is laid out as one of the last 8 steps', as
+            ``torch.distributed.pipelining`` assumes. Then no metadata travels and
+            receives are posted without waiting, and a value that changes anyway fails
+            its step with an error that says so (the transfers stay matched). Default
+            False: anything may change. On gloo a step on a remembered input layout
+            still expects the last layouts, and a value laid out otherwise moves whole to
+            the side channel (as fast while none do); on NCCL its metadata goes first.
 
     Raises:
         TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``; a

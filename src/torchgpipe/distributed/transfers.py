@@ -10,21 +10,30 @@ built whole before it is issued, and only then taken off the books: a failure wh
 building it (a peer that goes silent, memory) leaves it as it was, for the drain.
 
 After the step's end (``exchange.py``), :meth:`drain` issues the remaining rounds with
-the transfers whose metadata went out (sends) or came in (receives) and no others:
-both ranks of a pair then issue the same operations, so the group is left clean for
-the next step. Transfers with a peer that was lost are left out: on NCCL they would
-never finish (after losing a process, rebuild the process group).
+the transfers whose metadata went out (sends) or came in (receives) and no others (with
+known frames: every planned one, zeros for a value never made): both ranks of a pair
+then issue the same operations, so the group is left clean for the next step.
+Transfers with a peer that was lost are left out: on NCCL they would never finish
+(after losing a process, rebuild the process group).
 
-With static shapes (``PipelineStage(static_shapes=True)``, and a step whose input is
-laid out as the last one's), the frames come from the last step (``follow(plan,
-frames)``): no metadata crosses, a receive is issued without waiting for anything, and
-every planned transfer takes place, a message that its action never made as zeros of
-its size, so that the two sides still match.
+When a step's input is laid out as that of a step that ended well, the frames come
+from that step (``follow(plan, frames)``): no metadata crosses, a receive is issued
+without waiting for anything, and every planned transfer takes place, each buffer
+ending with a mark (``wire.py``): a message that its action never made goes as zeros
+of its size, so that the two sides still match. A value laid out otherwise than its
+frame fails its action with static shapes (``PipelineStage(static_shapes=True)``, a
+promise); by default (``strict=False``) it goes whole on the side channel, and zeros
+marked ``MOVED`` take its place in the transfer: the receiver reads the mark and
+takes the value from the side channel, and both remember its new frame for the next
+step. The mark is read on the CPU only: on a GPU the default step sends metadata
+(reading a mark there would wait for the transfer), and static shapes rely on the
+step's halt alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import pickle
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
@@ -34,10 +43,10 @@ from torch import Tensor
 
 from torchgpipe.distributed.plan import Key, Message, RankPlan
 from torchgpipe.distributed.transport import Pending, Transfer, Transport, TransportError
-from torchgpipe.distributed.wire import MARK, packed_size
+from torchgpipe.distributed.wire import DATA, FAILED, MARK, packed_size
 from torchgpipe.mailbox import Stopped
 
-__all__ = ["Transfers"]
+__all__ = ["Transfers", "layout_change"]
 
 
 class Transfers:
@@ -73,6 +82,7 @@ class Transfers:
         self._lost = lost
         self.plan: RankPlan | None = None
         self.static: dict[Key, Any] | None = None  # the frames of every message, if known
+        self.strict = True  # whether a value laid out otherwise than its frame fails
         self.seen: dict[Key, Any] = {}  # the frames of this step's messages, both ways
         self._round = 0  # the plan's next round to issue
         self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
@@ -80,12 +90,19 @@ class Transfers:
         self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None, int]] = {}
         self._sending: list[tuple[int, Pending]] = []  # sends issued, with their peer
 
-    def follow(self, plan: RankPlan, frames: dict[Key, Any] | None = None) -> None:
-        """Issue this step's transfers by ``plan``; with ``frames``, shapes are static."""
+    def follow(
+        self, plan: RankPlan, frames: dict[Key, Any] | None = None, *, strict: bool = True
+    ) -> None:
+        """Issue this step's transfers by ``plan``; with ``frames``, sizes are known.
+
+        ``strict``: a value laid out otherwise than its frame fails its action (static
+        shapes); else it moves to the side channel.
+        """
         self.plan = plan
         self.static = frames
+        self.strict = strict
         if frames is not None:
-            self.seen = frames
+            self.seen = dict(frames)  # with the new frames of values that moved
 
     def expects(self, key: Key) -> bool:
         """Whether the plan receives the message ``key`` (in its wire form)."""
@@ -96,27 +113,31 @@ class Transfers:
         self._outbox[key] = buffer
         self.seen[key] = frame
 
-    def zeros(self, key: Key) -> Tensor:
-        """Zeros of the size of message ``key`` with static shapes: its mark says filler."""
+    def zeros(self, key: Key, mark: int = FAILED) -> Tensor:
+        """Zeros of the size of message ``key``'s known frame, ending with ``mark``."""
         assert self.static is not None
         size = self._size(self.static[key])
-        return torch.zeros(size, dtype=torch.uint8, device=self.transport.wire)
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.transport.wire)
+        if mark != FAILED:
+            buffer[size - MARK] = mark
+        return buffer
 
     def _size(self, frame: Any) -> int:
-        """The bytes of a message: its tensors', and a mark with static shapes."""
+        """The bytes of a message: its tensors', and a mark when its frame was known."""
         return packed_size(frame[2]) + (MARK if self.static is not None else 0)
 
-    def filler(self, buffer: Tensor | None) -> bool:
-        """Whether a received buffer is a failed sender's zeros (static shapes, on CPU).
+    def mark(self, buffer: Tensor | None) -> int:
+        """What a received buffer holds, by its mark (``wire.py``); DATA if unmarked.
 
-        On a GPU the check would wait for the transfer: there the step's halt, which
-        the sender's end brings, is the only guard.
+        On a GPU, reading the mark would wait for the transfer: there it is not read,
+        and the step's halt, which a failed sender's end brings, is the only guard
+        (a value never moves there: see the module's documentation).
         """
         if self.static is None or buffer is None or buffer.device.type != "cpu":
-            return False
+            return DATA
         # The mark's first byte, read in place: indexing the tensor costs ~40 us a message.
         mark = buffer.data_ptr() + (buffer.numel() - MARK) * buffer.element_size()
-        return ctypes.c_uint8.from_address(mark).value == 0
+        return int(ctypes.c_uint8.from_address(mark).value)
 
     def issue_before(self, position: int) -> None:
         """Issue the rounds up to the time this rank's action ``position`` starts.
@@ -142,8 +163,8 @@ class Transfers:
         ):
             self._issue(rounds[self._round][1], draining=False)
 
-    def receive(self, key: Key) -> tuple[Any, Tensor | None] | None:
-        """The metadata frame and the bytes of message ``key``; None if not planned.
+    def receive(self, key: Key) -> tuple[Any, Tensor | None, int] | None:
+        """The metadata frame, the bytes and the sender of ``key``; None if not planned.
 
         Raises:
             Stopped: its sender cannot be reached.
@@ -151,14 +172,14 @@ class Transfers:
         entry = self._incoming.pop(key, None)
         if entry is None:
             return None
-        frame, buffer, pending, _ = entry
+        frame, buffer, pending, sender = entry
         if pending is not None:
             try:
                 pending.wait()
             except TransportError as error:
                 self._lose(error)
                 raise Stopped from error
-        return frame, buffer
+        return frame, buffer, sender
 
     def drain(self) -> None:
         """Issue the remaining rounds; wait for every transfer; forget the step."""
@@ -262,6 +283,29 @@ class Transfers:
         self._sending += [
             (t.peer, work) for t, work in zip(transfers, pending, strict=True) if t.kind == "send"
         ]
+
+
+def layout_change(before: Any, now: Any) -> str:
+    """What differs between two frames of one message, in words."""
+    if before[2] != now[2]:
+        return f"tensors {_shapes(before[2])} then, {_shapes(now[2])} now"
+    (spec, leaves, _, wants, which), (new_spec, new_leaves, _, new_wants, new_which) = (
+        pickle.loads(before[3]),
+        pickle.loads(now[3]),
+    )
+    if wants != new_wants:
+        return f"which tensors want a gradient: {wants} then, {new_wants} now"
+    if spec != new_spec:
+        return "its structure changed"
+    if which != new_which:
+        return "which of its tensors are one and the same tensor changed"
+    return f"its non-tensor values changed: {leaves} then, {new_leaves} now"
+
+
+def _shapes(layout: list[tuple[tuple[int, ...], Any]]) -> str:
+    return ", ".join(
+        f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in layout
+    )
 
 
 class _Failed:

@@ -102,6 +102,11 @@ class Transport(ABC):
     device: torch.device
     wire: torch.device
 
+    @property
+    def reads_marks(self) -> bool:
+        """Whether a received buffer's mark is read at once (a CPU wire; see ``transfers.py``)."""
+        return self.wire.type == "cpu"
+
     @abstractmethod
     def send(self, peer: int, header: Any, tensors: Sequence[Tensor]) -> None:
         """Send ``header`` and ``tensors`` to rank ``peer`` on the side channel.

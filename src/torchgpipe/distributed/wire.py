@@ -2,11 +2,11 @@
 
 A message between processes moves its tensors as one flat ``uint8`` buffer (one
 transfer, however many tensors it holds), and their layout (shapes and dtypes) apart:
-on the side channel, or known from the last step (static shapes). :func:`pack` makes
+on the side channel, or known from the last step on an input laid out alike. :func:`pack` makes
 the buffer, :func:`unpack` gives the tensors back, each over its own part of it;
 :func:`shell` and :func:`filled` take a value's tensors out of its leaves and put them
-back. A buffer may end with a mark that tells real data from the zeros a failed sender
-sends in its place (``transfers.py``).
+back. A buffer may end with a mark that tells real data from the zeros a sender sends in
+its place: its action failed, or the value moved to the side channel (``transfers.py``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,28 @@ from torch import Tensor
 
 from torchgpipe.microbatch import distinct_tensors, unflatten
 
-__all__ = ["MARK", "Layout", "filled", "pack", "packed_size", "shell", "tensor_bytes", "unpack"]
+__all__ = [
+    "DATA",
+    "FAILED",
+    "MARK",
+    "MOVED",
+    "Layout",
+    "filled",
+    "pack",
+    "packed_size",
+    "shell",
+    "tensor_bytes",
+    "unpack",
+]
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in the buffer
 
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
 MARK = 16  # the bytes of the mark at the end of a marked buffer (see pack)
+# What a mark's first byte says of its buffer: real data; zeros in place of a value
+# that a failed action never made; zeros in place of a value that went on the side
+# channel, not laid out as its receiver expected (``transfers.py``).
+DATA, FAILED, MOVED = 1, 0, 2
 
 
 def packed_size(layout: Layout) -> int:
@@ -37,8 +53,8 @@ def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -
     """The tensors' bytes one after another (each aligned) in one buffer on ``wire``.
 
     None when they have no bytes at all. Their layout (shapes and dtypes) travels apart.
-    ``mark``: :data:`MARK` more bytes at the end, the first of them 1: real data, as
-    opposed to the zeros that a failed sender sends in its place (``transfers.py``).
+    ``mark``: :data:`MARK` more bytes at the end, the first of them :data:`DATA`, as
+    opposed to the zeros a sender may send in its place (``transfers.py``).
     The buffer is made by one ``torch.cat`` of the parts: a message is packed per cell,
     and filling a buffer part by part costs several dispatches more per tensor.
     """
@@ -68,7 +84,7 @@ def _constants(wire: torch.device) -> Tensor:
     found = _CONSTANTS.get(wire)
     if found is None:
         found = torch.zeros(MARK + _ALIGN, dtype=torch.uint8, device=wire)
-        found[0] = 1
+        found[0] = DATA
         if wire.type == "cuda":  # written on this stream; read on any
             torch.cuda.synchronize(wire)
         _CONSTANTS[wire] = found
