@@ -884,6 +884,72 @@ def test_a_step_issues_what_nccl_would_run(schedule: str) -> None:
     rules.check()
 
 
+# A value laid out otherwise than at the last step on the same input: moved whole.
+
+
+class _Widen(nn.Module):
+    """One feature more while ``wide`` (set in the process of stage 0, which runs it)."""
+
+    wide = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, x[:, :1]], dim=1) if _Widen.wide else x
+
+
+class _Narrow(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :8]
+
+
+def _widening() -> nn.Sequential:
+    layers = list(mlp())
+    return nn.Sequential(*layers[:3], _Widen(), _Narrow(), *layers[3:])
+
+
+def _moving_rank(rank: int, world: int) -> list[tuple[float, float, list[str]]]:
+    stage = PipelineStage(_widening(), [4, 6], chunks=4)
+    sent: list[str] = []
+    send = stage.transport.send
+
+    def noted(peer: int, header: Any, tensors: Any) -> None:
+        sent.append(header[0])
+        send(peer, header, tensors)
+
+    stage.transport.send = noted  # type: ignore[method-assign]
+    schedule = Schedule1F1B(stage, _mse)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    plain = _widening()
+    loss = _mse(plain(x), y)
+    loss.backward()
+    expected = dict(plain.named_parameters())
+    out = []
+    for wide in [False, True, True, True, False]:
+        _Widen.wide = wide
+        stage.zero_grad()
+        before = len(sent)
+        result = _step(schedule, x, y)
+        error = max(
+            float((p.grad - expected[n].grad).abs().max())  # type: ignore[operator]
+            for n, p in stage.named_parameters()
+        )
+        out.append((float(result.loss) - float(loss), error, sent[before:]))
+    return out
+
+
+def test_a_value_laid_out_anew_moves_whole_between_gloo_processes() -> None:
+    # Stage 0's output (and so its gradient) is one feature wider at steps 1 to 3.
+    for out in spawn(_moving_rank, 2):
+        for loss_error, grad_error, _ in out:
+            assert abs(loss_error) < 1e-6
+            assert grad_error < 1e-6
+        kinds = [[k for k in sent if k in ("metadata", "moved")] for _, _, sent in out]
+        assert kinds[0] == ["metadata"] * 4  # nothing known yet: one per micro-batch
+        assert kinds[1] == ["moved"] * 4  # laid out anew: moved whole
+        assert kinds[2] == ["metadata"] * 4  # a step that moved is not remembered
+        assert kinds[3] == []  # the wider layout, known
+        assert kinds[4] == ["moved"] * 4  # and back
+
+
 # Randomness across processes: the seed rank 0 draws, not what each process drew before.
 
 

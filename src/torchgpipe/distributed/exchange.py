@@ -4,11 +4,11 @@ The actions of a step put and take messages by key (``("F", s, i)``: the input o
 stage ``s`` for micro-batch ``i``). A key whose stage runs here stays in the local
 mailbox; any other goes to the rank that runs it, in two parts:
 
-- its **metadata** at once, on the transport's side channel, where a listener thread
-  per peer receives it: a frame with the key and the tensors' shapes and dtypes, which
-  any process can read, and the value's structure and non-tensor leaves pickled apart
-  (a value that a process cannot unpickle fails the action that takes it, not the
-  transfers);
+- its **metadata** at once (unless known from the last step: ``transfers.py``; a value
+  laid out otherwise then goes whole), on the side channel, a listener thread per peer
+  receiving it: a frame with the key and the tensors' shapes and dtypes, which any
+  process can read, and the value's structure and non-tensor leaves pickled apart (a
+  value a process cannot unpickle fails the action that takes it, not the transfers);
 - its **tensors**, as one flat buffer, in the round of the step's plan (``plan.py``)
   where the action that made it sent it: before its next action, the rank's own thread
   issues every round due by then, each as one group of sends and receives, each receive
@@ -229,7 +229,7 @@ class Exchange(Mailbox):
             raise Stopped
         if mark == MOVED:  # laid out otherwise than last time: the side channel has it
             frame, tensors = self._moved_value(wire_key, sender)
-            self.transfers.seen[wire_key] = frame  # remembered for the next step
+            self.transfers.seen[wire_key] = frame  # as the sender noted it
         else:
             tensors = unpack(buffer, frame[2], self.transport.device)
         try:

@@ -35,7 +35,8 @@ the activation it made first (as a round per step of the table's dry run would).
 
 The metadata of a message (its key, the structure of the value, shapes and dtypes) goes
 ahead on the CPU side channel as soon as the action produces it (``exchange.py``); the
-receiver needs it to size its buffers before it issues the round.
+receiver needs it to size its buffers before it issues the round, unless the frames are
+known from a step on an input laid out alike (``transfers.py``).
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ A process that makes another call meanwhile (``stage.clip_grad_norm_()``: ``coll
 opens it with a value of another tag (``exchange.py``): a rank waiting for the start
 stops at once; a process that finds rank 0's start instead of the value it waits for
 joins the step as a rank that failed at its start (:func:`join_step`), issuing the
-transfers whose metadata reached it. Every rank then fails, naming the other calls
-(``checks.mismatch``), and the process group is left clean for the next call.
+transfers whose metadata reached it (every planned one, frames known). Every rank then
+fails, naming the other calls (``checks.mismatch``), and the group is left clean.
 """
 
 from __future__ import annotations
@@ -273,7 +273,8 @@ def _run(
     remote = mismatch(exchange) or exchange.remote_failure()
     # Known frames: what a step that ended well sent and received, for the next ones.
     ended_well = failure is None and remote is None and step is not None
-    # Every rank sees a step end alike, so every rank's memory holds the same layouts.
+    # Every rank sees a step end alike, so every rank's memory holds the same layouts
+    # (but a peer lost in the drain, after the ends, is seen there alone: rebuild then).
     if not ended_well:
         shapes.clear()
     elif exchange.signature:
@@ -381,10 +382,10 @@ def _start(
 def join_step(stage: PipelineStage, exchange: Exchange) -> bool:
     """Whether rank 0 started a step while this process made another call; if so, join it.
 
-    Rank 0 may have sent this rank metadata, and issue those transfers: this rank takes
-    part in them (its exchange follows the step's plan) as a rank that failed at the
-    step's start would, halted, and forgets the remembered layouts as every rank
-    of a failed step does. It waits for rank 0's first value: its start, or another
+    Rank 0 may have sent this rank metadata (or need none: known frames), and issue
+    those transfers: this rank takes part in them (following the step's plan) as a rank
+    that failed at the step's start would, halted, and forgets the remembered layouts as
+    every rank of a failed step does. It waits for rank 0's first value: its start, or another
     call's.
     """
     if stage.rank == 0:

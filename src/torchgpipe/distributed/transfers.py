@@ -24,10 +24,10 @@ of its size, so that the two sides still match. A value laid out otherwise than 
 frame fails its action with static shapes (``PipelineStage(static_shapes=True)``, a
 promise); by default (``strict=False``) it goes whole on the side channel, and zeros
 marked ``MOVED`` take its place in the transfer: the receiver reads the mark and
-takes the value from the side channel, and both remember its new frame for the next
-step. The mark is read on the CPU only: on a GPU the default step sends metadata
-(reading a mark there would wait for the transfer), and static shapes rely on the
-step's halt alone.
+takes the value from the side channel, and both note its new frame (``seen``; the
+schedule forgets a step that moved a value: the next one sends metadata). The mark
+is read on the CPU only: on a GPU the default step sends metadata (reading a mark
+there would wait for the transfer), and static shapes rely on the step's halt alone.
 """
 
 from __future__ import annotations
@@ -133,8 +133,13 @@ class Transfers:
         and the step's halt, which a failed sender's end brings, is the only guard
         (a value never moves there: see the module's documentation).
         """
-        if self.static is None or buffer is None or buffer.device.type != "cpu":
+        if self.static is None or buffer is None or not self.transport.reads_marks:
             return DATA
+        if buffer.device.type != "cpu":  # the digest's condition too: they must agree
+            raise RuntimeError(
+                f"torchgpipe: the transport says it reads marks, but its wire is "
+                f"{buffer.device}; Transport.reads_marks must be True on a CPU wire only"
+            )
         # The mark's first byte, read in place: indexing the tensor costs ~40 us a message.
         mark = buffer.data_ptr() + (buffer.numel() - MARK) * buffer.element_size()
         return int(ctypes.c_uint8.from_address(mark).value)

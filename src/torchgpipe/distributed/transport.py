@@ -104,7 +104,11 @@ class Transport(ABC):
 
     @property
     def reads_marks(self) -> bool:
-        """Whether a received buffer's mark is read at once (a CPU wire; see ``transfers.py``)."""
+        """Whether a received buffer's mark is read at once (a CPU wire; see ``transfers.py``).
+
+        Then a step on a remembered input layout sends no metadata. A subclass may say
+        False (metadata at every step, as on a GPU), never True on another wire.
+        """
         return self.wire.type == "cpu"
 
     @abstractmethod
