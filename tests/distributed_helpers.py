@@ -176,6 +176,30 @@ def mlp(seed: int = 0) -> nn.Sequential:
     )
 
 
+class Widen(nn.Module):
+    """One feature more while ``Widen.wide`` is set, in the process that runs it: a value
+    between stages whose layout changes at one input shape."""
+
+    wide = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, x[:, :1]], dim=1) if Widen.wide else x
+
+
+class Narrow(nn.Module):
+    """Back to ``mlp()``'s 8 features."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :8]
+
+
+def widening() -> nn.Sequential:
+    """``mlp()`` with :class:`Widen` and :class:`Narrow` after its third layer: with a
+    balance starting ``[4, ...]``, stage 0's output is the value that may widen."""
+    layers = list(mlp())
+    return nn.Sequential(*layers[:3], Widen(), Narrow(), *layers[3:])
+
+
 def skip_net(seed: int = 0) -> nn.Sequential:
     """A skip from layer 0 to layer 6: from stage 0 to stage 3 of four."""
     torch.manual_seed(seed)

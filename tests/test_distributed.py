@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import (
     DIED,
+    Widen,
     bn_net,
     mlp,
     record_net,
     skip_net,
     spawn,
+    widening,
 )
 from helpers import EmptyWeight
 from torch import Tensor, nn
@@ -887,27 +889,8 @@ def test_a_step_issues_what_nccl_would_run(schedule: str) -> None:
 # A value laid out otherwise than at the last step on the same input: moved whole.
 
 
-class _Widen(nn.Module):
-    """One feature more while ``wide`` (set in the process of stage 0, which runs it)."""
-
-    wide = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([x, x[:, :1]], dim=1) if _Widen.wide else x
-
-
-class _Narrow(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x[:, :8]
-
-
-def _widening() -> nn.Sequential:
-    layers = list(mlp())
-    return nn.Sequential(*layers[:3], _Widen(), _Narrow(), *layers[3:])
-
-
 def _moving_rank(rank: int, world: int) -> list[tuple[float, float, list[str]]]:
-    stage = PipelineStage(_widening(), [4, 6], chunks=4)
+    stage = PipelineStage(widening(), [4, 6], chunks=4)
     sent: list[str] = []
     send = stage.transport.send
 
@@ -918,13 +901,13 @@ def _moving_rank(rank: int, world: int) -> list[tuple[float, float, list[str]]]:
     stage.transport.send = noted  # type: ignore[method-assign]
     schedule = Schedule1F1B(stage, _mse)
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)
-    plain = _widening()
+    plain = widening()
     loss = _mse(plain(x), y)
     loss.backward()
     expected = dict(plain.named_parameters())
     out = []
     for wide in [False, True, True, True, False]:
-        _Widen.wide = wide
+        Widen.wide = wide
         stage.zero_grad()
         before = len(sent)
         result = _step(schedule, x, y)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_helpers import mlp, record_net, run_threads, skip_net
+from distributed_helpers import Widen, mlp, record_net, run_threads, skip_net, widening
 from nccl_rules import NCCLRules
 from torch import Tensor, nn
 
@@ -544,21 +544,7 @@ def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matche
     # The second step's stage 0 output is one feature wider at the same input shape.
     rules = NCCLRules(2)
 
-    class Widen(nn.Module):
-        step = 0
-
-        def forward(self, x: Tensor) -> Tensor:
-            return torch.cat([x, x[:, :1]], dim=1) if Widen.step == 1 else x
-
-    class Narrow(nn.Module):
-        def forward(self, x: Tensor) -> Tensor:
-            return x[:, :8]
-
-    def build() -> nn.Sequential:
-        layers = list(mlp())
-        return nn.Sequential(*layers[:3], Widen(), Narrow(), *layers[3:])
-
-    models = [build() for _ in range(2)]
+    models = [widening() for _ in range(2)]
     x, y = _batch(1, 4, 4), _batch(2, 4, 4)
 
     def rank(transport: Transport) -> Any:
@@ -569,7 +555,7 @@ def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matche
         outcomes: list[Any] = []
         for k in range(3):
             if stage.is_first:
-                Widen.step = k  # stage 0 alone runs it
+                Widen.wide = k == 1  # stage 0 alone runs it
             outcomes.append(_loss_or_error(driver, x, y))
         return outcomes
 
@@ -579,33 +565,13 @@ def test_static_shapes_refuse_a_value_that_changes_and_keep_the_transfers_matche
     assert "static_shapes=True, but the value under ('F', 1, 0)" in str(error)
     assert "tensors [1, 8] float32 then, [1, 9] float32 now" in str(error)
     assert isinstance(results[1][1], RemoteError)
-    Widen.step = 0
+    Widen.wide = False
     with torch.no_grad():
-        expected = float(_mse(build()(x), y))
+        expected = float(_mse(widening()(x), y))
     for outcomes in results:
         assert outcomes[0] == pytest.approx(expected, rel=1e-6)
         assert outcomes[2] == pytest.approx(expected, rel=1e-6)  # then a step that works
     rules.check()
-
-
-class _Widen(nn.Module):
-    """One feature more at steps it is told to (a layout that changes at one input)."""
-
-    wide: bool = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([x, x[:, :1]], dim=1) if _Widen.wide else x
-
-
-class _Narrow(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x[:, :8]
-
-
-def _widening() -> nn.Sequential:
-    """``mlp()`` with a value between stages 0 and 1 that may be one feature wider."""
-    layers = list(mlp())
-    return nn.Sequential(*layers[:3], _Widen(), _Narrow(), *layers[3:])
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
@@ -621,7 +587,7 @@ def test_a_value_laid_out_anew_moves_to_the_side_channel(
     # and 2. Those values go whole on the side channel, the planned transfers carry
     # zeros marked so (still matched as NCCL wants), and step 2 predicts the new layout.
     rules = NCCLRules(world)
-    models = [_widening() for _ in range(world)]
+    models = [widening() for _ in range(world)]
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)
     wide = [False, True, True, True, False]
     balance = [4, 2, 2, 2] if world == 4 or schedule == "interleaved" else [4, 6]
@@ -639,7 +605,7 @@ def test_a_value_laid_out_anew_moves_to_the_side_channel(
         out = []
         for widen in wide:
             if stage.is_first:
-                _Widen.wide = widen  # stage 0 alone runs it, and waits for no other rank
+                Widen.wide = widen  # stage 0 alone runs it, and waits for no other rank
             stage.zero_grad()
             before = len(seen)
             result = driver.step(x if stage.is_first else None, y if stage.is_last else None)
@@ -648,9 +614,9 @@ def test_a_value_laid_out_anew_moves_to_the_side_channel(
         return out
 
     results = run_threads(rank, world, timeout=30.0, observe=rules.group)
-    _Widen.wide = False
+    Widen.wide = False
     rules.check()
-    plain = _widening()
+    plain = widening()
     plain(x).sub(y).pow(2).mean().backward()
     expected = {n: p.grad for n, p in plain.named_parameters()}
     names = {n for out in results for n in out[0][2]}

@@ -284,24 +284,24 @@ class Exchange(Mailbox):
         frame = ("metadata", wire_key, layout, body)
         static = self.transfers.static
         if static is not None:
-            if frame != static[wire_key] and not self.transfers.strict:
-                # Whole on the side channel, then zeros whose mark sends the receiver there.
+            expected = static[wire_key]
+            if frame == expected:  # the common case: one comparison per message
+                self.transfers.hold(wire_key, frame, pack(tensors, self.transport.wire, mark=True))
+                return
+            if not self.transfers.strict:  # whole on the side channel; marked zeros point there
                 self._side(peer, ("moved", *frame[1:]), tensors)
                 self.moved += 1
                 self.transfers.hold(wire_key, frame, self.transfers.zeros(wire_key, MOVED))
                 return
-            if frame != static[wire_key]:
-                self.transfers.hold(wire_key, static[wire_key], self.transfers.zeros(wire_key))
-                raise ValueError(
-                    f"static_shapes=True, but the value under {key} is not laid out as in "
-                    f"the last step with this input ({layout_change(static[wire_key], frame)})."
-                    f" If its shapes vary at a given input shape, build the PipelineStage "
-                    f"with static_shapes=False; if a stage's parameters were frozen or "
-                    f"unfrozen since (requires_grad_), or the ranks are not all in the same "
-                    f"train()/eval() mode, the next step learns the new layouts"
-                )
-            self.transfers.hold(wire_key, frame, pack(tensors, self.transport.wire, mark=True))
-            return
+            self.transfers.hold(wire_key, expected, self.transfers.zeros(wire_key))
+            raise ValueError(
+                f"static_shapes=True, but the value under {key} is not laid out as in "
+                f"the last step with this input ({layout_change(expected, frame)}). If "
+                f"its shapes vary at a given input shape, build the PipelineStage with "
+                f"static_shapes=False; if a stage's parameters were frozen or unfrozen "
+                f"since (requires_grad_), or the ranks are not all in the same "
+                f"train()/eval() mode, the next step learns the new layouts"
+            )
         buffer = pack(tensors, self.transport.wire)
         self._side(peer, frame, [])
         self.transfers.hold(wire_key, frame, buffer)  # only once its metadata went out
