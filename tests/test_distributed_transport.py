@@ -24,7 +24,7 @@ from torchgpipe.distributed import (
     TransportError,
 )
 from torchgpipe.distributed.transport import Transfer
-from torchgpipe.distributed.wire import pack, packed_size, unpack
+from torchgpipe.distributed.wire import filled, pack, packed_size, shell, unpack
 
 # LocalTransport
 
@@ -276,6 +276,80 @@ def test_pack_refuses_a_sparse_tensor_saying_what_to_do() -> None:
         r"\(.to_dense\(\)\)",
     ):
         pack([torch.eye(3), torch.eye(3).to_sparse()], torch.device("cpu"))
+
+
+class _Tagged(dict[str, Any]):
+    """A dict subclass with an attribute: its rest carries a template."""
+
+    tag: Any = None
+
+
+def _tagged(tensor: Tensor, tag: Any) -> _Tagged:
+    value = _Tagged(x=tensor)
+    value.tag = tag
+    return value
+
+
+def test_shell_and_filled_rebuild_each_value_as_it_was() -> None:
+    # Values that compare equal but are not the same come back as sent: leaves, dict
+    # keys and attributes (a cache of pickled rests keyed by equality would break this).
+    t = torch.ones(2, requires_grad=True)
+    values: list[Any] = [
+        {"a": t, "b": (t, t.detach())},
+        (t, 1),
+        (t, True),  # equal to (t, 1), pickles otherwise
+        {1: t},
+        {True: t},
+        (t, 0.0),
+        (t, -0.0),
+        _tagged(t, "first"),
+        _tagged(t, "second"),  # equal specs: the template is not compared
+    ]
+    for _ in range(2):  # alike the second time
+        for value in values:
+            tensors, body = shell(value)
+            got = filled(body, [x.detach() for x in tensors])
+            _assert_same_structure(got, value)
+    tensors, body = shell({"a": t, "b": (t, t.detach())})
+    assert len(tensors) == 2  # t travels once
+    got = filled(body, [x.detach() for x in tensors])
+    assert got["a"] is got["b"][0]
+    assert got["a"].requires_grad
+    assert not got["b"][1].requires_grad
+
+
+def test_a_leaf_object_filled_twice_is_two_objects() -> None:
+    # A layer may change a leaf it gets: two messages never share one.
+    leaf = [0]
+    value = (torch.ones(1), {"state": _Box(leaf)})
+    tensors, body = shell(value)
+    first = filled(body, tensors)
+    first[1]["state"].items.append(1)
+    second = filled(body, tensors)
+    assert second[1]["state"].items == [0]
+
+
+class _Box:
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+
+
+def _assert_same_structure(got: Any, want: Any) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, Tensor):
+        assert torch.equal(got, want)
+        assert got.requires_grad == want.requires_grad
+    elif isinstance(want, dict):
+        assert [(type(k), k) for k in got] == [(type(k), k) for k in want]
+        for k in want:
+            _assert_same_structure(got[k], want[k])
+        assert getattr(got, "tag", None) == getattr(want, "tag", None)
+    elif isinstance(want, tuple):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            _assert_same_structure(a, b)
+    else:
+        assert repr(got) == repr(want)  # -0.0 and 0.0 differ here
 
 
 # ProcessGroupTransport, between two processes

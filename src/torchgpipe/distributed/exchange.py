@@ -42,7 +42,6 @@ first key's first element; a wait on a peer in another call ends at once, and ea
 
 from __future__ import annotations
 
-import pickle
 import threading
 import traceback
 from collections import Counter
@@ -57,7 +56,6 @@ from torchgpipe.distributed.transfers import Transfers, layout_change
 from torchgpipe.distributed.transport import Transport, TransportError
 from torchgpipe.distributed.wire import FAILED, MOVED, filled, pack, shell, unpack
 from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
-from torchgpipe.microbatch import flatten
 from torchgpipe.schedules import Action
 from torchgpipe.worker import WorkerPool
 
@@ -233,14 +231,13 @@ class Exchange(Mailbox):
         else:
             tensors = unpack(buffer, frame[2], self.transport.device)
         try:
-            spec, leaves, slots, wants, which = pickle.loads(frame[3])
+            return filled(frame[3], tensors)
         except Exception as error:
             raise RuntimeError(
                 f"rank {self.rank} could not read the value that came under {key}: "
                 f"{error!r}; every process must be able to unpickle what passes between "
                 f"stages (import the classes of its non-tensor values)"
             ) from error
-        return filled(spec, leaves, slots, wants, which, tensors)
 
     def wait_for(self, key: Key, peer: int) -> Any:
         """The side-channel value under ``key`` from ``peer``, even after a halt.
@@ -265,9 +262,8 @@ class Exchange(Mailbox):
         Raises:
             Stopped: ``peer`` cannot be reached; the step halts.
         """
-        leaves, spec = flatten(value)
-        tensors, rest = shell(leaves)
-        self._side(peer, ("value", self._wire(key), spec, *rest), tensors)
+        tensors, body = shell(value)
+        self._side(peer, ("value", self._wire(key), body), tensors)
 
     def _post(self, peer: int, key: Key, value: Any) -> None:
         """Send the metadata of ``value`` now; keep its bytes for the plan's round.
@@ -276,11 +272,9 @@ class Exchange(Mailbox):
         the rest (structure, non-tensor values) is pickled apart, so that a value this
         process cannot unpickle fails its action without breaking the transfers.
         """
-        leaves, spec = flatten(value)
-        tensors, rest = shell(leaves)
+        tensors, body = shell(value)
         wire_key = self._wire(key)
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
-        body = pickle.dumps((spec, *rest), protocol=pickle.HIGHEST_PROTOCOL)
         frame = ("metadata", wire_key, layout, body)
         static = self.transfers.static
         if static is not None:
@@ -379,8 +373,8 @@ class Exchange(Mailbox):
                 self._arrived.notify_all()
             return True
         try:
-            _, wire_key, spec, leaves, slots, wants, which = header
-            value = filled(spec, leaves, slots, wants, which, tensors)
+            _, wire_key, body = header
+            value = filled(body, tensors)
             super().put(self._unwire(wire_key), value)
         except BaseException as error:  # keep listening: the peer goes on sending
             self._lose(peer, f"sent a message that could not be read: {error!r}")

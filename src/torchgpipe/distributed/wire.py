@@ -5,20 +5,22 @@ transfer, however many tensors it holds), and their layout (shapes and dtypes) a
 on the side channel, or known from the last step on an input laid out alike. :func:`pack` makes
 the buffer, :func:`unpack` gives the tensors back, each over its own part of it;
 :func:`shell` and :func:`filled` take a value's tensors out of its leaves and put them
-back. A buffer may end with a mark that tells real data from the zeros a sender sends in
-its place: its action failed, or the value moved to the side channel (``transfers.py``).
+back (the rest of the value, its structure and the leaves that are not tensors, travels
+pickled). A buffer may end with a mark that tells real data from the zeros a sender sends
+in its place: its action failed, or the value moved to the side channel (``transfers.py``).
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchgpipe.microbatch import distinct_tensors, unflatten
+from torchgpipe.microbatch import distinct_tensors, flatten, unflatten
 
 __all__ = [
     "DATA",
@@ -124,32 +126,35 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def shell(
-    leaves: list[Any],
-) -> tuple[list[Tensor], tuple[list[Any], list[int], list[bool], list[int]]]:
-    """The distinct tensors of ``leaves``, and what rebuilds the leaves from them.
+def shell(value: Any) -> tuple[list[Tensor], bytes]:
+    """The distinct tensors of ``value``, and the pickled rest that rebuilds it from them.
 
     A tensor found twice (a stage returning ``(h, h)``) travels once and arrives as one
-    tensor in both places (``microbatch.distinct_tensors``). The rest: the leaves
-    without their tensors, where the tensors were, which want a gradient, and which of
-    the distinct tensors each one is.
+    tensor in both places (``microbatch.distinct_tensors``). The rest: the structure, the
+    leaves that are not tensors, where the tensors were, which want a gradient, and
+    which of the distinct tensors each one is.
+
+    Raises:
+        TypeError: ``value`` holds tensors where the pipeline cannot see them (``flatten``).
+        Exception: what ``pickle.dumps`` raises for a leaf that cannot be pickled.
     """
+    leaves, spec = flatten(value)
     tensors, which = distinct_tensors(leaves)
     slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
     wants = [leaves[k].requires_grad for k in slots]
-    return tensors, ([None if isinstance(x, Tensor) else x for x in leaves], slots, wants, which)
+    rest = [None if isinstance(x, Tensor) else x for x in leaves]
+    body = pickle.dumps((spec, rest, slots, wants, which), protocol=pickle.HIGHEST_PROTOCOL)
+    return tensors, body
 
 
-def filled(
-    spec: Any,
-    leaves: list[Any],
-    slots: list[int],
-    wants: list[bool],
-    which: list[int],
-    tensors: list[Tensor],
-) -> Any:
-    """The value of a message: its tensors back in their slots, wanting grad as sent."""
-    leaves = list(leaves)
+def filled(body: bytes, tensors: list[Tensor]) -> Any:
+    """The value that :func:`shell` took apart: its tensors back, wanting grad as sent.
+
+    Raises:
+        Exception: what ``pickle.loads`` raises (a class this process cannot import).
+    """
+    spec, rest, slots, wants, which = pickle.loads(body)
+    leaves = list(rest)
     for slot, k, grad in zip(slots, which, wants, strict=True):
         leaves[slot] = tensors[k].requires_grad_(True) if grad else tensors[k]
     return unflatten(leaves, spec)
