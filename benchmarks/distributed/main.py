@@ -120,10 +120,15 @@ def batch(workload: str, m: int) -> tuple[Tensor, Tensor]:
     return torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
 
 
-def _ours(workload: str, n: int, m: int, f: float, name: str) -> tuple[Callable[[], None], Any]:
+Build = Callable[[str, int, float], nn.Sequential]  # model() or one that wraps it
+
+
+def _ours(
+    workload: str, n: int, m: int, f: float, name: str, build: Build = model
+) -> tuple[Callable[[], None], Any]:
     v, factory, _, static = OURS[name]
     stages = n * v
-    layers = model(workload, stages, f / v)
+    layers = build(workload, stages, f / v)
     balance = [len(layers) // stages] * stages
     stage = PipelineStage(layers, balance, chunks=m, checkpoint="never", static_shapes=static)
     schedule = factory(stage, mse)
@@ -136,8 +141,10 @@ def _ours(workload: str, n: int, m: int, f: float, name: str) -> tuple[Callable[
     return step, schedule.table(m)
 
 
-def _torch(workload: str, rank: int, n: int, m: int, f: float, name: str) -> Callable[[], None]:
-    layers = model(workload, n, f)
+def _torch(
+    workload: str, rank: int, n: int, m: int, f: float, name: str, build: Build = model
+) -> Callable[[], None]:
+    layers = build(workload, n, f)
     per = len(layers) // n
     submodule = copy.deepcopy(nn.Sequential(*layers[rank * per : (rank + 1) * per]))
     stage = pipelining.PipelineStage(
