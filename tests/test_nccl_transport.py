@@ -821,3 +821,30 @@ def test_a_static_message_marks_real_data_apart_from_a_failed_senders_zeros() ->
     assert transfers.mark(transfers.zeros(key)) == FAILED
     assert transfers.mark(transfers.zeros(key, MOVED)) == MOVED
     assert transfers.zeros(key, MOVED).numel() == real.numel()
+
+
+class _ReadsMarks(LocalTransport):
+    reads_marks = True  # type: ignore[assignment]
+
+
+def test_a_transport_that_says_it_reads_marks_off_a_cpu_wire_is_refused() -> None:
+    # Reading a mark on a GPU would wait for its transfer: a transport that claims to
+    # read marks with buffers elsewhere is refused when a step follows known frames.
+    from torchgpipe.distributed.plan import RankPlan
+    from torchgpipe.distributed.transfers import Transfers
+
+    transport = LocalTransport.mesh(2)[0]
+    transport.__class__ = _ReadsMarks
+    transport.wire = torch.device("meta")  # not the CPU, and in every build of torch
+    transfers = Transfers(
+        transport,
+        metadata=lambda message, draining: None,
+        arrived=lambda message: True,
+        consume=lambda key: None,
+        lose=lambda error: None,
+        lost=lambda peer: False,
+    )
+    plan = RankPlan(rounds=(), starts=(0,), receives=frozenset())
+    transfers.follow(plan, None)  # no known frames: no marks to read
+    with pytest.raises(RuntimeError, match=r"says it reads marks, but its wire is meta"):
+        transfers.follow(plan, {})

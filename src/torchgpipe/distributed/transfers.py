@@ -83,6 +83,7 @@ class Transfers:
         self.plan: RankPlan | None = None
         self.static: dict[Key, Any] | None = None  # the frames of every message, if known
         self.strict = True  # whether a value laid out otherwise than its frame fails
+        self._marked = False  # whether received buffers' marks are read (see mark)
         self.seen: dict[Key, Any] = {}  # the frames of this step's messages, both ways
         self._round = 0  # the plan's next round to issue
         self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
@@ -101,6 +102,13 @@ class Transfers:
         self.plan = plan
         self.static = frames
         self.strict = strict
+        self._marked = frames is not None and self.transport.reads_marks
+        wire = self.transport.wire
+        if self._marked and wire.type != "cpu":  # the digest's condition too: they must agree
+            raise RuntimeError(
+                f"torchgpipe: the transport says it reads marks, but its wire is {wire}; "
+                f"Transport.reads_marks must be True on a CPU wire only"
+            )
         if frames is not None:
             self.seen = dict(frames)  # with the new frames of values that moved
 
@@ -133,15 +141,11 @@ class Transfers:
         and the step's halt, which a failed sender's end brings, is the only guard
         (a value never moves there: see the module's documentation).
         """
-        if self.static is None or buffer is None or not self.transport.reads_marks:
+        if not self._marked or buffer is None:
             return DATA
-        if buffer.device.type != "cpu":  # the digest's condition too: they must agree
-            raise RuntimeError(
-                f"torchgpipe: the transport says it reads marks, but its wire is "
-                f"{buffer.device}; Transport.reads_marks must be True on a CPU wire only"
-            )
-        # The mark's first byte, read in place: indexing the tensor costs ~40 us a message.
-        mark = buffer.data_ptr() + (buffer.numel() - MARK) * buffer.element_size()
+        # The mark's first byte, read in place (the buffer is uint8, on the CPU: follow
+        # checked its wire): indexing the tensor costs ~40 us a message.
+        mark = buffer.data_ptr() + buffer.numel() - MARK
         return int(ctypes.c_uint8.from_address(mark).value)
 
     def issue_before(self, position: int) -> None:
