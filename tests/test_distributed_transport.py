@@ -295,6 +295,13 @@ def test_shell_and_filled_rebuild_each_value_as_it_was() -> None:
     # keys and attributes (a cache of pickled rests keyed by equality would break this).
     t = torch.ones(2, requires_grad=True)
     values: list[Any] = [
+        t,
+        t.detach(),
+        [t],  # an activation and a gradient: their bodies made once
+        [t.detach()],
+        (t,),
+        [t, t],
+        [None],
         {"a": t, "b": (t, t.detach())},
         (t, 1),
         (t, True),  # equal to (t, 1), pickles otherwise
@@ -344,7 +351,7 @@ def _assert_same_structure(got: Any, want: Any) -> None:
         for k in want:
             _assert_same_structure(got[k], want[k])
         assert getattr(got, "tag", None) == getattr(want, "tag", None)
-    elif isinstance(want, tuple):
+    elif isinstance(want, (tuple, list)):
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             _assert_same_structure(a, b)

@@ -60,36 +60,40 @@ def pack(tensors: Sequence[Tensor], wire: torch.device, *, mark: bool = False) -
     The buffer is made by one ``torch.cat`` of the parts: a message is packed per cell,
     and filling a buffer part by part costs several dispatches more per tensor.
     """
-    constants = _constants(wire)
+    marked, zeros = _constants(wire)
     parts = []
     for t in tensors:
         data = tensor_bytes(t)
-        if not data.numel():
+        size = data.numel()
+        if not size:
             continue
         if data.device != wire:
             data = data.to(wire)
         parts.append(data)
-        if pad := _aligned(data.numel()) - data.numel():
-            parts.append(constants[MARK : MARK + pad])  # zeros
+        if pad := _aligned(size) - size:
+            parts.append(zeros[:pad])
     if mark:
-        parts.append(constants[:MARK])
+        parts.append(marked)
     if not parts:
         return None
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
-_CONSTANTS: dict[torch.device, Tensor] = {}
+_CONSTANTS: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
 
-def _constants(wire: torch.device) -> Tensor:
-    """A mark (a 1 and zeros), then zeros to pad with, on ``wire``; made once per device."""
+def _constants(wire: torch.device) -> tuple[Tensor, Tensor]:
+    """A mark (a 1 and zeros), and zeros to pad with, on ``wire``; made once per device.
+
+    Each is kept as it is used: slicing it at each message would cost a dispatch more.
+    """
     found = _CONSTANTS.get(wire)
     if found is None:
-        found = torch.zeros(MARK + _ALIGN, dtype=torch.uint8, device=wire)
-        found[0] = DATA
+        both = torch.zeros(MARK + _ALIGN, dtype=torch.uint8, device=wire)
+        both[0] = DATA
         if wire.type == "cuda":  # written on this stream; read on any
             torch.cuda.synchronize(wire)
-        _CONSTANTS[wire] = found
+        found = _CONSTANTS[wire] = (both[:MARK], both[MARK:])
     return found
 
 
@@ -112,18 +116,9 @@ def unpack(buffer: Tensor | None, layout: Layout, device: torch.device) -> list[
             # Parts start at multiples of _ALIGN, itself a multiple of every item size.
             start = (buffer.storage_offset() + offset) // dtype.itemsize
             tensor = torch.empty(0, dtype=dtype, device=buffer.device)
-            tensors.append(tensor.set_(buffer.untyped_storage(), start, shape, _strides(shape)))
+            tensors.append(tensor.set_(buffer.untyped_storage(), start, shape, ()))  # contiguous
         offset += _aligned(size)
     return tensors
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def shell(value: Any) -> tuple[list[Tensor], bytes]:
@@ -138,6 +133,11 @@ def shell(value: Any) -> tuple[list[Tensor], bytes]:
         TypeError: ``value`` holds tensors where the pipeline cannot see them (``flatten``).
         Exception: what ``pickle.dumps`` raises for a leaf that cannot be pickled.
     """
+    # The common cases, an activation and its gradient: their bodies made once.
+    if isinstance(value, Tensor):
+        return [value], _BARE[value.requires_grad]
+    if type(value) is list and len(value) == 1 and isinstance(value[0], Tensor):
+        return [value[0]], _LISTED[value[0].requires_grad]
     leaves, spec = flatten(value)
     tensors, which = distinct_tensors(leaves)
     slots = [k for k, x in enumerate(leaves) if isinstance(x, Tensor)]
@@ -236,3 +236,11 @@ def _plain(spec: Spec) -> bool:
         and all(type(key) is str for key in spec.keys)
         and all(_plain(child) for child in spec.children)
     )
+
+
+# The bodies of a tensor, and of a list of one, by whether it wants a gradient (shell's
+# common cases): what the general way pickles for them.
+_BARE, _LISTED = (
+    {grad: _dumped(flatten(value)[1], [None], [0], [grad], [0]) for grad in (False, True)}
+    for value in (torch.empty(0), [torch.empty(0)])
+)
