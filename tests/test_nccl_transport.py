@@ -829,9 +829,11 @@ class _ReadsMarks(LocalTransport):
 
 def test_a_transport_that_says_it_reads_marks_off_a_cpu_wire_is_refused() -> None:
     # Reading a mark on a GPU would wait for its transfer: a transport that claims to
-    # read marks with buffers elsewhere is refused when a step follows known frames.
+    # read marks with buffers elsewhere is refused at the first mark of a step on known
+    # frames (in a take, where every rank follows the plan and the step fails cleanly).
     from torchgpipe.distributed.plan import RankPlan
     from torchgpipe.distributed.transfers import Transfers
+    from torchgpipe.distributed.wire import DATA
 
     transport = LocalTransport.mesh(2)[0]
     transport.__class__ = _ReadsMarks
@@ -845,6 +847,9 @@ def test_a_transport_that_says_it_reads_marks_off_a_cpu_wire_is_refused() -> Non
         lost=lambda peer: False,
     )
     plan = RankPlan(rounds=(), starts=(0,), receives=frozenset())
+    buffer = torch.zeros(32, dtype=torch.uint8)
     transfers.follow(plan, None)  # no known frames: no marks to read
+    assert transfers.mark(buffer) == DATA
+    transfers.follow(plan, {})  # known frames: following is fine, reading a mark is not
     with pytest.raises(RuntimeError, match=r"says it reads marks, but its wire is meta"):
-        transfers.follow(plan, {})
+        transfers.mark(buffer)

@@ -84,6 +84,7 @@ class Transfers:
         self.static: dict[Key, Any] | None = None  # the frames of every message, if known
         self.strict = True  # whether a value laid out otherwise than its frame fails
         self._marked = False  # whether received buffers' marks are read (see mark)
+        self._cpu_wire = True  # where they can be (the transport's wire, at follow)
         self.seen: dict[Key, Any] = {}  # the frames of this step's messages, both ways
         self._round = 0  # the plan's next round to issue
         self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
@@ -103,12 +104,7 @@ class Transfers:
         self.static = frames
         self.strict = strict
         self._marked = frames is not None and self.transport.reads_marks
-        wire = self.transport.wire
-        if self._marked and wire.type != "cpu":  # the digest's condition too: they must agree
-            raise RuntimeError(
-                f"torchgpipe: the transport says it reads marks, but its wire is {wire}; "
-                f"Transport.reads_marks must be True on a CPU wire only"
-            )
+        self._cpu_wire = self.transport.wire.type == "cpu"
         if frames is not None:
             self.seen = dict(frames)  # with the new frames of values that moved
 
@@ -143,8 +139,15 @@ class Transfers:
         """
         if not self._marked or buffer is None:
             return DATA
-        # The mark's first byte, read in place (the buffer is uint8, on the CPU: follow
-        # checked its wire): indexing the tensor costs ~40 us a message.
+        if not self._cpu_wire:  # the digest's condition too: they must agree
+            # Raised here, not at follow: every rank follows the plan by now, so the
+            # step fails on all of them as after any failed action.
+            raise RuntimeError(
+                f"torchgpipe: the transport says it reads marks, but its wire is "
+                f"{self.transport.wire}; Transport.reads_marks must be True on a CPU wire only"
+            )
+        # The mark's first byte, read in place (the buffers this class allocates are
+        # uint8, on the wire): indexing the tensor costs ~40 us a message.
         mark = buffer.data_ptr() + buffer.numel() - MARK
         return int(ctypes.c_uint8.from_address(mark).value)
 

@@ -85,7 +85,9 @@ _CONSTANTS: dict[torch.device, tuple[Tensor, Tensor]] = {}
 def _constants(wire: torch.device) -> tuple[Tensor, Tensor]:
     """A mark (a 1 and zeros), and zeros to pad with, on ``wire``; made once per device.
 
-    Each is kept as it is used: slicing it at each message would cost a dispatch more.
+    The mark is kept as it is used (slicing it at each message would cost a dispatch
+    more); the zeros are sliced to each pad, rare (a tensor of 4-byte items whose
+    count is not a multiple of 4, say).
     """
     found = _CONSTANTS.get(wire)
     if found is None:
