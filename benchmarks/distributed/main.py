@@ -240,16 +240,25 @@ def _worker(rank: int, n: int, args: argparse.Namespace, port: int, out: Any) ->
 
 def measure(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every row on ``n`` processes; rank 0's."""
+    return list(spawn_ranks(_worker, n, args, timeout=3600))
+
+
+def spawn_ranks(worker: Callable[..., None], n: int, args: Any, *, timeout: float) -> Any:
+    """Run ``worker(rank, n, args, port, out)`` in ``n`` processes; the value one puts.
+
+    A worker puts ``("error", text)`` or a result ``(kind, value)`` on ``out``; an
+    error is raised here as a RuntimeError with its text.
+    """
     context = mp.get_context("spawn")
     out = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_worker, args=(r, n, args, port, out), daemon=True) for r in range(n)
+        context.Process(target=worker, args=(r, n, args, port, out), daemon=True) for r in range(n)
     ]
     for process in processes:
         process.start()
     try:
-        kind, value = out.get(timeout=3600)
+        kind, value = out.get(timeout=timeout)
     finally:
         for process in processes:
             process.join(timeout=30)
@@ -257,7 +266,7 @@ def measure(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                 process.kill()
     if kind == "error":
         raise RuntimeError(value)
-    return list(value)
+    return value
 
 
 def table_text(rows: list[dict[str, Any]]) -> str:

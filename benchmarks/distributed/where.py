@@ -43,13 +43,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import free_port, join_gloo  # benchmarks/common.py
-from main import OURS, _ours, _torch, model  # benchmarks/distributed/main.py
+from common import join_gloo  # benchmarks/common.py
+from main import OURS, _ours, _torch, model, spawn_ranks  # benchmarks/distributed/main.py
 
 # This process's marks: (direction, mark, wall time, thread CPU time); mark 0 before a
 # block, 1 after it. In the backward, a block starts at its mark 1 and ends at its mark 0.
@@ -213,24 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    port = free_port()
     n = args.processes
-    processes = [
-        context.Process(target=_worker, args=(r, n, args, port, out), daemon=True) for r in range(n)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        kind, value = out.get(timeout=1800)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    if kind == "error":
-        raise RuntimeError(value)
+    value = spawn_ranks(_worker, n, args, timeout=1800)
     print(f"{n} processes, compute workload, {args.rounds} rounds, medians")
     print(value)
 
