@@ -452,3 +452,20 @@ def test_flatten_of_an_object_holding_a_large_table_or_a_deep_list_stays_cheap()
     table = {f"token {k}": k for k in range(50_000)}
     leaves, _ = flatten((torch.ones(2), Box(table), Box(deep)))  # type: ignore[arg-type]
     assert len(leaves) == 3
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_a_plain_tensor_splits_and_joins_as_the_same_tensor_in_a_tuple_does(chunks: int) -> None:
+    x = torch.arange(10.0).view(5, 2)
+    pieces = scatter(x, chunks)
+    assert isinstance(pieces, list)
+    assert _equal(pieces, [piece for (piece,) in scatter((x,), chunks)])
+    assert torch.equal(gather(pieces), gather([(p,) for p in pieces])[0])
+    scalars = [torch.tensor(float(k)) for k in range(3)]
+    assert torch.equal(gather(scalars, stack_scalars=True), torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="output is a 0-dim tensor"):
+        gather(scalars)
+    with pytest.raises(ValueError, match="micro-batches: input; give the input a batch"):
+        scatter(torch.tensor(1.0), chunks)
+    with pytest.raises(ValueError, match=r"target is an empty batch \(target has size 0"):
+        scatter(torch.empty(0, 2), chunks, name="target")

@@ -1,6 +1,7 @@
 """Schedules as data: text form, validation with a dry run, simulation, grid."""
 
 import math
+import pickle
 from collections import defaultdict
 from typing import Any
 
@@ -253,3 +254,12 @@ def test_simulate_names_the_kinds_of_action_without_a_cost() -> None:
     assert simulate(zero_bubble_h1(2, 2), defaultdict(lambda: 1.0)).makespan > 0
     # A cost for a kind the table lacks is no harm.
     assert simulate(one_f_one_b(2, 2), {"F": 1, "B": 2, "W": 1}).makespan == 3 * (2 + 2 - 1)
+
+
+def test_a_table_pickles_its_fields_alone_and_answers_alike_after() -> None:
+    used, fresh = zero_bubble_h1(2, 4), zero_bubble_h1(2, 4)
+    assert used.splits_backward and hash(used) and used.text()  # kept in the table now
+    assert pickle.dumps(used) == pickle.dumps(fresh)  # what it kept does not travel
+    back = pickle.loads(pickle.dumps(used))
+    assert back == used and hash(back) == hash(used) and back.text() == used.text()
+    assert back.splits_backward and not pickle.loads(pickle.dumps(gpipe(2, 4))).splits_backward

@@ -156,9 +156,8 @@ class SkipVersions:
         self._sent: dict[tuple[SkipKey, int], list[int | None]] = {}
         # One micro-batch, not checkpointed: see sent().
         self._one = m == 1 and checkpoint_stop == 0
-        self._inputs = {
-            x.untyped_storage().data_ptr() for x in flatten(batches)[0] if isinstance(x, Tensor)
-        }
+        self._batches = batches
+        self._inputs: set[int] | None = None  # the storages of the batches, at the first skip
 
     def sent(self, key: SkipKey, i: int, value: Any, output: Any = None) -> Any:
         """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is.
@@ -192,7 +191,12 @@ class SkipVersions:
         return value
 
     def _version(self, x: Tensor) -> int | None:
-        if not x.requires_grad or x.untyped_storage().data_ptr() in self._inputs:
+        if not x.requires_grad:
+            return None
+        if self._inputs is None:
+            leaves = flatten(self._batches)[0]
+            self._inputs = {b.untyped_storage().data_ptr() for b in leaves if isinstance(b, Tensor)}
+        if x.untyped_storage().data_ptr() in self._inputs:
             return None
         return x._version
 

@@ -287,6 +287,8 @@ def scatter(value: Any, chunks: int, *, name: Batched = "input") -> list[Any]:
         ValueError: a tensor leaf is 0-dim, the leaves disagree on the batch size, or the
             batch is empty.
     """
+    if isinstance(value, Tensor):  # the common case, at the start of every run
+        return list(value.tensor_split(min(chunks, _batch_size([(name, value)], name))))
     leaves, spec = flatten(value, name)
     paths = leaf_paths(spec, name)
     tensors = [(path, x) for path, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)]
@@ -349,6 +351,8 @@ def gather(values: Sequence[Any], *, stack_scalars: bool = False) -> Any:
             its shapes differ beyond dim 0, or a non-tensor leaf differs between
             micro-batches.
     """
+    if values and all(isinstance(v, Tensor) for v in values):  # the common case: a run's end
+        return _gather_leaf("output", tuple(values), stack_scalars)
     flat = [flatten(v, "output") for v in values]
     spec = flat[0][1]
     for i, (_, other) in enumerate(flat[1:], start=1):

@@ -26,8 +26,8 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Literal, TypeVar, cast
 
 __all__ = [
     "Action",
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 Kind = Literal["F", "B", "W"]
+_T = TypeVar("_T")
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
 
 
@@ -83,8 +84,7 @@ class Action:
         if self.kind == "F":
             return [Action(s - 1, "F", i)] if s > 0 else []
         if self.kind == "B":
-            after = [Action(s, "F", i)]
-            return after + ([Action(s + 1, "B", i)] if s + 1 < stages else [])
+            return [Action(s, "F", i)] + ([Action(s + 1, "B", i)] if s + 1 < stages else [])
         return [Action(s, "B", i)]
 
 
@@ -130,26 +130,26 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """Whether the backward is split into ``B`` (input grad) and ``W`` (weight grad)."""
-        return any(a.kind == "W" for rank in self.ranks for a in rank)
+        return self._kept("_splits", lambda: any(a.kind == "W" for r in self.ranks for a in r))
 
     def __getstate__(self) -> dict[str, object]:
-        # Not the kept hash and text: a string's hash differs from process to process.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_text")}
+        # The fields alone: what _kept holds may differ by process (a string's hash does).
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def __hash__(self) -> int:  # kept: a step looks its table up in caches
-        cached: int | None = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash((self.stages, self.micro_batches, self.ranks, self.placement))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return self._kept(
+            "_hash", lambda: hash((self.stages, self.micro_batches, self.ranks, self.placement))
+        )
 
     def text(self) -> str:
         """One line of actions per rank; :meth:`parse` reads it back."""
-        cached: str | None = self.__dict__.get("_text")
-        if cached is None:
-            cached = "\n".join(" ".join(map(str, rank)) for rank in self.ranks)
-            object.__setattr__(self, "_text", cached)
-        return cached
+        return self._kept("_text", lambda: "\n".join(" ".join(map(str, r)) for r in self.ranks))
+
+    def _kept(self, name: str, make: Callable[[], _T]) -> _T:
+        """``make()``, computed once per table (it is frozen) and kept in its ``__dict__``."""
+        if name not in self.__dict__:
+            object.__setattr__(self, name, make())
+        return cast(_T, self.__dict__[name])
 
     @classmethod
     def parse(

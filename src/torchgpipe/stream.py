@@ -88,7 +88,9 @@ class PartitionStreams:
         return self._made()[j][1]
 
 
-def caller_streams(devices: Iterable[torch.device], values: Any) -> dict[torch.device, AnyStream]:
+def caller_streams(
+    devices: Iterable[torch.device], values: Iterable[Any]
+) -> dict[torch.device, AnyStream]:
     """The calling thread's current stream on each CUDA device in use.
 
     ``devices``, and those of the tensors in ``values`` (the caller's inputs and
@@ -98,7 +100,9 @@ def caller_streams(devices: Iterable[torch.device], values: Any) -> dict[torch.d
     ``load_state_dict``) runs before a cell reads it. The pool streams the pipeline
     uses never wait for others by themselves.
     """
-    found = {*devices, *(x.device for x in flatten(values)[0] if isinstance(x, Tensor))}
+    found = set(devices)
+    for value in values:  # one by one: a plain tensor's flatten is quick
+        found.update(x.device for x in flatten(value)[0] if isinstance(x, Tensor))
     return {d: current_stream(d) for d in found if d.type == "cuda"}
 
 
