@@ -258,8 +258,13 @@ def test_simulate_names_the_kinds_of_action_without_a_cost() -> None:
 
 def test_a_table_pickles_its_fields_alone_and_answers_alike_after() -> None:
     used, fresh = zero_bubble_h1(2, 4), zero_bubble_h1(2, 4)
-    assert used.splits_backward and hash(used) and used.text()  # kept in the table now
+    assert used.splits_backward  # each kept in the table now
+    assert hash(used) == hash(fresh)
+    assert used.text() == fresh.text()
     assert pickle.dumps(used) == pickle.dumps(fresh)  # what it kept does not travel
     back = pickle.loads(pickle.dumps(used))
-    assert back == used and hash(back) == hash(used) and back.text() == used.text()
-    assert back.splits_backward and not pickle.loads(pickle.dumps(gpipe(2, 4))).splits_backward
+    assert back == used
+    assert hash(back) == hash(used)
+    assert back.text() == used.text()
+    assert back.splits_backward
+    assert not pickle.loads(pickle.dumps(gpipe(2, 4))).splits_backward
