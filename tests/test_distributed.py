@@ -431,6 +431,30 @@ def test_a_rank_that_dies_is_reported_by_every_other_before_any_timeout() -> Non
         assert out["seconds"] < timeout / 2  # seen by the transport, not by a timeout
 
 
+def _death_between_steps_rank(rank: int, world: int) -> dict[str, Any]:
+    stage = PipelineStage(mlp(), [2] * 4, chunks=4)
+    schedule = Schedule1F1B(stage, _mse)
+    x, y = _batch(1, 4, 4), _batch(2, 4, 4)
+    _step(schedule, x, y)
+    if rank == 1:
+        os._exit(7)  # a rank that dies between two steps
+    return {"next": _outcome(lambda: _step(schedule, x, y))}
+
+
+def test_a_rank_that_dies_between_steps_is_reported_by_every_other_before_any_timeout() -> None:
+    # Regression: the death could stall a living process's gloo connections (its event
+    # loop spinning): the others then waited for its end until the timeout.
+    timeout = 60.0
+    results = spawn(_death_between_steps_rank, 4, timeout=timeout, dies=1)
+    assert results[1] == DIED
+    for rank in (0, 2, 3):
+        out = results[rank]["next"]
+        assert out["type"] == "RemoteError", out
+        assert out["rank"] == 1, out
+        assert "rank 1 (stages [1]) died or cannot be reached" in out["text"]
+        assert out["seconds"] < timeout / 2  # LOST_GRACE at most, not the timeout
+
+
 # What runs after the ranks agreed that a step ended well can still fail on one rank:
 # a parameter's hook (a guard that refuses a gradient that is not finite), the backward
 # into the caller's graph on rank 0. Regression: that rank alone failed, the others

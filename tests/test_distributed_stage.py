@@ -34,6 +34,7 @@ from torchgpipe.distributed import (
     ScheduleZeroBubble,
     StepResult,
     Transport,
+    TransportError,
 )
 from torchgpipe.schedules import Schedule, one_f_one_b, simulate
 
@@ -494,6 +495,66 @@ def test_a_rank_gone_between_steps_fails_the_next_step_at_once_on_every_rank(
         assert remote.rank == 1
         assert "rank 1 (stages [1, 5]) died or cannot be reached" in str(remote)
         assert seconds < timeout / 4  # seen by the transport, not by a timeout
+
+
+class _Mute(LocalTransport):
+    """A rank whose side channel stalls once a peer is gone, as gloo's did here once: its
+    event loop spun after a peer's death between steps, the other connections starved."""
+
+    def send(self, peer: int, header: Any, tensors: Any) -> None:
+        if not self._mesh.closed:
+            super().send(peer, header, tensors)
+        elif peer in self._mesh.closed:
+            self._check_open(peer)  # a gone peer's send fails; the others' vanish
+
+    def recv(self, peer: int) -> Any:
+        if not self._mesh.closed:
+            return super().recv(peer)
+        self._check_open(peer)
+        threading.Event().wait(self.timeout)  # nothing comes, until the timeout
+        raise TransportError(f"rank {peer} sent nothing in {self.timeout} s", peer)
+
+
+def test_a_rank_gone_between_steps_is_named_in_bounded_time_where_another_went_mute(
+    monkeypatch: Any,
+) -> None:
+    # Rank 1 dies between steps; rank 0 stays alive but mute. Without a bound, ranks 2
+    # and 3 wait for rank 0's end, and rank 0 for theirs, until the transport's timeout.
+    from torchgpipe.distributed import exchange
+
+    monkeypatch.setattr(exchange, "LOST_GRACE", 0.5)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    timeout = 20.0  # the transport's: 10 s
+    gone = threading.Barrier(4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        _step(schedule, x, y)
+        gone.wait()  # every rank ended the first step
+        transport = stage.transport
+        assert isinstance(transport, LocalTransport)
+        if stage.rank == 1:
+            transport.close()  # as a process that dies between steps
+            gone.wait()
+            return None
+        if stage.rank == 0:
+            transport.__class__ = _Mute
+        gone.wait()
+        start = time.monotonic()
+        failure = _outcome(lambda: _step(schedule, x, y))
+        seconds = time.monotonic() - start
+        return failure, seconds, _outcome(lambda: _step(schedule, x, y))
+
+    out = _on_ranks(4, [2] * 4, body, chunks=4, timeout=timeout)
+    for r in (0, 2, 3):
+        remote, seconds, after = out[r]
+        assert isinstance(remote, RemoteError), repr(remote)
+        assert remote.rank == 1, str(remote)
+        assert "rank 1 (stages [1]) died or cannot be reached" in str(remote)
+        assert seconds < 5.0  # half the transport's timeout
+        assert isinstance(after, RuntimeError), repr(after)
+        assert "Start every process anew" in str(after), str(after)
+        assert "stopped answering" in str(after)
 
 
 def test_a_target_of_another_batch_size_fails_on_the_last_rank() -> None:

@@ -525,6 +525,7 @@ def test_a_peer_lost_after_its_end_came_is_not_the_cause_of_a_failure() -> None:
     status = {"failed": True, "error": None, "lost": {1: "died"}, "tag": "start"}
     exchange.ends = {0: (status, [])}
     exchange.lost = {0: "closed its transport", 1: "died or cannot be reached"}
+    exchange.given_up = set()
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 1
@@ -545,9 +546,34 @@ def test_a_peer_lost_before_its_end_came_is_not_the_cause_where_others_lost_anot
     status = {"failed": True, "error": None, "lost": {1: "died"}, "tag": "start"}
     exchange.ends = {2: (status, [])}
     exchange.lost = {0: "closed its transport", 1: "died or cannot be reached"}
+    exchange.given_up = set()
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 1
+
+
+def test_a_peer_only_given_up_as_mute_is_not_the_cause_where_another_was_lost() -> None:
+    # Rank 1 died between steps and rank 0's connections stalled (gloo's event loop
+    # spinning): ranks 2 and 3 each lost rank 1 and gave up on rank 0, as many losses
+    # each. The cause is rank 1, which they lost for a reason.
+    from torchgpipe.distributed.exchange import Exchange
+
+    exchange = Exchange.__new__(Exchange)
+    exchange.rank = 2
+    exchange.stages = {0: (0,), 1: (1,), 2: (2,), 3: (3,)}
+    exchange.tag = "start"
+    exchange.halted = True
+    lost = {0: "sent no end", 1: "died or cannot be reached"}
+    status = {"failed": True, "error": None, "lost": lost, "given_up": [0], "tag": "start"}
+    exchange.ends = {3: (status, [])}
+    exchange.lost = dict(lost)
+    exchange.given_up = {0}
+    failure = exchange.remote_failure()
+    assert failure is not None
+    assert failure.rank == 1
+    assert "rank 1 (stages [1]) died or cannot be reached" in str(failure)
+    exchange.given_up, status["given_up"] = set(), []  # both lost for a cause: the lower
+    assert exchange.remote_failure().rank == 0  # type: ignore[union-attr]
 
 
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
@@ -563,6 +589,7 @@ def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
     status = {"failed": False, "error": None, "lost": {}, "tag": "start"}
     exchange.ends = {0: (status, [])}
     exchange.lost = {0: "died or cannot be reached"}
+    exchange.given_up = set()
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 0

@@ -25,7 +25,7 @@ a :class:`RemoteError` naming it.
 """
 
 from torchgpipe.distributed.data_parallel import all_reduce_gradients
-from torchgpipe.distributed.exchange import RemoteError
+from torchgpipe.distributed.errors import RemoteError
 from torchgpipe.distributed.local import LocalTransport
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.distributed.transport import (

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchgpipe.distributed.exchange import Exchange, RemoteError, describe
+from torchgpipe.distributed.errors import RemoteError, describe
+from torchgpipe.distributed.exchange import Exchange
 from torchgpipe.distributed.transport import ProcessGroupTransport, TransportError
 from torchgpipe.mailbox import Stopped
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchgpipe.clip import check_clip_arguments, clip_by, counted_once, norm_part
 from torchgpipe.distributed.checks import mismatch
-from torchgpipe.distributed.exchange import describe
+from torchgpipe.distributed.errors import describe
 from torchgpipe.mailbox import Stopped, add_note
 
 if TYPE_CHECKING:

@@ -35,6 +35,12 @@ others; they send theirs in turn. So a failure anywhere makes every rank fail, n
 the rank, the stage and the action where it started. A dead rank is seen by the
 transport (``TransportError``) and reported alike, as the rank the most others lost.
 
+Once a rank is known gone (this rank's transport failed to reach it, or an end says
+another's did), a wait on the others lasts :data:`LOST_GRACE` seconds at most: a death
+can leave a live process mute (gloo's event loop was seen spinning in one, its other
+connections starved). Peers still silent then are given up, their listeners left in a
+receive that would take a later call's message: the transport refuses every later call.
+
 An exchange serves one call of every process (a step, ``collect.py``), tagged by its
 first key's first element; a wait on a peer in another call ends at once, and each
 ``end`` names its sender's call: a process in another call fails the others, named.
@@ -43,87 +49,26 @@ first key's first element; a wait on a peer in another call ends at once, and ea
 from __future__ import annotations
 
 import threading
-import traceback
-from collections import Counter
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from torch import Tensor
 
+from torchgpipe.distributed.errors import RemoteError, first_failure
 from torchgpipe.distributed.plan import Message, RankPlan
 from torchgpipe.distributed.transfers import Transfers, layout_change
 from torchgpipe.distributed.transport import Transport, TransportError
 from torchgpipe.distributed.wire import FAILED, MOVED, filled, pack, shell, unpack
-from torchgpipe.mailbox import KIND_NAMES, Mailbox, Stopped
-from torchgpipe.schedules import Action
+from torchgpipe.mailbox import Mailbox, Stopped
 from torchgpipe.worker import WorkerPool
 
-__all__ = ["RemoteError"]
+__all__ = ["LOST_GRACE", "RemoteError"]
 
 Key = tuple[Any, ...]
 
-
-class RemoteError(RuntimeError):
-    """A step failed on another process of the pipeline, or a process was lost.
-
-    Attributes:
-        rank: the rank where the failure started.
-        stages: the stages that rank runs.
-        action: the action that failed there (``"2F3"``), if one did.
-        remote_traceback: the traceback printed on that rank, if it raised.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int,
-        stages: tuple[int, ...],
-        action: str | None = None,
-        remote_traceback: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.stages = stages
-        self.action = action
-        self.remote_traceback = remote_traceback
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _remote_error,
-            (self.args[0], self.rank, self.stages, self.action, self.remote_traceback),
-        )
-
-
-def _remote_error(
-    message: str, rank: int, stages: tuple[int, ...], action: str | None, tb: str | None
-) -> RemoteError:
-    return RemoteError(message, rank=rank, stages=stages, action=action, remote_traceback=tb)
-
-
-def describe(
-    error: BaseException, action: Action | None, rank: int, stages: tuple[int, ...], m: int | None
-) -> dict[str, Any]:
-    """What other ranks are told of ``error``, raised here in ``action`` (if any)."""
-    kind = KIND_NAMES[action.kind] if action is not None else ""
-    where = "" if action is None else f" in {action} ({kind} of micro-batch {action.i} of {m})"
-    return {
-        "rank": rank,
-        "stages": stages,
-        "action": None if action is None else str(action),
-        "text": f"{type(error).__name__}: {_said(error)}",
-        "where": where,
-        "traceback": "".join(traceback.format_exception(error)),
-    }
-
-
-def _said(error: BaseException) -> str:
-    """What ``error`` says; a description must not fail where the exception's does."""
-    try:
-        return str(error)
-    except Exception as failure:  # a user's __str__ with a bug: the step must still end
-        return f"<its str() raised {type(failure).__name__}>"
+LOST_GRACE = 10.0  # seconds a wait on a peer lasts once a rank is gone (see above)
 
 
 class Exchange(Mailbox):
@@ -158,7 +103,10 @@ class Exchange(Mailbox):
         self.stages = stages
         self.ends: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
         self.lost: dict[int, str] = {}
-        self._listening = {p: threading.Event() for p in self.peers}
+        self.gone = False  # a rank is known gone: waits on the others are bounded
+        self.abandoned: set[int] = set()  # peers whose listeners were left waiting
+        self.given_up: set[int] = set()  # peers lost for that alone (_give_up)
+        self._listening = {p: threading.Event() for p in self.peers}  # set under _arrived
         # Metadata that came ahead (wire key: frame), and the peers that will send no
         # more of it (they ended or were lost); guarded by _arrived, which also wakes
         # wait_for() when a side-channel value arrives.
@@ -176,7 +124,7 @@ class Exchange(Mailbox):
             metadata=self._peek_metadata,
             arrived=lambda message: message.key in self._metadata,
             consume=self._consume_metadata,
-            lose=lambda error: self._lose(error.peer, _unreachable(error)),
+            lose=lambda error: self.lose(error.peer, _unreachable(error), gone=True),
             lost=lambda peer: peer in self.lost,
         )
         for k, peer in enumerate(self.peers):
@@ -246,13 +194,14 @@ class Exchange(Mailbox):
         (its first value's key began with another tag than ``key``).
         """
         with self._arrived:
+            deadline = None
             while True:
                 with self._lock:
                     if key in self._box:
                         return self._box.pop(key)
                 if peer in self._silent or self._opened.get(peer, key[0]) != key[0]:
                     return None
-                self._arrived.wait()
+                deadline = self._wait(deadline)
 
     def send(self, peer: int, key: Key, value: Any) -> None:
         """Send ``value`` under ``key`` to rank ``peer``'s mailbox, all on the side channel.
@@ -304,7 +253,7 @@ class Exchange(Mailbox):
         try:
             self.transport.send(peer, header, tensors)
         except TransportError as error:
-            self._lose(peer, _unreachable(error))
+            self.lose(peer, _unreachable(error), gone=True)
             raise Stopped from error
 
     def _peek_metadata(self, message: Message, draining: bool) -> Any:
@@ -314,6 +263,7 @@ class Exchange(Mailbox):
             Stopped: not draining, and the step halted or the sender went silent first.
         """
         with self._arrived:
+            deadline = None
             while True:
                 frame = self._metadata.get(message.key)
                 if frame is not None:
@@ -324,15 +274,16 @@ class Exchange(Mailbox):
                     raise Stopped
                 if self.halted and not draining:
                     raise Stopped
-                self._arrived.wait()
+                deadline = self._wait(deadline)
 
     def _moved_value(self, key: Key, peer: int) -> tuple[Any, list[Tensor]]:
         """The frame and tensors of a value ``peer`` sent whole; Stopped if it was lost."""
         with self._arrived:
+            deadline = None
             while key not in self._moved:
                 if peer in self._silent:
                     raise Stopped
-                self._arrived.wait()
+                deadline = self._wait(deadline)
             frame, tensors = self._moved.pop(key)
         return frame, [t.to(self.transport.device) for t in tensors]
 
@@ -346,11 +297,11 @@ class Exchange(Mailbox):
                 while self._receive(peer):
                     pass
             except TransportError as error:
-                self._lose(peer, _unreachable(error))
+                self.lose(peer, _unreachable(error), gone=True)
             except BaseException as error:  # the transport could not decode a message
-                self._lose(peer, f"sent a message that could not be read: {error!r}")
+                self.lose(peer, f"sent a message that could not be read: {error!r}")
             finally:
-                self._listening[peer].set()
+                self._heard_all(peer)
 
         return listen
 
@@ -359,7 +310,11 @@ class Exchange(Mailbox):
         header, tensors = self.transport.recv(peer)
         if header[0] == "end":
             status = header[1]
-            self.ends[peer] = (status, tensors)
+            with self._arrived:
+                if peer in self.abandoned:  # too late: the step is over without it
+                    return False
+                self.ends[peer] = (status, tensors)
+                self.gone = self.gone or bool(status.get("gone"))
             self._go_silent(peer)
             if status["failed"]:
                 self.halt()
@@ -377,7 +332,7 @@ class Exchange(Mailbox):
             value = filled(body, tensors)
             super().put(self._unwire(wire_key), value)
         except BaseException as error:  # keep listening: the peer goes on sending
-            self._lose(peer, f"sent a message that could not be read: {error!r}")
+            self.lose(peer, f"sent a message that could not be read: {error!r}")
         with self._arrived:
             self._opened.setdefault(peer, header[1][0])  # its call's tag: its first key's
             self._arrived.notify_all()  # for wait_for()
@@ -396,13 +351,60 @@ class Exchange(Mailbox):
     def _listener_failed(self, peer: int, error: BaseException) -> None:
         self.lost.setdefault(peer, f"could not be listened to: {error!r}")
         self._go_silent(peer)
-        self._listening[peer].set()
+        self._heard_all(peer)
         self.halt()
 
-    def _lose(self, peer: int, reason: str) -> None:
+    def _heard_all(self, peer: int) -> None:
+        """``peer``'s listener is over: it ended, or was lost."""
+        with self._arrived:
+            self._listening[peer].set()
+            self._arrived.notify_all()
+
+    def lose(self, peer: int, reason: str, *, gone: bool = False) -> None:
+        """Stop the step on a lost ``peer``; ``gone``: the transport could not reach it."""
         self.lost.setdefault(peer, reason)
+        with self._arrived:
+            self.gone = self.gone or gone
         self._go_silent(peer)
         self.halt()
+
+    def _wait(self, deadline: float | None) -> float | None:
+        """Wait on ``_arrived`` (held) once; pass what it returns to the next call.
+
+        Once a rank is gone, a wait lasts :data:`LOST_GRACE` seconds at most: then the
+        peers whose listeners are still waiting are given up (:meth:`_give_up`).
+        """
+        if not self.gone:
+            self._arrived.wait()
+            return None
+        if deadline is None:
+            deadline = time.monotonic() + LOST_GRACE
+        left = deadline - time.monotonic()
+        if left > 0:
+            self._arrived.wait(left)
+            return deadline
+        self._give_up()
+        return None
+
+    def _give_up(self) -> None:
+        """Give up the peers that sent no end yet; the transport refuses later calls."""
+        silent = [p for p in self.peers if not self._listening[p].is_set() and p not in self.ends]
+        for peer in silent:
+            self.abandoned.add(peer)
+            if peer not in self.lost:  # not lost for a cause: only given up
+                self.given_up.add(peer)
+                self.lost[peer] = (
+                    f"sent no end of the step within {LOST_GRACE:g} s after a rank was lost "
+                    f"(it may be alive, and mute: its connections stalled)"
+                )
+            self._silent.add(peer)
+        self._arrived.notify_all()
+        if silent:
+            self.halt()
+            self.transport.abandon(
+                f"rank {self.rank} gave up waiting on rank(s) {silent} after a rank was "
+                f"lost; its side channel to them is out of order"
+            )
 
     # The end of the step
 
@@ -414,23 +416,27 @@ class Exchange(Mailbox):
         Call it on the thread of this rank's actions: it issues the plan's last rounds.
         """
         status = {**status, "lost": dict(self.lost), "tag": self.tag, "call": self.call}
-        status["moved"] = self.moved
+        status.update(moved=self.moved, gone=self.gone, given_up=sorted(self.given_up))
         for peer in self.peers:
-            if peer in self.lost:
+            if peer in self.lost and peer not in self.given_up:  # given up: maybe alive
                 continue
             try:
                 self.transport.send(peer, ("end", status), tensors)
             except TransportError as error:
-                self._lose(peer, _unreachable(error))
+                self.lose(peer, _unreachable(error), gone=True)
         try:
             self.transfers.drain()
         finally:
             try:
                 self.transport.flush()
             except TransportError as error:
-                self.lost.setdefault(error.peer, _unreachable(error))
-            for peer in self.peers:
-                self._listening[peer].wait()
+                self.lose(error.peer, _unreachable(error), gone=True)
+            with self._arrived:  # every listener over, or given up (_give_up)
+                deadline = None
+                while not all(
+                    self._listening[p].is_set() or p in self.abandoned for p in self.peers
+                ):
+                    deadline = self._wait(deadline)
 
     def close(self) -> None:
         """End an exchange that ran no step (the start-up check, a trace's gathering).
@@ -445,36 +451,10 @@ class Exchange(Mailbox):
 
     def remote_failure(self) -> RemoteError | None:
         """The failure of another rank that stopped this step, or None if none did."""
-        errors = [s["error"] for s, _ in self.ends.values() if s.get("error") is not None]
-        if errors:
-            first = min(errors, key=lambda e: e["rank"])
-            more = len(errors) - 1
-            also = f" (and {more} other rank{'s' * (more > 1)} failed too)" if more else ""
-            return RemoteError(
-                f"rank {first['rank']} (stages {list(first['stages'])}) raised "
-                f"{first['text']}{first['where']}{also}\n\n"
-                f"Traceback on rank {first['rank']}:\n{first['traceback']}",
-                rank=first["rank"],
-                stages=tuple(first["stages"]),
-                action=first["action"],
-                remote_traceback=first["traceback"],
-            )
-        lost, seen = dict(self.lost), Counter(list(self.lost))
-        for status, _ in self.ends.values():
-            for peer, reason in status["lost"].items():
-                lost.setdefault(int(peer), reason)
-                seen[int(peer)] += 1
-        lost.pop(self.rank, None)  # a peer lost after its end came: the cause if none else
-        if lost := {p: r for p, r in lost.items() if p not in self.ends} or lost:
-            peer = min(lost, key=lambda p: (-seen[p], p))  # most lost it: the dead one
-            return RemoteError(
-                f"rank {peer} (stages {list(self.stages[peer])}) {lost[peer]}",
-                rank=peer,
-                stages=self.stages[peer],
-            )
-        if self.halted and not self.other_calls():  # pragma: no cover - a halt has a cause
+        failure = first_failure(self.rank, self.stages, self.ends, self.lost, self.given_up)
+        if failure is None and self.halted and not self.other_calls():  # pragma: no cover
             return RemoteError("the step stopped on another rank", rank=-1, stages=())
-        return None
+        return failure
 
     def other_calls(self) -> dict[int, str]:
         """The peers whose ends name another call than this process's: their calls."""

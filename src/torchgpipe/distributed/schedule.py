@@ -59,7 +59,8 @@ import torch
 from torch import Tensor
 
 from torchgpipe.distributed.checks import agree_with_start, mismatch
-from torchgpipe.distributed.exchange import Exchange, Key, RemoteError, describe
+from torchgpipe.distributed.errors import RemoteError, describe
+from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
 from torchgpipe.distributed.transport import TransportError
@@ -137,7 +138,7 @@ def _settle(stage: PipelineStage, failure: BaseException | None, what: str) -> N
     exchange.tag, exchange.call = "settle", "schedule.step()"
     error = None
     if isinstance(failure, RemoteError):  # a peer lost in the ties' sum: the cause
-        exchange.lost.setdefault(failure.rank, LOST_IN_TIES)
+        exchange.lose(failure.rank, LOST_IN_TIES, gone=True)
     elif failure is not None:
         error = describe(failure, None, stage.rank, stage.stages, None)
         error["where"] = f" in {what}, after the step had ended well on every rank"

@@ -24,7 +24,6 @@ threads of one process, for tests of the protocol above it without processes.
 
 from __future__ import annotations
 
-import ctypes
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.wire import pack, packed_size, unpack
+from torchgpipe.distributed.wire import as_bytes, pack, packed_size, unpack
 
 __all__ = [
     "Pending",
@@ -149,12 +148,24 @@ class Transport(ABC):
             TransportError: a message could not be delivered.
         """
 
-    def check_open(self) -> None:  # noqa: B027  # a no-op where a closed one fails anyway
-        """Refuse to start a call (a step) on channels that were closed since.
+    _abandoned: str | None = None  # why a receive was left waiting (abandon)
+
+    def abandon(self, reason: str) -> None:
+        """Refuse later calls: a receive left waiting on a peer would take its next message."""
+        self._abandoned = self._abandoned or reason
+
+    def check_open(self) -> None:
+        """Refuse to start a call (a step) on channels closed, or given up (``abandon``), since.
 
         Raises:
             RuntimeError: they were, saying what to do.
         """
+        if self._abandoned is not None:
+            raise RuntimeError(
+                f"{self._abandoned}: a process of the pipeline died or stopped answering, "
+                f"and the others cannot run another call together. Start every process "
+                f"anew (torchrun can restart them) and resume from the last checkpoint"
+            )
 
 
 # ProcessGroupTransport
@@ -335,6 +346,7 @@ class ProcessGroupTransport(Transport):
         The transport holds its groups, whose connections then stay up: a step would run
         on a group that ``torch.distributed`` no longer knows of.
         """
+        super().check_open()
         dist = self._dist
         for group in {id(self.group): self.group, id(self.side_group): self.side_group}.values():
             try:
@@ -363,13 +375,13 @@ class ProcessGroupTransport(Transport):
         """Receive ``peer``'s next side-channel message; see :meth:`Transport.recv`."""
         first = torch.empty(_HEAD, dtype=torch.uint8)
         self._side("recv", first, peer)
-        raw = _to_bytes(first)
+        raw = as_bytes(first)
         length = int.from_bytes(raw[:_LENGTH], "little")
         payload = raw[_LENGTH : _LENGTH + length]
         if length > len(payload):
             rest = torch.empty(length - len(payload), dtype=torch.uint8)
             self._side("recv", rest, peer)
-            payload += _to_bytes(rest)
+            payload += as_bytes(rest)
         header, layout = pickle.loads(payload)
         size = packed_size(layout)
         data = None
@@ -482,9 +494,3 @@ class _Work:
             raise TransportError(
                 f"rank {self._rank} could not {kind} {direction} rank {peer}: {error}", peer
             ) from error
-
-
-def _to_bytes(t: Tensor) -> bytes:
-    """The bytes of a uint8 tensor; ``bytes(storage)`` would read them one at a time."""
-    t = t.cpu().contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel())

@@ -12,6 +12,7 @@ in its place: its action failed, or the value moved to the side channel (``trans
 
 from __future__ import annotations
 
+import ctypes
 import math
 import pickle
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ __all__ = [
     "MARK",
     "MOVED",
     "Layout",
+    "as_bytes",
     "filled",
     "pack",
     "packed_size",
@@ -246,3 +248,9 @@ _BARE, _LISTED = (
     {grad: _dumped(flatten(value)[1], [None], [0], [grad], [0]) for grad in (False, True)}
     for value in (torch.empty(0), [torch.empty(0)])
 )
+
+
+def as_bytes(t: Tensor) -> bytes:
+    """The bytes of a uint8 tensor; ``bytes(storage)`` would read them one at a time."""
+    t = t.cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel())

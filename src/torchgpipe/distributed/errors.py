@@ -1,0 +1,119 @@
+"""What a rank tells the others of a failure, and what they raise: :class:`RemoteError`."""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from typing import Any
+
+from torchgpipe.mailbox import KIND_NAMES
+from torchgpipe.schedules import Action
+
+__all__ = ["RemoteError", "describe", "first_failure"]
+
+
+class RemoteError(RuntimeError):
+    """A step failed on another process of the pipeline, or a process was lost.
+
+    Attributes:
+        rank: the rank where the failure started.
+        stages: the stages that rank runs.
+        action: the action that failed there (``"2F3"``), if one did.
+        remote_traceback: the traceback printed on that rank, if it raised.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        stages: tuple[int, ...],
+        action: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.stages = stages
+        self.action = action
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _remote_error,
+            (self.args[0], self.rank, self.stages, self.action, self.remote_traceback),
+        )
+
+
+def _remote_error(
+    message: str, rank: int, stages: tuple[int, ...], action: str | None, tb: str | None
+) -> RemoteError:
+    return RemoteError(message, rank=rank, stages=stages, action=action, remote_traceback=tb)
+
+
+def describe(
+    error: BaseException, action: Action | None, rank: int, stages: tuple[int, ...], m: int | None
+) -> dict[str, Any]:
+    """What other ranks are told of ``error``, raised here in ``action`` (if any)."""
+    kind = KIND_NAMES[action.kind] if action is not None else ""
+    where = "" if action is None else f" in {action} ({kind} of micro-batch {action.i} of {m})"
+    return {
+        "rank": rank,
+        "stages": stages,
+        "action": None if action is None else str(action),
+        "text": f"{type(error).__name__}: {_said(error)}",
+        "where": where,
+        "traceback": "".join(traceback.format_exception(error)),
+    }
+
+
+def _said(error: BaseException) -> str:
+    """What ``error`` says; a description must not fail where the exception's does."""
+    try:
+        return str(error)
+    except Exception as failure:  # a user's __str__ with a bug: the step must still end
+        return f"<its str() raised {type(failure).__name__}>"
+
+
+def first_failure(
+    rank: int,
+    stages: list[tuple[int, ...]],
+    ends: dict[int, tuple[dict[str, Any], Any]],
+    lost: dict[int, str],
+    given_up: set[int],
+) -> RemoteError | None:
+    """What rank ``rank`` raises for a step that failed elsewhere, from the ends it got.
+
+    The lowest rank that raised; else the peer the most ranks lost for a cause (not only
+    given up as silent, ``given_up`` here and in each end), the likely dead one.
+    """
+    errors = [s["error"] for s, _ in ends.values() if s.get("error") is not None]
+    if errors:
+        first = min(errors, key=lambda e: e["rank"])
+        more = len(errors) - 1
+        also = f" (and {more} other rank{'s' * (more > 1)} failed too)" if more else ""
+        return RemoteError(
+            f"rank {first['rank']} (stages {list(first['stages'])}) raised "
+            f"{first['text']}{first['where']}{also}\n\n"
+            f"Traceback on rank {first['rank']}:\n{first['traceback']}",
+            rank=first["rank"],
+            stages=tuple(first["stages"]),
+            action=first["action"],
+            remote_traceback=first["traceback"],
+        )
+    lost, seen = dict(lost), Counter(list(lost))
+    caused = Counter(p for p in lost if p not in given_up)
+    for status, _ in ends.values():
+        theirs = set(status.get("given_up", ()))
+        for peer, reason in status["lost"].items():
+            lost.setdefault(int(peer), reason)
+            seen[int(peer)] += 1
+            caused[int(peer)] += int(peer) not in theirs
+    lost.pop(rank, None)  # a peer lost after its end came: the cause if none else
+    if lost := {p: r for p, r in lost.items() if p not in ends} or lost:
+        peer = min(lost, key=lambda p: (-caused[p], -seen[p], p))  # most lost it: dead
+        return RemoteError(
+            f"rank {peer} (stages {list(stages[peer])}) {lost[peer]}",
+            rank=peer,
+            stages=stages[peer],
+        )
+    return None
