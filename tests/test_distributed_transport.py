@@ -576,6 +576,20 @@ def test_a_peer_only_given_up_as_mute_is_not_the_cause_where_another_was_lost() 
     assert exchange.remote_failure().rank == 0  # type: ignore[union-attr]
 
 
+def test_the_reason_of_a_loss_for_a_cause_is_told_over_that_of_giving_up() -> None:
+    # Rank 2 gave up the dead rank 1 (its receive stalled) and mute rank 0; rank 3's end
+    # says it lost rank 1 for a cause: rank 1 is named, with rank 3's reason.
+    from torchgpipe.distributed.errors import first_failure
+
+    stages = [(0,), (1,), (2,), (3,)]
+    mine = {0: "sent no end", 1: "sent no end"}
+    theirs = {"failed": True, "error": None, "lost": {1: "died or cannot be reached"}}
+    failure = first_failure(2, stages, {3: (theirs, [])}, mine, {0, 1})
+    assert failure is not None
+    assert failure.rank == 1
+    assert str(failure) == "rank 1 (stages [1]) died or cannot be reached"
+
+
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
     # Rank 0 sent its end, then died while its last transfers were under way: the
     # others' step halted for that loss alone, which names it.

@@ -100,14 +100,17 @@ def first_failure(
             action=first["action"],
             remote_traceback=first["traceback"],
         )
-    lost, seen = dict(lost), Counter(list(lost))
-    caused = Counter(p for p in lost if p not in given_up)
+    seen, caused = Counter(list(lost)), Counter(p for p in lost if p not in given_up)
+    strong = {p: r for p, r in lost.items() if p not in given_up}  # lost for a cause
+    weak = {p: r for p, r in lost.items() if p in given_up}
     for status, _ in ends.values():
         theirs = set(status.get("given_up", ()))
-        for peer, reason in status["lost"].items():
-            lost.setdefault(int(peer), reason)
-            seen[int(peer)] += 1
-            caused[int(peer)] += int(peer) not in theirs
+        for key, reason in status["lost"].items():
+            peer = int(key)
+            seen[peer] += 1
+            caused[peer] += peer not in theirs
+            (weak if peer in theirs else strong).setdefault(peer, reason)
+    lost = {**weak, **strong}  # a cause's reason over having given up
     lost.pop(rank, None)  # a peer lost after its end came: the cause if none else
     if lost := {p: r for p, r in lost.items() if p not in ends} or lost:
         peer = min(lost, key=lambda p: (-caused[p], -seen[p], p))  # most lost it: dead

@@ -33,7 +33,8 @@ every pair issue the same operations, and the process group is left clean for th
 step. A failing rank sends ``end`` at once, which stops the takes waiting on the
 others; they send theirs in turn. So a failure anywhere makes every rank fail, naming
 the rank, the stage and the action where it started. A dead rank is seen by the
-transport (``TransportError``) and reported alike, as the rank the most others lost.
+transport (``TransportError``) and reported alike, as the rank the most others lost for
+a cause.
 
 Once a rank is known gone (this rank's transport failed to reach it, or an end says
 another's did), a wait on the others lasts :data:`LOST_GRACE` seconds at most: a death
@@ -362,8 +363,11 @@ class Exchange(Mailbox):
 
     def lose(self, peer: int, reason: str, *, gone: bool = False) -> None:
         """Stop the step on a lost ``peer``; ``gone``: the transport could not reach it."""
-        self.lost.setdefault(peer, reason)
         with self._arrived:
+            if peer in self.given_up:  # a cause found after giving it up: the cause
+                self.given_up.discard(peer)
+                del self.lost[peer]
+            self.lost.setdefault(peer, reason)
             self.gone = self.gone or gone
         self._go_silent(peer)
         self.halt()
