@@ -432,6 +432,9 @@ def test_a_rank_that_dies_is_reported_by_every_other_before_any_timeout() -> Non
 
 
 def _death_between_steps_rank(rank: int, world: int) -> dict[str, Any]:
+    from torchgpipe.distributed import exchange
+
+    exchange.LOST_GRACE = 2.0  # this process's: the test waits less
     stage = PipelineStage(mlp(), [2] * 4, chunks=4)
     schedule = Schedule1F1B(stage, _mse)
     x, y = _batch(1, 4, 4), _batch(2, 4, 4)
@@ -452,7 +455,7 @@ def test_a_rank_that_dies_between_steps_is_reported_by_every_other_before_any_ti
         assert out["type"] == "RemoteError", out
         assert out["rank"] == 1, out
         assert "rank 1 (stages [1]) died or cannot be reached" in out["text"]
-        assert out["seconds"] < timeout / 2  # LOST_GRACE at most, not the timeout
+        assert out["seconds"] < timeout / 4  # LOST_GRACE at most, not the timeout
 
 
 # What runs after the ranks agreed that a step ended well can still fail on one rank:

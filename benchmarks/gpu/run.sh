@@ -55,18 +55,21 @@ PY
 
 tests() {  # the cuda tests, by name; beside them the rest of the suite, on the CPU
     local parallel=() limits=() rc=0 others
+    # Not pyproject.toml's options, which run in parallel where pytest-xdist is (the
+    # cuda tests share the GPU: one at a time), and fail where it is not.
+    local options=(-o "addopts=-ra --strict-markers")
     # pytest-benchmark, where installed, warns that xdist disables it: not an error here.
     if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n "${TEST_WORKERS:-8}" -p no:benchmark); fi
     # A test that hangs fails alone, with the stacks of its threads, where pytest-timeout is.
     if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then limits=(--timeout 90); fi
     # The tests not marked cuda use the CPU alone (tests/conftest.py hides the GPU from
     # them), so they run at the same time as the cuda tests.
-    "$PYTHON" -m pytest -m "not cuda" -q -rf -p no:cacheprovider "${parallel[@]}" "${limits[@]}" \
-        >"$OUT/tests-cpu.log" 2>&1 &
+    "$PYTHON" -m pytest "${options[@]}" -m "not cuda" -q -rf -p no:cacheprovider "${parallel[@]}" \
+        "${limits[@]}" >"$OUT/tests-cpu.log" 2>&1 &
     others=$!
     # A job in the background ignores the section's interrupt: stop it with the section.
     trap 'kill "$others" 2>/dev/null' EXIT
-    "$PYTHON" -m pytest -m cuda -rs -v -p no:cacheprovider "${limits[@]}" \
+    "$PYTHON" -m pytest "${options[@]}" -m cuda -rs -v -p no:cacheprovider "${limits[@]}" \
         --junitxml="$OUT/cuda-tests.xml" || rc=1
     wait "$others" || rc=1
     echo "--- the tests not marked cuda (tests-cpu.log):"
