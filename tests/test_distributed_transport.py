@@ -511,21 +511,31 @@ def test_process_group_transport_refuses_a_group_this_process_is_not_in() -> Non
     assert results[2]["stage"] == results[2]["group"]
 
 
+def _after_the_ends(
+    rank: int,
+    world: int,
+    ends: dict[int, Any],
+    lost: dict[int, str],
+    given_up: set[int] | None = None,
+) -> Any:
+    """An exchange holding only the bookkeeping ``remote_failure`` reads, after a halt."""
+    from torchgpipe.distributed.exchange import Exchange
+
+    exchange = Exchange.__new__(Exchange)
+    exchange.rank, exchange.stages = rank, [(r,) for r in range(world)]
+    exchange.tag, exchange.halted = "start", True
+    exchange.ends, exchange.lost, exchange.given_up = ends, lost, given_up or set()
+    return exchange
+
+
 def test_a_peer_lost_after_its_end_came_is_not_the_cause_of_a_failure() -> None:
     # A rank that ended its step may exit at once; a rank still draining then finds it
     # unreachable. The cause to report is the rank that died in the step (rank 1), not
     # the lower rank that ended well and left (rank 0).
-    from torchgpipe.distributed.exchange import Exchange
-
-    exchange = Exchange.__new__(Exchange)  # only the bookkeeping remote_failure reads
-    exchange.rank = 2
-    exchange.stages = {0: (0,), 1: (1,), 2: (2,)}
-    exchange.tag = "start"
-    exchange.halted = True
     status = {"failed": True, "error": None, "lost": {1: "died"}, "tag": "start"}
-    exchange.ends = {0: (status, [])}
-    exchange.lost = {0: "closed its transport", 1: "died or cannot be reached"}
-    exchange.given_up = set()
+    exchange = _after_the_ends(
+        2, 3, {0: (status, [])}, {0: "closed its transport", 1: "died or cannot be reached"}
+    )
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 1
@@ -536,17 +546,10 @@ def test_a_peer_lost_before_its_end_came_is_not_the_cause_where_others_lost_anot
     # Rank 0 ended on rank 1's death and exited before its end reached rank 3: rank 3
     # lost both, rank 2 (whose end came) lost rank 1 only. The one the most ranks lost,
     # rank 1, is the cause (the lower rank was reported now and then: a flaky CI run).
-    from torchgpipe.distributed.exchange import Exchange
-
-    exchange = Exchange.__new__(Exchange)
-    exchange.rank = 3
-    exchange.stages = {0: (0,), 1: (1,), 2: (2,), 3: (3,)}
-    exchange.tag = "start"
-    exchange.halted = True
     status = {"failed": True, "error": None, "lost": {1: "died"}, "tag": "start"}
-    exchange.ends = {2: (status, [])}
-    exchange.lost = {0: "closed its transport", 1: "died or cannot be reached"}
-    exchange.given_up = set()
+    exchange = _after_the_ends(
+        3, 4, {2: (status, [])}, {0: "closed its transport", 1: "died or cannot be reached"}
+    )
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 1
@@ -556,24 +559,15 @@ def test_a_peer_only_given_up_as_mute_is_not_the_cause_where_another_was_lost() 
     # Rank 1 died between steps and rank 0's connections stalled (gloo's event loop
     # spinning): ranks 2 and 3 each lost rank 1 and gave up on rank 0, as many losses
     # each. The cause is rank 1, which they lost for a reason.
-    from torchgpipe.distributed.exchange import Exchange
-
-    exchange = Exchange.__new__(Exchange)
-    exchange.rank = 2
-    exchange.stages = {0: (0,), 1: (1,), 2: (2,), 3: (3,)}
-    exchange.tag = "start"
-    exchange.halted = True
     lost = {0: "sent no end", 1: "died or cannot be reached"}
     status = {"failed": True, "error": None, "lost": lost, "given_up": [0], "tag": "start"}
-    exchange.ends = {3: (status, [])}
-    exchange.lost = dict(lost)
-    exchange.given_up = {0}
+    exchange = _after_the_ends(2, 4, {3: (status, [])}, dict(lost), given_up={0})
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 1
     assert "rank 1 (stages [1]) died or cannot be reached" in str(failure)
     exchange.given_up, status["given_up"] = set(), []  # both lost for a cause: the lower
-    assert exchange.remote_failure().rank == 0  # type: ignore[union-attr]
+    assert exchange.remote_failure().rank == 0
 
 
 def test_the_reason_of_a_loss_for_a_cause_is_told_over_that_of_giving_up() -> None:
@@ -593,17 +587,8 @@ def test_the_reason_of_a_loss_for_a_cause_is_told_over_that_of_giving_up() -> No
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
     # Rank 0 sent its end, then died while its last transfers were under way: the
     # others' step halted for that loss alone, which names it.
-    from torchgpipe.distributed.exchange import Exchange
-
-    exchange = Exchange.__new__(Exchange)
-    exchange.rank = 1
-    exchange.stages = {0: (0,), 1: (1,), 2: (2,)}
-    exchange.tag = "start"
-    exchange.halted = True
     status = {"failed": False, "error": None, "lost": {}, "tag": "start"}
-    exchange.ends = {0: (status, [])}
-    exchange.lost = {0: "died or cannot be reached"}
-    exchange.given_up = set()
+    exchange = _after_the_ends(1, 3, {0: (status, [])}, {0: "died or cannot be reached"})
     failure = exchange.remote_failure()
     assert failure is not None
     assert failure.rank == 0
