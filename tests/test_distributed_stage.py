@@ -543,11 +543,16 @@ def test_a_rank_gone_between_steps_is_named_in_bounded_time_where_another_went_m
         start = time.monotonic()
         failure = _outcome(lambda: _step(schedule, x, y))
         seconds = time.monotonic() - start
-        return failure, seconds, _outcome(lambda: _step(schedule, x, y))
+        after = _outcome(lambda: _step(schedule, x, y))
+        anew = _outcome(lambda: PipelineStage(mlp(), [2] * 4, transport=transport, chunks=4))
+        return failure, seconds, after, anew
 
     out = _on_ranks(4, [2] * 4, body, chunks=4, timeout=timeout)
     for r in (0, 2, 3):
-        remote, seconds, after = out[r]
+        remote, seconds, after, anew = out[r]
+        # A new stage on the same transport is refused too, before it changes the model.
+        assert isinstance(anew, RuntimeError), repr(anew)
+        assert "Start every process anew" in str(anew), str(anew)
         assert isinstance(remote, RemoteError), repr(remote)
         assert remote.rank == 1, str(remote)
         assert "rank 1 (stages [1]) died or cannot be reached" in str(remote)

@@ -115,7 +115,8 @@ class PipelineStage(PlacedModule, StageHolder):
     Raises:
         TypeError, ValueError, BalanceError: bad arguments, as for ``GPipe``; a
             ``group`` that this process is not in.
-        RuntimeError: ``torch.distributed`` is not initialized (and no transport given).
+        RuntimeError: ``torch.distributed`` is not initialized (and no transport given);
+            ``transport`` was closed, or given up once a rank was lost.
         ValueError: the processes were given different models or arguments; or, raised
             once the other processes have been told (see ``RemoteError``): a balance
             that does not give every process the same number of stages, a ``rank``
@@ -174,6 +175,7 @@ class PipelineStage(PlacedModule, StageHolder):
                 f"device is {wanted} but the transport receives on {transport.device}; "
                 f"give them the same device"
             )
+        transport.check_open()  # one given up after a lost rank cannot start anew
         self.transport = transport
         self.device = transport.device
         self.rank = transport.rank
@@ -271,11 +273,7 @@ class PipelineStage(PlacedModule, StageHolder):
         return len(self.balance) - 1 in self.stages
 
     def forward(self, *args: Any) -> Any:
-        """Not a callable model: run steps with a schedule of torchgpipe.distributed.
-
-        Raises:
-            TypeError: always.
-        """
+        """Not a callable model: raises TypeError, saying to step it with a schedule."""
         raise TypeError(
             "a PipelineStage runs in steps that span every process: use "
             "torchgpipe.Schedule1F1B(stage, loss_fn).step(input, target) "
