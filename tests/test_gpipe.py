@@ -1,5 +1,6 @@
 import copy
 import inspect
+import pickle
 import subprocess
 import sys
 import threading
@@ -360,6 +361,27 @@ def test_deepcopy_gives_an_independent_working_model() -> None:
     assert other[0] is not model[0]
     x = torch.randn(4, 4)
     assert torch.equal(other(x), model(x))
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
+def test_a_copy_of_a_model_that_ran_runs_its_own_layers(copier: Any) -> None:
+    # A GPipe keeps the description of its stages from call to call; a copy must not
+    # keep the original's (its partitions, streams).
+    model = GPipe(_mlp(), [2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    before = model(x).detach()
+    with torch.no_grad():
+        model.eval()(x)
+    model.train()
+    other = copier(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(2.0)
+    plain = nn.Sequential(*other)
+    assert torch.equal(other(x), plain(x))
+    with torch.no_grad():
+        assert torch.equal(other.eval()(x), plain(x))
+    assert torch.equal(model(x), before)
 
 
 # Caller state inside every partition.

@@ -143,7 +143,8 @@ class StepRun:
         self.inbound = stages.inbound
         self.outbound = stages.outbound
         self.guards = RunGuards(stages.guards)  # made at the run's first use of a stage
-        self.popped_by = {r.key: r.pop_partition for r in stages.routes}
+        layout = stages.layout(table.placement)
+        self.popped_by = layout.popped_by
         self._trainable: dict[int, bool] = {}  # per stage, read when first needed
         self.n = len(stages.inbound)
         self.trace = stages.tracer
@@ -152,16 +153,12 @@ class StepRun:
         self.checkpoint_stop = stages.checkpoint_stop
         # Across processes every rank runs with the seed rank 0 drew and sent.
         self.seed = draw_seed() if seed is None else seed
-        self.rank_device = rank_device = {table.placement[s]: d for s, d in stages.devices.items()}
-        # A rank runs its stages on one device (checked by the schedules), and on the
-        # streams of the first of them.
-        first = {r: min(s for s in stages.devices if table.placement[s] == r) for r in rank_device}
-        self.compute = {r: stages.streams[s][0] for r, s in first.items()}
-        self.copy = {r: stages.streams[s][1] for r, s in first.items()}
+        self.rank_device = layout.devices
+        self.compute, self.copy = layout.compute, layout.copy
         # The caller's streams, which the ranks' wait for first (stream.caller_streams).
-        self.source = caller_streams(rank_device.values(), [*batches[:1], *targets[:1]])
+        self.source = caller_streams(layout.devices.values(), [*batches[:1], *targets[:1]])
         self._home = next(iter(self.compute.values()))
-        self._cpu = all(device.type == "cpu" for device in stages.devices.values())
+        self._cpu = layout.cpu
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
         self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
         self.skips = SkipVersions(len(step.outputs), self.checkpoint_stop, batches)
@@ -339,8 +336,9 @@ class StepRun:
                 wants = any(needs) or self.trainable(s)
                 again = wants or self._owns_loss(s)
                 flags = set_flag("checkpointing"), set_flag("recomputes", again)
+                inputs = unflatten(detach_all(leaves), spec)  # not each through the mode below
                 with flags[0], flags[1], cell.randomness.forward():
-                    output, outbound = self._call(s, unflatten(detach_all(leaves), spec))
+                    output, outbound = self._call(s, inputs)
             finally:
                 torch._C._set_grad_enabled(grad_was)
             cell.restore = guard.after_forward(kept) if guard is not None else None
@@ -350,8 +348,9 @@ class StepRun:
             )
         cell.leaves = per_tensor(partial(stage_leaf, first=s == 0), leaves)
         cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
+        inputs = unflatten(aliases(cell.leaves), spec)
         with cell.randomness.forward():
-            result = self._call(s, unflatten(aliases(cell.leaves), spec))
+            result = self._call(s, inputs)
         cell.outputs = tensors_of(result)
         return cell, result
 

@@ -18,12 +18,7 @@ from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
-from torchgpipe.materialize import (
-    Init,
-    check_materializable,
-    check_meta_arguments,
-    materialize,
-)
+from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
@@ -55,7 +50,7 @@ class BalanceError(ValueError):
 # The attributes GPipe.__init__ assigns after it checks the layers' names, which must
 # not be any of them (a layer of that name would be hidden, or refused by nn.Module).
 _ASSIGNED_LATER = frozenset(("skip_layout", "workers", "_deferred", "_ties", "_partitions"))
-_ASSIGNED_LATER |= {"_inbound", "_outbound", "_guards", "_streams", "_tracer"}
+_ASSIGNED_LATER |= {"_inbound", "_outbound", "_guards", "_streams", "_tracer", "_made"}
 
 
 class GPipe(PlacedModule, StageHolder):
@@ -219,6 +214,7 @@ class GPipe(PlacedModule, StageHolder):
         self._guards = [RecomputeGuard(p) for p in partitions]
         self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
         self._tracer: Trace | None = None  # set by trace()
+        self._made: dict[int, Stages] = {}  # per checkpoint_stop, the stages of untraced runs
         self.workers = Workers(n)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -374,8 +370,10 @@ class GPipe(PlacedModule, StageHolder):
         tracer = self._tracer
         if tracer is not None:
             tracer.m = max(tracer.m, m)
+        elif stop in self._made:  # what runs before the first cell runs cold: keep what can be
+            return self._made[stop]
         n = len(self._partitions)
-        return Stages(
+        made = Stages(
             partitions=dict(enumerate(self._partitions)),
             devices=dict(enumerate(self.devices)),
             inbound=list(self._inbound),
@@ -386,6 +384,7 @@ class GPipe(PlacedModule, StageHolder):
             checkpoint_stop=stop,
             tracer=tracer,
         )
+        return made if tracer is not None else self._made.setdefault(stop, made)
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -411,6 +410,7 @@ class GPipe(PlacedModule, StageHolder):
         # A copy does not share a trace in progress: it belongs to the original.
         state = self.__dict__.copy()
         state["_tracer"] = None
+        state["_made"] = {}  # the original's partitions and streams
         return state
 
 

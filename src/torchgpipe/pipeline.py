@@ -107,12 +107,15 @@ def run(
     def describe(action: Action) -> str:
         return f"partition {action.stage} on {devices[action.stage]}"
 
+    grad = torch.is_grad_enabled()
     upstream = [
         [x for x in flatten(batch)[0] if isinstance(x, Tensor) and x.requires_grad]
-        for batch in batches
+        for batch in (batches if grad else ())
     ]
-    wants_grad = torch.is_grad_enabled() and (
+    params = trainable_params(stages.partitions.values()) if grad else []
+    wants_grad = grad and (
         any(upstream)
+        or bool(params)
         or any(p.requires_grad for part in stages.partitions.values() for p in part.parameters())
     )
     stage_graphs = wants_grad and workers_run_backward(list(devices.values()))
@@ -138,7 +141,6 @@ def run(
             f"on a GPU's engine thread: put that partition on the GPU (devices=[...]) "
             f"and let it return its output there"
         )
-    params = trainable_params(stages.partitions.values())
     backward = _Backward(run, workers, describe, counts, upstream, tensors, params)
     flat = [x for xs in upstream for x in xs]
     # The phony makes the outputs want a gradient when only the parameters do and none

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torchgpipe.schedules import Schedule
     from torchgpipe.steps import StepResult, TableSteps
 
-__all__ = ["StageHolder", "Stages", "has_skippables", "trainable_params"]
+__all__ = ["Layout", "StageHolder", "Stages", "has_skippables", "trainable_params"]
 
 
 def trainable_params(partitions: Iterable[nn.Module]) -> list[Tensor]:
@@ -55,6 +55,45 @@ class Stages:
     streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
     checkpoint_stop: int  # micro-batches below this are checkpointed
     tracer: Trace | None = None
+    # Per placement of a table: its Layout, made at its first run (a GPipe keeps its
+    # Stages from call to call, and what runs before the first cell is on the critical
+    # path, run cold).
+    layouts: dict[tuple[int, ...], Layout] = field(default_factory=dict, compare=False, repr=False)
+
+    def layout(self, placement: tuple[int, ...]) -> Layout:
+        """Where each rank of a table with ``placement`` runs: devices and streams."""
+        made = self.layouts.get(placement)
+        if made is None:
+            made = self.layouts[placement] = Layout.of(self, placement)
+        return made
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Each rank's device and streams, for the stages a table puts on it.
+
+    A rank runs its stages on one device (the schedules check it), and on the streams
+    of the first of them.
+    """
+
+    devices: dict[int, torch.device]  # per rank
+    compute: dict[int, AnyStream]
+    copy: dict[int, AnyStream]
+    cpu: bool  # every local stage on the CPU
+    popped_by: dict[SkipKey, int]  # per skip, the stage that pops it
+
+    @classmethod
+    def of(cls, stages: Stages, placement: tuple[int, ...]) -> Layout:
+        """The layout of ``stages`` when stage ``s`` runs on rank ``placement[s]``."""
+        devices = {placement[s]: d for s, d in stages.devices.items()}
+        first = {r: min(s for s in stages.devices if placement[s] == r) for r in devices}
+        return cls(
+            devices=devices,
+            compute={r: stages.streams[s][0] for r, s in first.items()},
+            copy={r: stages.streams[s][1] for r, s in first.items()},
+            cpu=all(device.type == "cpu" for device in stages.devices.values()),
+            popped_by={route.key: route.pop_partition for route in stages.routes},
+        )
 
 
 class StageHolder:
