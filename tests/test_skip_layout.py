@@ -54,6 +54,22 @@ def test_verify_reports_a_skip_popped_twice() -> None:
         verify_skippables(nn.Sequential(Stash(), Pop(), Pop()))
 
 
+def test_a_module_that_stashes_and_pops_one_name_is_declared_then_refused() -> None:
+    # As in torchgpipe 0.0.7: the declaration passes, verify_skippables (and GPipe) refuse.
+    @skippable(stash=["skip"], pop=["skip"])
+    class Both(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            yield stash("skip", x)
+            return x + skip
+
+    expected = r"'skip' is both stashed and popped by layer 1 \(Both\)"
+    with pytest.raises(TypeError, match=expected):
+        verify_skippables(nn.Sequential(nn.Identity(), Both()))
+    with pytest.raises(TypeError, match=expected):
+        GPipe(nn.Sequential(nn.Identity(), Both()), [1, 1])
+
+
 def test_verify_reports_one_module_used_twice() -> None:
     # named_children() gives a repeated child once: Sequential(down, up, down) passed,
     # though its one object stashes the same skip twice (isolate cannot tell them apart).

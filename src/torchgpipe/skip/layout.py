@@ -134,7 +134,8 @@ def verify_skippables(module: nn.Sequential) -> None:
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or there is a skip that is
             stashed but never popped, popped but never stashed, stashed or popped by
-            more than one module, or popped by a layer before the layer that stashes it.
+            more than one module, both stashed and popped by one, or popped by a layer
+            before the layer that stashes it.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"verify_skippables takes an nn.Sequential, got {type(module).__name__}")
@@ -150,6 +151,8 @@ def verify_skippables(module: nn.Sequential) -> None:
             problems.append(f"{key} is stashed by {_list(stashed)} but never popped")
         elif not stashed:
             problems.append(f"{key} is popped by {_list(popped)} but never stashed")
+        elif popped[0] == stashed[0]:
+            problems.append(f"{key} is both stashed and popped by {stashed[0].where}")
         elif popped[0].before(stashed[0]):
             problems.append(
                 f"{key} is popped by {popped[0].where} before {stashed[0].where} stashes it"

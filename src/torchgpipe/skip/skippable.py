@@ -449,15 +449,11 @@ def skippable(
 
     Raises:
         TypeError: the decorated object is not an ``nn.Module`` class.
-        ValueError: a name is declared twice, or both stashed and popped.
+        ValueError: a name is listed twice in ``stash`` or in ``pop``.
     """
+    # A name both stashed and popped is declared, as in torchgpipe 0.0.7, and refused
+    # by verify_skippables (and GPipe): the module would pass a skip to itself.
     stash_names, pop_names = _names(stash, "stash"), _names(pop, "pop")
-    both = sorted(set(stash_names) & set(pop_names))
-    if both:
-        raise ValueError(
-            f"@skippable declares {both} as both stashed and popped; a module passes a "
-            f"skip to another module, so use a different name on each side"
-        )
 
     def decorate(cls: ModuleType) -> ModuleType:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
