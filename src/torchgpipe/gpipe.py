@@ -416,11 +416,10 @@ class GPipe(PlacedModule, StageHolder):
 
 def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
     if balance is None:
+        single = f"balance=[{num_layers}] for a single partition"
         raise BalanceError(
             f"balance is required: pass the number of layers of each partition, such as "
-            f"balance=[{num_layers}] for a single partition, {_AUTO_BALANCE_HINT}"
-            if num_layers
-            else "balance is required: pass balance=[] for an empty model"
+            f"{single if num_layers else 'balance=[] for an empty model'}, {_AUTO_BALANCE_HINT}"
         )
     try:
         entries = list(balance)
