@@ -1,3 +1,5 @@
+import pytest
+
 import torchgpipe
 import torchgpipe.skip
 
@@ -118,3 +120,11 @@ def test_no_source_file_is_over_500_lines() -> None:
         if (n := len(path.read_text().splitlines())) > 500
     }
     assert not long, f"source files over 500 lines: {long}"
+
+
+def test_the_module_balancing_came_from_before_0_0_7_points_to_torchgpipe_balance() -> None:
+    # torchgpipe 0.0.7 shipped torchgpipe_balancing to say where balancing had gone.
+    import importlib
+
+    with pytest.raises(ImportError, match=r"from torchgpipe\.balance import balance_by_time"):
+        importlib.import_module("torchgpipe_balancing")
