@@ -690,6 +690,28 @@ def test_uneven_micro_batches_match_the_plain_model(reduction: str) -> None:
     torch.testing.assert_close(out[1][0].output, output)
 
 
+def test_a_tensor_a_layer_closes_over_gets_its_gradient_across_processes() -> None:
+    # Rank 0's stage has no parameter and an input that wants no gradient: its
+    # checkpointed cells run in grad mode, so the tensor its layer closes over gets one.
+    from test_transparency import closed_over_net
+
+    x, y = _batch(1, 6, 4), _batch(2, 6, 3).double()
+    scales = [torch.tensor([1.5, -2.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True)]
+    scales += [scales[0].detach().clone().requires_grad_() for _ in range(2)]
+
+    def body(stage: PipelineStage) -> Any:
+        return _step(Schedule1F1B(stage, _mse), x.double(), y).loss
+
+    models = [closed_over_net(scales[r]) for r in range(2)]
+    out = _on_ranks(2, [2, 1], body, models=models, chunks=3, checkpoint="always")
+    loss = _mse(closed_over_net(scales[2])(x.double()), y)
+    loss.backward()
+    torch.testing.assert_close(out[0], loss.detach())
+    assert scales[0].grad is not None
+    assert scales[1].grad is None  # rank 1's stage holds no ClosedOver
+    torch.testing.assert_close(scales[0].grad, scales[2].grad)
+
+
 def test_steps_may_change_the_batch_size() -> None:
     def body(stage: PipelineStage) -> Any:
         schedule = ScheduleZeroBubble(stage, _mse)

@@ -370,22 +370,17 @@ class _PopPadded(nn.Module):
 @pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_a_skip_changed_in_place_by_the_popping_partition_before_its_pop_is_refused(
+def test_a_skip_that_is_the_input_changed_in_place_before_its_pop_matches_the_plain_model(
     inplace: bool, checkpoint: str, chunks: int, backward_by: str
 ) -> None:
-    # The bug: the ReLU in the popping partition, right after the cut, changed its input
-    # in place, which shares memory with the skip: the pop got the new values without
-    # the gradient through them, and the first layer's gradients were silently wrong.
-    # Where the cells join the caller's graph (the engine's backward), the input and
-    # the skip are one tensor, as in the plain model: the gradient is right there.
+    # The ReLU in the popping partition, right after the cut, changes its input in place,
+    # which is the skip too: one tensor handed on both ways, as in the plain model (at
+    # first two, the pop got the new values without the gradient through them; then
+    # refused on the workers' way).
     torch.manual_seed(0)
     plain = nn.Sequential(StashOutput(), nn.ReLU(inplace=inplace), PopAdd())
     model = GPipe(copy.deepcopy(plain), [1, 2], chunks=chunks, checkpoint=checkpoint)  # type: ignore[arg-type]
     x = torch.randn(8, 4)
-    if inplace and backward_by == "workers":
-        with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its pop"):
-            model(x)
-        return
     model(x).sum().backward()
     plain(x).sum().backward()
     for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
@@ -406,17 +401,16 @@ class _FrozenStashOutput(nn.Module):
         return y
 
 
-@pytest.mark.parametrize(
-    ("engine", "checkpoint"),
-    [(False, "always"), (True, "always"), (True, "except_last"), (True, "never")],
-)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("engine", [False, True])
 def test_a_frozen_skip_given_a_gradient_in_place_before_its_pop_does_not_break(
     engine: bool, checkpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Regression of the first check at the pop: the change in place made the skip want a
     # gradient between the cell's start and the pop, so the two lists of versions had
     # different lengths and the pop failed with zip()'s ValueError. (Not checkpointed,
-    # on the workers, the pop still misses that gradient: README, skips.)
+    # on the workers, the pop missed that gradient while the input and the skip went on
+    # as two tensors.)
     if engine:
         from torchgpipe import pipeline
 
@@ -444,23 +438,26 @@ def test_a_frozen_model_changing_a_skip_in_place_before_its_pop_is_not_refused(
     torch.testing.assert_close(model(x), plain(x))
 
 
+@pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("balance", [[1, 3], [1, 2, 1]])
 @pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
-def test_a_step_of_a_frozen_model_judges_a_pop_only_where_its_loss_is_recomputed(
-    schedule: Any, balance: list[int]
+def test_a_step_judges_a_pop_only_where_its_cell_is_recomputed(
+    schedule: Any, balance: list[int], trained: bool
 ) -> None:
-    # A step recomputes the last stage's checkpointed cells for their loss, trained or
-    # not: there, a skip changed in place before its pop would pop the values from
-    # before the change (the loss came out wrong where it was let through). Earlier
-    # stages of a frozen model are not recomputed for anything: not refused.
+    # A detached skip shares the memory of the output it came from, changed in place
+    # before the pop. A checkpointed cell that is recomputed (for its loss, where its
+    # last layer trains) would pop the values from before the change: refused (the loss
+    # came out wrong where it was let through). A frozen model's cells, where nothing
+    # wants a gradient, are not checkpointed: the values of the plain model's pop.
     torch.manual_seed(0)
     plain = nn.Sequential(
         _StashSliceOrDetached("detached"), nn.ReLU(inplace=True), PopAdd(), nn.Linear(4, 4)
     ).requires_grad_(False)
+    plain[3].requires_grad_(trained)
     model = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint="always")
     x, target = torch.randn(8, 4), torch.randn(8, 4)
     step = schedule(model, nn.functional.mse_loss)
-    if len(balance) == 2:
+    if trained and len(balance) == 2:
         with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its"):
             step.step(x, target)
         return
@@ -524,9 +521,14 @@ def test_a_retry_pops_what_the_failed_call_left_as_the_plain_model_does(
 
 def test_a_skip_given_back_for_a_retry_is_checked_at_its_second_pop() -> None:
     # The first pop dropped the skip's noted versions, so the retry's pop went unchecked
-    # and the gradients came out wrong.
+    # and the gradients came out wrong. (A detached skip, apart from the input whose
+    # memory it shares; a checkpointed cell, which would pop it again in recomputation.)
     model = GPipe(
-        nn.Sequential(StashOutput(), _RetriesAfterAnInPlaceChange(), nn.Linear(4, 4)), [1, 2]
+        nn.Sequential(
+            _StashSliceOrDetached("detached"), _RetriesAfterAnInPlaceChange(), nn.Linear(4, 4)
+        ),
+        [1, 2],
+        checkpoint="always",
     )
     with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its pop"):
         model(torch.randn(8, 4))
@@ -563,11 +565,22 @@ def test_a_skip_changed_in_place_where_the_plain_model_loses_nothing_is_not_refu
         torch.testing.assert_close(ours.grad, theirs.grad)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
-def test_a_schedule_refuses_a_skip_changed_in_place_by_the_popping_stage(schedule: Any) -> None:
-    model = GPipe(nn.Sequential(StashOutput(), nn.ReLU(inplace=True), PopAdd()), [1, 2], chunks=2)
-    with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its pop"):
-        schedule(model, nn.functional.mse_loss).step(torch.randn(8, 4), torch.randn(8, 4))
+def test_a_schedule_steps_a_skip_that_is_the_input_changed_by_the_popping_stage(
+    schedule: Any, checkpoint: str
+) -> None:
+    # One tensor handed on as the input and the skip, as in the plain model (refused once).
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), nn.ReLU(inplace=True), PopAdd())
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    result = schedule(model, nn.functional.mse_loss).step(x, target)
+    loss = nn.functional.mse_loss(plain(x), target)
+    loss.backward()
+    torch.testing.assert_close(result.loss, loss.detach())
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
 
 
 def test_a_skip_changed_in_place_after_its_pop_is_not_refused() -> None:
@@ -607,3 +620,37 @@ def test_a_checkpointed_cell_stashing_its_output_for_one_micro_batch_is_checked(
     )
     with pytest.raises(RuntimeError, match=r"skip 'skip' of micro-batch 0 was changed in"):
         model(torch.randn(4, 4))
+
+
+@skippable(pop=["skip"])
+class _PopPair(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x, skip
+
+
+class _ReLUFirstThenMix(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        x, skip = pair
+        x.relu_()  # the skip too: one tensor
+        return x * 2 + skip * 3
+
+
+@pytest.mark.parametrize("balance", [[1, 2], [1, 1, 1]])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_skip_that_is_the_input_changed_in_place_after_its_pop_matches_the_plain_model(
+    balance: list[int], checkpoint: str, backward_by: str
+) -> None:
+    # Its later uses get the new values with the gradient through them, in this stage
+    # or the next (silently wrong on the workers' way while the two went on apart).
+    torch.manual_seed(0)
+    plain = nn.Sequential(StashOutput(), _PopPair(), _ReLUFirstThenMix())
+    model = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    out = model(x)
+    out.sum().backward()
+    expected = plain(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)

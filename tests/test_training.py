@@ -14,9 +14,11 @@ import torch
 from helpers import BackwardFails, Count, Counted, PopAdd, ScaleInPlace, StashLinear
 from test_transparency import (
     MODELS,
+    ClosedOver,
     _assert_same_grads,
     _buffered_net,
     _replay_masks,
+    closed_over_net,
     duplicated_net,
 )
 from torch import Tensor, nn
@@ -92,6 +94,38 @@ def test_a_step_leaves_the_gradients_of_the_plain_model(
     _assert_same_grads(model, plain, exact=False)
     assert x1.grad is not None
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_tensor_a_layer_closes_over_gets_its_gradient_in_a_step(
+    checkpoint: Checkpoint, schedule: str, last: bool
+) -> None:
+    # Where no input or parameter of a checkpointed cell wants a gradient, in the first
+    # stage, or in the last (which computes the loss, in its recomputation otherwise).
+    scale = torch.tensor([1.5, -2.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True)
+
+    def build() -> nn.Sequential:
+        return (
+            nn.Sequential(nn.Tanh(), nn.Tanh(), ClosedOver(scale))
+            if last
+            else closed_over_net(scale)
+        )
+
+    model = GPipe(build(), [2, 1], chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    target = torch.randn(6, 4 if last else 3, dtype=torch.float64)
+    result = SCHEDULES[schedule](model, _mse).step(x, target)
+    got, scale.grad = scale.grad, None
+    plain = build()
+    loss = _mse(plain(x), target)
+    loss.backward()
+    torch.testing.assert_close(result.loss, loss.detach())
+    assert got is not None
+    torch.testing.assert_close(got, scale.grad)
+    if not last:
+        _assert_same_grads(model, plain, exact=False)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

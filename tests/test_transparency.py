@@ -559,3 +559,50 @@ def test_one_tensor_given_twice_is_one_tensor_in_every_micro_batch(
     out.sum().backward()
     expected.sum().backward()
     _assert_same_grads(model, plain, exact=False)
+
+
+class ClosedOver(nn.Module):
+    """Scales by a tensor it holds without registering it (a list hides it from Module)."""
+
+    def __init__(self, scale: Tensor) -> None:
+        super().__init__()
+        self.held = [scale]
+        self.checkpointing: list[bool] = []  # per forward (not recomputation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not is_recomputing():
+            self.checkpointing.append(is_checkpointing())
+        return x * self.held[0]
+
+
+def closed_over_net(scale: Tensor) -> nn.Sequential:
+    """A first partition (``[2, 1]``) with no parameter, scaled by ``scale``, closed over."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Tanh(), ClosedOver(scale), nn.Linear(4, 3)).double()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_tensor_a_layer_closes_over_gets_the_plain_models_gradient(
+    checkpoint: str, chunks: int, backward_by: str
+) -> None:
+    # A checkpointed cell whose inputs and parameters want no gradient recorded no graph,
+    # so the tensor got none ('always': the backward refused, "does not require grad")
+    # or the last micro-batch's share alone ('except_last'). torchgpipe 0.0.7's gave it.
+    scale = torch.tensor([1.5, -2.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True)
+    model = GPipe(closed_over_net(scale), [2, 1], chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    out = model(x)
+    out.square().sum().backward()
+    got, scale.grad = scale.grad, None
+    plain = closed_over_net(scale)
+    expected = plain(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    assert got is not None
+    torch.testing.assert_close(got, scale.grad)
+    _assert_same_grads(model, plain, exact=False)
+    # Its forward still says it is checkpointed, as every cell of the mode's does.
+    checkpointed = model[1].checkpointing  # type: ignore[attr-defined]
+    stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+    assert checkpointed == [True] * stop + [False] * (chunks - stop)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from torchgpipe.batchnorm import enter_cell, leave_cell
-from torchgpipe.checkpoint import checkpoint, differentiable
+from torchgpipe.checkpoint import checkpoint, checkpoint_flags, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.grad_hooks import hooked
 from torchgpipe.guards import Restore
@@ -92,13 +92,13 @@ def stage_leaf(x: Tensor, first: bool) -> Tensor:
     return y.requires_grad_(True) if x.requires_grad else y
 
 
-def wanting(value: Any, wants: bool) -> Any:
-    """``value`` with its floating tensors marked as wanting a gradient, if ``wants``.
+def wanting(value: Any) -> Any:
+    """``value`` with its floating tensors marked as wanting a gradient.
 
     Marked are aliases (``detach()``), not the tensors themselves: a layer may return a
     buffer of its own, or its input, which must not turn into a leaf wanting a gradient.
     """
-    if not wants or value is None:
+    if value is None:
         return value
     if isinstance(value, Tensor):  # the common case, on the path of every cell
         return _wanting(value)
@@ -295,7 +295,15 @@ def connected_forward(
     # A phony for the next micro-batch's cell on this stage (see dependency.py).
     wants_phony = grad and i + 1 < len(run.step.outputs)
     phony = run.phony.pop(s, None)
-    if i < run.checkpoint_stop:
+    # A checkpointed cell where nothing wants a gradient is a plain call in grad mode (no
+    # node would be made): a graph, kept, only through a tensor a layer closes over that
+    # wants one, as in the plain model (a node would give that tensor no gradient).
+    checkpointed = i < run.checkpoint_stop
+    if checkpointed and (
+        run.trainable(s)
+        or (phony is not None and phony.requires_grad)
+        or any(isinstance(x, Tensor) and x.requires_grad for x in flatten(packed)[0])
+    ):
         result, run.phony[s] = checkpoint(
             function,
             packed,
@@ -322,7 +330,8 @@ def connected_forward(
     if run.trace is not None and grad:
         span = BackwardSpan(run.trace, s, i)
         packed = span.mark_input(packed)
-    with randomness.forward():
+    flags = checkpoint_flags(checkpointed, again=False)
+    with flags[0], flags[1], randomness.forward():
         result = function(packed)
     if span is not None:
         result = span.mark_output(result)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,6 +104,20 @@ class set_flag:  # lower case: used as a function: `with set_flag("recomputing")
         setattr(_flags, self._name, self._previous)
 
 
+Flags = tuple[AbstractContextManager[None], AbstractContextManager[None]]
+_NO_FLAGS: Flags = (nullcontext(), nullcontext())
+
+
+def checkpoint_flags(checkpointed: bool, again: bool) -> Flags:
+    """The flags to enter around a cell's forward (none where it is not ``checkpointed``).
+
+    ``is_checkpointing()``, and whether the cell may be recomputed (``again``).
+    """
+    if not checkpointed:
+        return _NO_FLAGS
+    return set_flag("checkpointing"), set_flag("recomputes", again)
+
+
 class _Cell:
     """A checkpointed cell: what recomputation needs besides the saved tensors."""
 
@@ -149,7 +163,7 @@ class _Checkpointed(torch.autograd.Function):
         kept = cell.guard.before_forward() if cell.guard is not None else None
         # Its outputs want a gradient, so a backward may recompute it, where an input does.
         recomputes = any(x.requires_grad for x in (phony, *inputs))
-        flags = set_flag("checkpointing"), set_flag("recomputes", recomputes)
+        flags = checkpoint_flags(True, recomputes)
         with flags[0], flags[1], cell.randomness.forward():
             output = cell.call(tensors)
         if cell.guard is not None:

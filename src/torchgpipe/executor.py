@@ -42,7 +42,7 @@ from torchgpipe.cell import (
     wanted,
     wanting,
 )
-from torchgpipe.checkpoint import aliases, fresh_leaves, recomputing, set_flag
+from torchgpipe.checkpoint import aliases, checkpoint_flags, fresh_leaves, recomputing
 from torchgpipe.copy import move
 from torchgpipe.guards import RunGuards
 from torchgpipe.mailbox import Mailbox
@@ -286,10 +286,12 @@ class StepRun:
         step.hold(s, 1)
         output, outbound = result
         if s + 1 < self.n:
-            # A checkpointed cell's outputs were made without a graph: nothing to cut.
+            # A checkpointed cell's outputs were made without a graph: nothing to cut. Cut
+            # together, a tensor both output and skip stays one, as in the plain model.
             cut: Any = (lambda value: value) if cell.checkpointed else detached
-            sent = {key: self.skips.sent(key, i, cut(skip)) for key, skip in outbound.items()}
-            post.put(("F", s + 1, i), cut(output))  # once the skips' versions are noted
+            output, outbound = cut((output, outbound)) if outbound else (cut(output), outbound)
+            sent = {key: self.skips.sent(key, i, skip) for key, skip in outbound.items()}
+            post.put(("F", s + 1, i), output)  # once the skips' versions are noted
             for key, skip in sent.items():
                 post.put(("S", key, i), skip)
             return
@@ -308,8 +310,13 @@ class StepRun:
         packed = value if self.outbound[s] is None and not inbound else (value, inbound)
         leaves, spec = flatten(packed)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        checkpointed = i < self.checkpoint_stop
+        flagged = i < self.checkpoint_stop  # is_checkpointing() in its forward
         needs = [x.requires_grad for x in tensors]
+        # Checkpointed where an input or a parameter wants a gradient; where none does, in
+        # grad mode and kept (in the plain model's graph only through a tensor a layer
+        # closes over that wants one: recomputed from leaves that want none, its outputs
+        # would want none, and that tensor get no gradient).
+        checkpointed = flagged and (any(needs) or self.trainable(s))
         cell = StageCell(
             checkpointed=checkpointed,
             randomness=CellRandomness(cell_seed(self.seed, i, s)),
@@ -331,25 +338,21 @@ class StepRun:
                 # Keep a copy: a first layer may modify its input in place.
                 cell.leaves = per_tensor(Tensor.clone, leaves)
                 kept = guard.before_forward() if guard is not None else None
-                # All floating outputs may want a gradient where an input or weight does
-                # (no graph says which); a step's last stage is recomputed for its loss.
-                wants = any(needs) or self.trainable(s)
-                again = wants or self._owns_loss(s)
-                flags = set_flag("checkpointing"), set_flag("recomputes", again)
+                flags = checkpoint_flags(True, again=True)
                 inputs = unflatten(detach_all(leaves), spec)  # not each through the mode below
                 with flags[0], flags[1], cell.randomness.forward():
                     output, outbound = self._call(s, inputs)
             finally:
                 torch._C._set_grad_enabled(grad_was)
             cell.restore = guard.after_forward(kept) if guard is not None else None
-            return cell, (
-                wanting(output, wants),
-                {k: wanting(v, wants) for k, v in outbound.items()},
-            )
+            # All floating outputs may want a gradient (no graph says which); marked
+            # together, a tensor both output and skip stays one.
+            return cell, wanting((output, outbound)) if outbound else (wanting(output), {})
         cell.leaves = per_tensor(partial(stage_leaf, first=s == 0), leaves)
         cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
         inputs = unflatten(aliases(cell.leaves), spec)
-        with cell.randomness.forward():
+        flags = checkpoint_flags(flagged, again=False)
+        with flags[0], flags[1], cell.randomness.forward():
             result = self._call(s, inputs)
         cell.outputs = tensors_of(result)
         return cell, result
