@@ -243,6 +243,21 @@ def test_a_forward_that_returns_a_helpers_generator_is_driven() -> None:
     assert torch.equal(model(torch.ones(1)), torch.tensor([3.0]))  # 2 from Stash, 1 popped
 
 
+def test_a_skippable_module_prints_as_in_torchgpipe_0_0_7() -> None:
+    @skippable(stash=["hello"])
+    class Hello(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 1, 1)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("hello", x)
+            return self.conv(x)
+
+    expected = "@skippable(Hello(\n  (conv): Conv2d(1, 1, kernel_size=(1, 1), stride=(1, 1))\n))"
+    assert repr(Hello()) == expected
+
+
 def test_skippable_decorates_module_classes_only() -> None:
     with pytest.raises(TypeError, match=r"decorates an nn\.Module class"):
         skippable(stash=["skip"])(int)  # type: ignore[type-var]

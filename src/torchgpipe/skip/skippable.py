@@ -172,10 +172,9 @@ class Skippable(nn.Module):
         forward = cls.__dict__.get("forward")
         if forward is None:
             return
-        # The generator function is kept aside and forward drives it (Skippable.forward).
-        # Whether it gives a generator is checked when it is called: a forward wrapped by
-        # a decorator, or one that returns a helper's generator, is a generator function
-        # only by what it returns.
+        # The generator function is kept aside and forward drives it (Skippable.forward),
+        # checking when called that it gives a generator: a forward wrapped by a
+        # decorator, or returning a helper's generator, is one only by what it returns.
         cls._generator_forward = forward
         cls.forward = _driver(forward)  # type: ignore[method-assign]
 
@@ -469,6 +468,7 @@ def skippable(
             "pop_names": pop_names,
             "forward": forward,  # taken aside by Skippable.__init_subclass__
             "_skippable_of": made,  # for pickling (Skippable.__reduce_ex__)
+            "__repr__": _marked_repr,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
@@ -479,6 +479,12 @@ def skippable(
         return decorated  # type: ignore[return-value]  # a subclass of cls
 
     return decorate
+
+
+def _marked_repr(self: nn.Module) -> str:
+    """A decorated module's own repr, marked as 0.0.7 marked it: ``@skippable(...)``."""
+    reprs = (c.__dict__.get("__repr__") for c in type(self).__mro__)
+    return f"@skippable({next(r for r in reprs if r not in (None, _marked_repr))(self)})"
 
 
 def _names(names: Iterable[str], what: str) -> tuple[str, ...]:
