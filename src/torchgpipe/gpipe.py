@@ -478,9 +478,10 @@ def check_checkpoint(checkpoint: str) -> Checkpoint:
     """``str(checkpoint)``, if it names a mode (as torchgpipe 0.0.7 read it)."""
     mode = str(checkpoint)
     if mode not in _CHECKPOINT_MODES:
-        raise ValueError(
-            f"unknown checkpoint mode {checkpoint!r}; use one of "
-            f"{', '.join(map(repr, _CHECKPOINT_MODES))}"
+        *others, last = map(repr, _CHECKPOINT_MODES)
+        raise ValueError(  # the words of 0.0.7's message first, as its test matches them
+            f"checkpoint is not one of {', '.join(others)}, or {last}: unknown checkpoint "
+            f"mode {checkpoint!r}"
         )
     return mode  # type: ignore[return-value]
 
