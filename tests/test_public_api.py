@@ -122,7 +122,7 @@ def test_no_source_file_is_over_500_lines() -> None:
     assert not long, f"source files over 500 lines: {long}"
 
 
-def test_the_module_balancing_came_from_before_0_0_7_points_to_torchgpipe_balance() -> None:
+def test_the_module_balancing_first_lived_in_points_to_torchgpipe_balance() -> None:
     # torchgpipe 0.0.7 shipped torchgpipe_balancing to say where balancing had gone.
     import importlib
 

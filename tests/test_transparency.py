@@ -606,3 +606,47 @@ def test_a_tensor_a_layer_closes_over_gets_the_plain_models_gradient(
     checkpointed = model[1].checkpointing  # type: ignore[attr-defined]
     stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
     assert checkpointed == [True] * stop + [False] * (chunks - stop)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_autograd_grad_of_a_closed_over_tensor_matches_the_plain_model(
+    checkpoint: str, engine_backward: None
+) -> None:
+    # In the caller's graph every cell of the partition is a plain call: one of them
+    # checkpointed (a node whose recomputation hands back only its inputs' and its
+    # parameters' gradients) gave torch.autograd.grad the first micro-batch's share alone.
+    scale = torch.tensor([1.5, -2.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True)
+    model = GPipe(closed_over_net(scale), [2, 1], chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    (got,) = torch.autograd.grad(model(x).square().sum(), [scale])
+    (expected,) = torch.autograd.grad(closed_over_net(scale)(x).square().sum(), [scale])
+    torch.testing.assert_close(got, expected)
+
+
+class _Kept(nn.Module):
+    """Doubles its input, keeping a weak reference to each output it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[Tensor]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * 2
+        self.refs.append(weakref.ref(y))
+        return y
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_frozen_partition_keeps_no_output_until_the_backward(checkpoint: str) -> None:
+    # A graph per stage (CPU partitions): its outputs want no gradient, no backward
+    # starts from them, so its cells keep none (the next stage holds what it needs of
+    # them; in the caller's graph that is the plain model's rule).
+    kept = _Kept()
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    model = GPipe(
+        nn.Sequential(frozen, kept, nn.Linear(4, 2)), [2, 1], chunks=4, checkpoint=checkpoint
+    )
+    out = model(torch.randn(8, 4))
+    gc.collect()
+    assert [ref() for ref in kept.refs] == [None] * 4
+    out.sum().backward()

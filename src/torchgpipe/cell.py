@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
@@ -237,12 +238,19 @@ def cut_target(cell: StageCell, target: Any) -> Any:
 
 
 def tensors_of(result: tuple[Any, dict[SkipKey, Any]]) -> list[Tensor]:
-    """The tensors a cell gave out, in the order their gradients come back."""
+    """The tensors a cell gave out, in the order their gradients come back.
+
+    One that wants no gradient starts no backward: in its place, a placeholder that
+    wants none either, so that the cell does not keep it (a frozen stage's outputs).
+    """
     output, outbound = result
     tensors = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
     for skip in outbound.values():
         tensors += [x for x in flatten(skip)[0] if isinstance(x, Tensor)]
-    return tensors
+    return [x if x.requires_grad else _NOT_KEPT for x in tensors]
+
+
+_NOT_KEPT = torch.empty(0)
 
 
 def call_stage(
@@ -301,7 +309,6 @@ def connected_forward(
     checkpointed = i < run.checkpoint_stop
     if checkpointed and (
         run.trainable(s)
-        or (phony is not None and phony.requires_grad)
         or any(isinstance(x, Tensor) and x.requires_grad for x in flatten(packed)[0])
     ):
         result, run.phony[s] = checkpoint(

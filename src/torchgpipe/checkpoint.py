@@ -55,6 +55,9 @@ def is_checkpointing() -> bool:
             if is_checkpointing():
                 ...  # no graph is recorded here; backward will run this again
             return self.body(x)
+
+    A cell where neither an input nor a parameter wants a gradient says so too, though
+    it runs as one that is not checkpointed (in grad mode, never recomputed).
     """
     return bool(getattr(_flags, "checkpointing", False))
 
