@@ -654,3 +654,41 @@ def test_a_skip_that_is_the_input_changed_in_place_after_its_pop_matches_the_pla
     torch.testing.assert_close(out, expected)
     for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+@skippable(stash=["skip"])
+class _FrozenScaledStash(nn.Module):
+    """A frozen linear map scaled by a tensor it closes over; stashes and returns it."""
+
+    def __init__(self, scale: Tensor) -> None:
+        super().__init__()
+        self.held = [scale]
+        self.linear = nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = self.linear(x) * self.held[0]
+        yield stash("skip", y)
+        return y
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_one_micro_batch_of_a_cell_that_nothing_trains_hands_its_skip_on_as_it_is(
+    checkpoint: str, engine_backward: None
+) -> None:
+    # In the caller's graph a checkpointed cell where nothing wants a gradient is a plain
+    # call, as under 'never': with one micro-batch it hands its output and skip on as one
+    # tensor, changed in place by the next partition as in the plain model (refused once,
+    # as if the cell had been a checkpoint node).
+    scale = torch.tensor([1.5, -2.0, 0.5, 3.0], requires_grad=True)
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(_FrozenScaledStash(scale), nn.ReLU(inplace=True), PopAdd())
+
+    model = GPipe(build(), [1, 1, 1], chunks=1, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(8, 4)
+    model(x).square().sum().backward()
+    got, scale.grad = scale.grad, None
+    build()(x).square().sum().backward()
+    assert got is not None
+    torch.testing.assert_close(got, scale.grad)

@@ -153,10 +153,9 @@ class SkipVersions:
     the step's input, whose version moves with the other micro-batches'.
     """
 
-    def __init__(self, m: int, checkpoint_stop: int, batches: list[Any]) -> None:
+    def __init__(self, m: int, batches: list[Any]) -> None:
         self._sent: dict[tuple[SkipKey, int], list[int | None]] = {}
-        # One micro-batch, not checkpointed: see sent().
-        self._one = m == 1 and checkpoint_stop == 0
+        self._one = m == 1  # see sent()
         self._batches = batches
         self._inputs: set[int] | None = None  # the storages of the batches, at the first skip
 
@@ -164,9 +163,10 @@ class SkipVersions:
         """Note skip ``key`` of micro-batch ``i`` as sent; ``value`` returned as it is.
 
         A tensor that is one of ``output``'s, the very object, is not checked where the
-        step has one micro-batch, not checkpointed: a cell in the caller's graph then
-        hands both on as they are (no phony joins its successor's input), and autograd
-        sees a change made to it in place, as in the plain model.
+        step has one micro-batch and ``output`` is given (a cell in the caller's graph
+        that was not checkpointed): it hands both on as they are (no phony joins its
+        successor's input), and autograd sees a change made to it in place, as in the
+        plain model.
         """
         same = {id(x) for x in flatten(output)[0] if isinstance(x, Tensor)} if self._one else ()
         tensors = [x for x in flatten(value)[0] if isinstance(x, Tensor)]
@@ -292,8 +292,8 @@ def _params(run: StepRun, s: int) -> list[Tensor]:
 
 def connected_forward(
     run: StepRun, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
-) -> tuple[Any, dict[SkipKey, Any]]:
-    """Cell ``(i, s)`` in the caller's graph: checkpointed or not, with its phonies."""
+) -> tuple[tuple[Any, dict[SkipKey, Any]], bool]:
+    """Cell ``(i, s)`` in the caller's graph, with its phonies; whether it was checkpointed."""
     packed = value if run.outbound[s] is None and not inbound else (value, inbound)
     # Not StepRun._call: a checkpointed cell's node keeps its function, and a node that
     # held the run would make a cycle through autograd that Python cannot collect.
@@ -325,7 +325,7 @@ def connected_forward(
             trainable=run.trainable(s),
             params=_params(run, s),
         )
-        return result  # type: ignore[no-any-return]
+        return result, True
     if s == 0 and grad:
         # Micro-batches are views of one input, sharing its version counter: a layer
         # that works in place (ReLU(inplace=True)) on two of them would break autograd's
@@ -344,4 +344,4 @@ def connected_forward(
         result = span.mark_output(result)
     if wants_phony:
         result, run.phony[s] = fork(result)
-    return result  # type: ignore[no-any-return]
+    return result, False

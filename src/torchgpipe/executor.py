@@ -161,7 +161,7 @@ class StepRun:
         self._cpu = layout.cpu
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
         self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
-        self.skips = SkipVersions(len(step.outputs), self.checkpoint_stop, batches)
+        self.skips = SkipVersions(len(step.outputs), batches)
 
     # The rank's loop.
 
@@ -264,9 +264,10 @@ class StepRun:
             self.trace.record(s, i, "copy", started, time.perf_counter())
         if self.connected:
             with self._span(s, i, "forward"):
-                output, outbound = connected_forward(self, s, i, value, inbound)
+                (output, outbound), wrapped = connected_forward(self, s, i, value, inbound)
             if s + 1 < self.n:  # the skips' versions noted before the next stage may change them
-                sent = {k: self.skips.sent(k, i, skip, output) for k, skip in outbound.items()}
+                whole = None if wrapped else output  # handed on as it is
+                sent = {k: self.skips.sent(k, i, skip, whole) for k, skip in outbound.items()}
                 post.put(("F", s + 1, i), output)
                 for key, skip in sent.items():
                     post.put(("S", key, i), skip)
@@ -312,10 +313,9 @@ class StepRun:
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         flagged = i < self.checkpoint_stop  # is_checkpointing() in its forward
         needs = [x.requires_grad for x in tensors]
-        # Checkpointed where an input or a parameter wants a gradient; where none does, in
-        # grad mode and kept (in the plain model's graph only through a tensor a layer
-        # closes over that wants one: recomputed from leaves that want none, its outputs
-        # would want none, and that tensor get no gradient).
+        # Checkpointed where an input or a parameter wants a gradient; else in grad mode,
+        # kept: a graph only through a tensor a layer closes over that wants one (from
+        # leaves that want none, a recomputation's outputs would want none).
         checkpointed = flagged and (any(needs) or self.trainable(s))
         cell = StageCell(
             checkpointed=checkpointed,
