@@ -624,7 +624,7 @@ def test_autograd_grad_of_a_closed_over_tensor_matches_the_plain_model(
 
 
 class _Kept(nn.Module):
-    """Doubles its input, keeping a weak reference to each output it made."""
+    """Doubles its input, keeping weak references to each input and output."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -632,21 +632,22 @@ class _Kept(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = x * 2
-        self.refs.append(weakref.ref(y))
+        self.refs += [weakref.ref(x), weakref.ref(y)]
         return y
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_a_frozen_partition_keeps_no_output_until_the_backward(checkpoint: str) -> None:
-    # A graph per stage (CPU partitions): its outputs want no gradient, no backward
-    # starts from them, so its cells keep none (the next stage holds what it needs of
-    # them; in the caller's graph that is the plain model's rule).
+def test_a_frozen_partition_keeps_no_input_or_output_until_the_backward(checkpoint: str) -> None:
+    # A graph per stage (CPU partitions): no gradient goes back through what wants
+    # none, so its cells keep none of it: neither the outputs (the next stage holds what
+    # it needs of them) nor the copies of the micro-batches (in the caller's graph, what
+    # a cell keeps is the plain model's rule).
     kept = _Kept()
     frozen = nn.Linear(4, 4).requires_grad_(False)
     model = GPipe(
-        nn.Sequential(frozen, kept, nn.Linear(4, 2)), [2, 1], chunks=4, checkpoint=checkpoint
+        nn.Sequential(kept, frozen, nn.Linear(4, 2)), [2, 1], chunks=4, checkpoint=checkpoint
     )
     out = model(torch.randn(8, 4))
     gc.collect()
-    assert [ref() for ref in kept.refs] == [None] * 4
+    assert [ref() for ref in kept.refs] == [None] * 8
     out.sum().backward()

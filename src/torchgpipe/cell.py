@@ -39,6 +39,7 @@ __all__ = [
     "detach_all",
     "detached",
     "needs_per_leaf",
+    "only_wanting",
     "stage_leaf",
     "take_input_grads",
     "tensors_of",
@@ -247,6 +248,11 @@ def tensors_of(result: tuple[Any, dict[SkipKey, Any]]) -> list[Tensor]:
     tensors = [x for x in flatten(output)[0] if isinstance(x, Tensor)]
     for skip in outbound.values():
         tensors += [x for x in flatten(skip)[0] if isinstance(x, Tensor)]
+    return only_wanting(tensors)
+
+
+def only_wanting(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors``, a placeholder in place of each that wants no gradient (not kept)."""
     return [x if x.requires_grad else _NOT_KEPT for x in tensors]
 
 

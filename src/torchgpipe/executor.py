@@ -36,6 +36,7 @@ from torchgpipe.cell import (
     detach_all,
     detached,
     needs_per_leaf,
+    only_wanting,
     stage_leaf,
     take_input_grads,
     tensors_of,
@@ -151,7 +152,6 @@ class StepRun:
         self.state = ThreadState.capture()
         self.split = table.splits_backward
         self.checkpoint_stop = stages.checkpoint_stop
-        # Across processes every rank runs with the seed rank 0 drew and sent.
         self.seed = draw_seed() if seed is None else seed
         self.rank_device = layout.devices
         self.compute, self.copy = layout.compute, layout.copy
@@ -348,9 +348,9 @@ class StepRun:
             # All floating outputs may want a gradient (no graph says which); marked
             # together, a tensor both output and skip stays one.
             return cell, wanting((output, outbound)) if outbound else (wanting(output), {})
-        cell.leaves = per_tensor(partial(stage_leaf, first=s == 0), leaves)
-        cell.inputs = [x for x in cell.leaves if isinstance(x, Tensor)]
-        inputs = unflatten(aliases(cell.leaves), spec)
+        leaves = per_tensor(partial(stage_leaf, first=s == 0), leaves)
+        cell.inputs = only_wanting([x for x in leaves if isinstance(x, Tensor)])
+        inputs = unflatten(aliases(leaves), spec)
         flags = checkpoint_flags(flagged, again=False)
         with flags[0], flags[1], cell.randomness.forward():
             result = self._call(s, inputs)
