@@ -53,7 +53,7 @@ class Stages:
     routes: tuple[SkipRoute, ...]
     guards: dict[int, RecomputeGuard]  # per local stage (guards.py)
     streams: dict[int, tuple[AnyStream, AnyStream]]  # per local stage: compute, copy
-    checkpoint_stop: int  # micro-batches below this are checkpointed
+    checkpoint_stop: int  # micro-batches below this are checkpointed (where any wants a grad)
     tracer: Trace | None = None
     # Per placement of a table: its Layout, made at its first run (a GPipe keeps its
     # Stages from call to call, and what runs before the first cell is on the critical
