@@ -7,6 +7,7 @@ whose ``B`` runs on the rank's worker), and a cell in the caller's graph
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "StageCell",
     "call_stage",
+    "checkpoints",
     "connected_forward",
     "cut_target",
     "detach_all",
@@ -296,6 +298,18 @@ def _params(run: StepRun, s: int) -> list[Tensor]:
     return params
 
 
+def checkpoints(run: StepRun, s: int, i: int, tensors: Iterable[Tensor]) -> bool:
+    """Whether cell ``(i, s)``, whose input holds ``tensors``, is checkpointed.
+
+    Below the run's ``checkpoint_stop``, where an input or a parameter of the stage wants
+    a gradient. Where none does, the cell runs in grad mode, as one that is not (its
+    flags still say checkpointed): a graph, kept, only through a tensor a layer closes
+    over that wants one, which a recomputation from leaves that want none, or a node
+    whose inputs are those leaves and the parameters, would leave without a gradient.
+    """
+    return i < run.checkpoint_stop and (any(x.requires_grad for x in tensors) or run.trainable(s))
+
+
 def connected_forward(
     run: StepRun, s: int, i: int, value: Any, inbound: dict[SkipKey, Any]
 ) -> tuple[tuple[Any, dict[SkipKey, Any]], bool]:
@@ -309,14 +323,8 @@ def connected_forward(
     # A phony for the next micro-batch's cell on this stage (see dependency.py).
     wants_phony = grad and i + 1 < len(run.step.outputs)
     phony = run.phony.pop(s, None)
-    # A checkpointed cell where nothing wants a gradient is a plain call in grad mode (no
-    # node would be made): a graph, kept, only through a tensor a layer closes over that
-    # wants one, as in the plain model (a node would give that tensor no gradient).
-    checkpointed = i < run.checkpoint_stop
-    if checkpointed and (
-        run.trainable(s)
-        or any(isinstance(x, Tensor) and x.requires_grad for x in flatten(packed)[0])
-    ):
+    tensors = [x for x in flatten(packed)[0] if isinstance(x, Tensor)]
+    if checkpoints(run, s, i, tensors):
         result, run.phony[s] = checkpoint(
             function,
             packed,
@@ -343,7 +351,7 @@ def connected_forward(
     if run.trace is not None and grad:
         span = BackwardSpan(run.trace, s, i)
         packed = span.mark_input(packed)
-    flags = checkpoint_flags(checkpointed, again=False)
+    flags = checkpoint_flags(i < run.checkpoint_stop, again=False)  # see checkpoints()
     with flags[0], flags[1], randomness.forward():
         result = function(packed)
     if span is not None:

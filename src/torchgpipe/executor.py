@@ -31,6 +31,7 @@ from torchgpipe.cell import (
     SkipVersions,
     StageCell,
     call_stage,
+    checkpoints,
     connected_forward,
     cut_target,
     detach_all,
@@ -313,10 +314,7 @@ class StepRun:
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         flagged = i < self.checkpoint_stop  # is_checkpointing() in its forward
         needs = [x.requires_grad for x in tensors]
-        # Checkpointed where an input or a parameter wants a gradient; else in grad mode,
-        # kept: a graph only through a tensor a layer closes over that wants one (from
-        # leaves that want none, a recomputation's outputs would want none).
-        checkpointed = flagged and (any(needs) or self.trainable(s))
+        checkpointed = checkpoints(self, s, i, tensors)
         cell = StageCell(
             checkpointed=checkpointed,
             randomness=CellRandomness(cell_seed(self.seed, i, s)),
