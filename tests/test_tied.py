@@ -336,6 +336,34 @@ def test_assigning_a_state_dict_keeps_one_tensor_per_copy() -> None:
     assert torch.equal(pipe[0].weight, pipe[4].weight)
 
 
+def test_assigning_a_state_dict_keeps_a_weight_used_twice_in_a_partition_one_parameter() -> None:
+    # torch wraps a plain tensor in a parameter once per name under assign=True: the two
+    # layers of partition 1 got parameters of their own, the second never summed. (The
+    # plain model itself comes out of it with one parameter per name over one storage,
+    # which Adam updates twice: the reference is the tied model, loaded without assign.)
+    def tied_three() -> nn.Sequential:
+        torch.manual_seed(0)
+        layers = [nn.Linear(4, 4) for _ in range(3)]
+        layers[1].weight = layers[2].weight = layers[0].weight
+        return nn.Sequential(*layers)
+
+    plain = tied_three()
+    pipe = GPipe(tied_three(), [1, 2], chunks=2)
+    # Copies: assign=True would put the plain model's own biases in the pipeline.
+    pipe.load_state_dict({k: v.clone() for k, v in plain.state_dict().items()}, assign=True)
+    assert pipe[1].weight is pipe[2].weight
+    assert pipe[0].weight is not pipe[1].weight
+    x = torch.randn(4, 4)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (pipe, plain)]
+    for _ in range(3):
+        for model, optimizer in zip((pipe, plain), optimizers, strict=True):
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_one_micro_batch_output_may_be_changed_in_place() -> None:
     plain = _language_model()
     pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=1)

@@ -343,7 +343,9 @@ class Ties:
         That is :func:`loaded_value`: a name the state dict lacks is filled from another,
         so it is not reported missing (torch tells a hook nothing of ``strict``). Each
         copy gets a tensor of its own (``assign=True`` would otherwise put one tensor
-        under two parameters).
+        under two parameters), and every name of one copy the same parameter: with
+        ``assign=True`` torch would wrap a plain tensor in a parameter once per name,
+        and a weight used twice in a partition would no longer be one there.
         """
         mine: dict[int, list[str]] = {}
         for name, parameter in module.named_parameters(remove_duplicate=False):
@@ -354,8 +356,9 @@ class Ties:
             if value is None or not every_name_fits(state_dict, keys, group[0]):
                 continue
             for member in group:
+                copy = nn.Parameter(value.detach().clone(), member.requires_grad)
                 for key in mine.get(id(member), []):
-                    state_dict[key] = value.detach().clone()
+                    state_dict[key] = copy
 
     def _loaded(self, module: nn.Module, incompatible: Any) -> None:
         self.begin()  # ``assign=True`` puts new parameters in place: watch them
