@@ -258,6 +258,58 @@ def test_the_weight_gradient_does_not_run_the_input_gradient_again() -> None:
     _assert_same_grads(model, plain, exact=False)
 
 
+class _PythonLinear(torch.autograd.Function):
+    """A linear map written in Python: one call gives both gradients, and frees its context."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.kept = (x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        _PythonLinear.calls += 1
+        x, weight = ctx.kept
+        del ctx.kept  # a second call would find nothing
+        return grad @ weight, grad.t() @ x
+
+
+class _PythonLinearLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64) / 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _PythonLinear.apply(x, self.weight)  # type: ignore[no-any-return]
+
+
+class _ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.linear, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("layer", [_PythonLinearLayer, _ReentrantCheckpoint])
+def test_a_stage_whose_backward_cannot_be_split_runs_it_whole_in_b(layer: type[nn.Module]) -> None:
+    # W resumed from the Python node and ran its backward again (which here fails, as it
+    # frees its context); torch's reentrant checkpoint refused B's backward(inputs=...).
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), layer(), nn.Linear(4, 4), layer()).double()
+    model = GPipe(copy.deepcopy(plain), [2, 2], chunks=3, checkpoint="never")
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    _PythonLinear.calls = 0
+    ScheduleZeroBubble(model, _mse).step(x, target)
+    if layer is _PythonLinearLayer:
+        assert _PythonLinear.calls == 2 * 3  # once per layer and micro-batch
+    _mse(plain(x), target).backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
 def test_each_stage_runs_its_backward_on_its_own_thread() -> None:
     seen: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
 

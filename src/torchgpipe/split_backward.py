@@ -5,6 +5,14 @@ the gradient reaching each node where the path to the inputs branches off toward
 weights. ``W`` resumes from those nodes with those gradients, towards the weights only, so
 no part of the backward runs twice. (Before torch 2.4, whose engine cannot start from a
 node, ``W`` backpropagates from the stage's outputs to its weights again.)
+
+A node written in Python (a custom ``torch.autograd.Function``) computes all its
+gradients in one call, whichever the engine asks for: resumed from, it would run again
+(twice the work, twice its side effects, and a second call a backward that frees its
+context cannot make). And torch's reentrant checkpoint refuses a backward given
+``inputs=``. Where the stage's graph has such a node at a branch, or that checkpoint
+anywhere, ``B`` runs the stage's whole backward, weights included, and leaves ``W``
+nothing: the split is lost for that stage's cell, not the gradients.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
+from torch.utils.checkpoint import CheckpointFunction
 
 __all__ = ["RESUMABLE", "Plan", "backward_inputs"]
 
@@ -35,6 +45,9 @@ Plan: TypeAlias = list[tuple[list[tuple[Any, Tensor]], list[Tensor]]]
 def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]) -> Plan:
     """Backpropagate ``pairs`` to ``inputs`` only; return the plan of W, which finishes.
 
+    Or, where the graph cannot be split (see the module's documentation), backpropagate
+    all of it and return an empty plan.
+
     Where the way to the inputs branches off towards weights, the node there gets its
     gradient recorded; W resumes from each such node towards the weights of its own
     branches, one engine call per node (a call from two nodes at once would count
@@ -42,14 +55,17 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]
     """
     outputs = [y for y, _ in pairs]
     grads = [g for _, g in pairs]
+    graph = _Graph(outputs, inputs)
+    if graph.unsplittable:  # see the module's documentation: all of it now, W does nothing
+        torch.autograd.backward(outputs, grads)
+        return []
     whole: Plan = [(list(pairs), [])]
     if not RESUMABLE:  # pragma: no cover - torch < 2.4
         torch.autograd.backward(outputs, grads, inputs=inputs, retain_graph=True)
-        whole[0][1].extend(_Graph(outputs, inputs).weights)
+        whole[0][1].extend(graph.weights)
         return whole
     from torch.autograd.graph import GradientEdge
 
-    graph = _Graph(outputs, inputs)
     captured: dict[Any, tuple[Tensor | None, ...]] = {}
     handles = [node.register_prehook(_capture(captured, node)) for node, _ in graph.branches]
     try:
@@ -95,7 +111,9 @@ class _Graph:
     inputs') that ``node`` leads to. ``branches`` are the nodes on the way to the inputs
     with an edge that leaves that way towards weights, each with the weights reached
     through such edges. ``tangled`` says that one of those weights is also reached
-    through the edges that stay on the way to the inputs.
+    through the edges that stay on the way to the inputs. ``unsplittable`` says that a
+    node W would run again is written in Python (a branch; with ``tangled``, any node on
+    the way), or that the graph holds torch's reentrant checkpoint.
     """
 
     def __init__(self, outputs: list[Tensor], inputs: list[Tensor]) -> None:
@@ -107,8 +125,10 @@ class _Graph:
         self.below: dict[Any, frozenset[Any]] = {}
         self.branches: list[tuple[Any, frozenset[Any]]] = []
         self.tangled = False
+        python_branch = python_on_way = reentrant = False
         weights: list[Any] = []
         for node in _post_order(self.starts):
+            reentrant = reentrant or getattr(node, "_forward_cls", None) is CheckpointFunction
             if node in input_nodes:
                 self.reaches_input[node], self.below[node] = True, frozenset()
                 continue
@@ -122,12 +142,16 @@ class _Graph:
             self.reaches_input[node] = bool(on_way)
             self.below[node] = frozenset().union(*(self.below[c] for c in children))
             if on_way:
+                python = isinstance(node, BackwardCFunction)
+                python_on_way = python_on_way or python
                 own = frozenset().union(*(self.below[c] for c in off_way))
                 if own:
                     self.branches.append((node, own))
+                    python_branch = python_branch or python
                     if own & frozenset().union(*(self.below[c] for c in on_way)):
                         self.tangled = True
         self.weights = [node.variable for node in weights]
+        self.unsplittable = reentrant or python_branch or (self.tangled and python_on_way)
 
 
 def _post_order(starts: list[Any]) -> Iterator[Any]:
