@@ -258,6 +258,24 @@ def test_one_tensor_handed_on_twice_stays_one(
     _assert_same_grads(model, plain, exact=False)
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_one_tensor_returned_twice_is_one_output(
+    chunks: int, checkpoint: str, backward_by: str
+) -> None:
+    # The outputs were gathered, and came out of the stages' node, once per place.
+    plain = duplicated_net()
+    model = GPipe(copy.deepcopy(plain[:1]), [1], chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pair = model(x)
+    assert pair[0] is pair[1]
+    out, expected = plain[1:](pair), plain(x)  # the pair changed in place after the pipeline
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    _assert_same_grads(model, plain[:1], exact=False)
+
+
 def test_defaultdict_input_and_output() -> None:
     class Double(nn.Module):
         def forward(self, d: defaultdict[str, Tensor]) -> defaultdict[str, Tensor]:

@@ -364,7 +364,17 @@ def gather(values: Sequence[Any], *, stack_scalars: bool = False) -> Any:
             )
     columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
     paths = leaf_paths(spec, "output")
-    leaves = [_gather_leaf(p, c, stack_scalars) for p, c in zip(paths, columns, strict=True)]
+    # A tensor a micro-batch returns in two places is one joined tensor in both, as the
+    # plain model's is one tensor (``return y, y``).
+    joined: dict[tuple[int, ...], Any] = {}
+    leaves = []
+    for path, column in zip(paths, columns, strict=True):
+        key = tuple(map(id, column)) if isinstance(column[0], Tensor) else None
+        if key is None or key not in joined:
+            leaf = _gather_leaf(path, column, stack_scalars)
+            if key is not None:
+                joined[key] = leaf
+        leaves.append(leaf if key is None else joined[key])
     return unflatten(leaves, spec)
 
 

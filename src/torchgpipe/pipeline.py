@@ -49,7 +49,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.grad_hooks import Aside, Fate, hooked, when_taken
-from torchgpipe.microbatch import flatten, gather, scatter, unflatten
+from torchgpipe.microbatch import distinct_tensors, flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages, trainable_params
 from torchgpipe.steps import (
@@ -125,12 +125,14 @@ def run(
     run.hand_over()
     if not stage_graphs:
         return step.outputs
-    specs, counts, tensors = [], [], []
+    specs, whiches, tensors = [], [], []
     for output in step.outputs:
         leaves, spec = flatten(output)
-        specs.append((leaves, spec))
-        mine = [x for x in leaves if isinstance(x, Tensor)]
-        counts.append(len(mine))
+        # A tensor returned twice (``return y, y``) comes out of the node once: one tensor
+        # in both places, as the plain model's.
+        mine, which = distinct_tensors(leaves)
+        specs.append((leaves, spec, mine, which))
+        whiches.append(which)
         tensors += mine
     elsewhere = sorted({str(x.device) for x in tensors if x.device.type != "cpu"})
     if elsewhere:
@@ -141,16 +143,20 @@ def run(
             f"on a GPU's engine thread: put that partition on the GPU (devices=[...]) "
             f"and let it return its output there"
         )
-    backward = _Backward(run, workers, describe, counts, upstream, tensors, params)
+    backward = _Backward(run, workers, describe, whiches, upstream, tensors, params)
     flat = [x for xs in upstream for x in xs]
     # The phony makes the outputs want a gradient when only the parameters do and none
     # is a leaf here (functional_call's tensors computed from others).
     phony = torch.empty(0, requires_grad=True)
     joined = iter(_StageGraphs.apply(backward, phony, *params, *flat))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
-    return [
-        unflatten([next(joined) if isinstance(x, Tensor) else x for x in leaves], spec)
-        for leaves, spec in specs
-    ]
+    outputs = []
+    for leaves, spec, mine, which in specs:
+        out = [next(joined) for _ in mine]
+        each = iter(which)
+        outputs.append(
+            unflatten([out[next(each)] if isinstance(x, Tensor) else x for x in leaves], spec)
+        )
+    return outputs
 
 
 def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult:
@@ -236,7 +242,7 @@ class _Backward:
         run: StepRun,
         workers: Workers,
         describe: Callable[[Action], str],
-        counts: list[int],
+        whiches: list[list[int]],
         upstream: list[list[Tensor]],
         outputs: list[Tensor],
         params: list[Tensor],
@@ -244,7 +250,8 @@ class _Backward:
         self.run: StepRun | None = run
         self.workers = workers
         self.describe = describe
-        self.counts = counts  # per micro-batch: how many output tensors
+        # Per micro-batch: which of its distinct output tensors each tensor leaf is.
+        self.whiches = whiches
         self.devices = [[x.device for x in xs] for xs in upstream]
         self.outputs: list[Tensor] | None = outputs
         self.params = params  # the first inputs of the node, then the upstream tensors
@@ -366,8 +373,13 @@ class _Backward:
         """Hand the outputs' gradients to the last stage; run every ``B``; give the input's."""
         n, step = len(run.table.ranks), run.step
         it = iter(grads)
-        for i, count in enumerate(self.counts):
-            step.put(("G", n - 1, i), [next(it) for _ in range(count)])
+        for i, which in enumerate(self.whiches):
+            mine = [next(it) for _ in range(max(which, default=-1) + 1)]
+            # Once per distinct tensor: the engine summed what each place gave it.
+            per_leaf: list[Tensor | None] = []
+            for place, k in enumerate(which):
+                per_leaf.append(mine[k] if k not in which[:place] else None)
+            step.put(("G", n - 1, i), per_leaf)
         try:
             self.workers.run(run, "backward", self.describe)
         except BaseException:
