@@ -960,6 +960,40 @@ def test_a_value_laid_out_anew_moves_whole_between_gloo_processes() -> None:
         assert kinds[4] == ["moved"] * 4  # and back
 
 
+# Every process's default generator moves on alike: a loop shuffling its data on each
+# rank under one seed keeps its inputs and targets together.
+
+
+def _meta_layers() -> nn.Sequential:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+
+
+def _generator_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(5)
+    stage = PipelineStage(_meta_layers(), [2, 2], chunks=2)  # each rank resets its own
+    x, y = _batch(1, 8, 4), _batch(2, 8, 16)
+    schedule = Schedule1F1B(stage, _mse)
+    for _ in range(2):
+        _step(schedule, x, y)
+    schedule.forward_only(x if rank == 0 else None)
+    values = {name: value.detach() for name, value in stage.state_dict().items()}
+    return {"generator": torch.get_rng_state(), "values": values}
+
+
+def test_every_process_default_generator_moves_on_alike() -> None:
+    # Rank 0 alone drew each step's seed, and each rank's resets drew for its own layers.
+    results = spawn(_generator_rank, 2)
+    assert torch.equal(results[0]["generator"], results[1]["generator"])
+    # A layer's values depend on the seed and its place: whatever the balance fills it.
+    torch.manual_seed(5)
+    one = GPipe(_meta_layers(), [3, 1], chunks=2)
+    values = {**results[0]["values"], **results[1]["values"]}
+    assert values.keys() == one.state_dict().keys()
+    for name, value in one.state_dict().items():
+        torch.testing.assert_close(values[name], value, rtol=0, atol=0, msg=name)
+
+
 # Randomness across processes: the seed rank 0 draws, not what each process drew before.
 
 

@@ -36,6 +36,7 @@ from torchgpipe.distributed import (
     Transport,
     TransportError,
 )
+from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Schedule, one_f_one_b, simulate
 
 Body = Callable[[PipelineStage], Any]
@@ -653,15 +654,20 @@ def test_a_missing_input_or_target_fails_where_it_is_missing() -> None:
         schedule = Schedule1F1B(stage, _mse)
         no_input = _outcome(lambda: schedule.step(None, y))
         no_target = _outcome(lambda: schedule.step(x, None))
-        return no_input, no_target
+        no_forward_input = _outcome(lambda: schedule.forward_only(None))
+        return no_input, no_target, no_forward_input
 
     out = _on_ranks(2, [4, 4], body, chunks=4)
-    (no_input, _), (remote_input, _) = out
+    (no_input, _, no_forward_input), (remote_input, _, _) = out
     assert isinstance(no_input, ValueError), repr(no_input)
-    assert "rank 0 runs stage 0 and needs the input" in str(no_input)
+    assert (
+        "rank 0 runs stage 0 and needs the input: pass it as schedule.step(input, target)"
+        in str(no_input)
+    )
+    assert "pass it as schedule.forward_only(input)" in str(no_forward_input)
     assert isinstance(remote_input, RemoteError)
     assert remote_input.rank == 0
-    (_, remote_target), (_, no_target) = out
+    (_, remote_target, _), (_, no_target, _) = out
     assert isinstance(no_target, ValueError), repr(no_target)
     assert "rank 1 runs the last stage and needs the target" in str(no_target)
     assert isinstance(remote_target, RemoteError)
@@ -1031,6 +1037,7 @@ def test_dropout_on_every_rank_follows_the_seed_rank_0_draws() -> None:
     torch.manual_seed(5)
     result = torchgpipe.Schedule1F1B(one, _mse).step(x, y)
     expected = _grads(one)
+    draw_seed()  # rank 1's draw of the step, from the generator the threads share
     output = torchgpipe.Schedule1F1B(one, _mse).forward_only(x)
 
     def body(stage: PipelineStage) -> Any:
@@ -1039,8 +1046,9 @@ def test_dropout_on_every_rank_follows_the_seed_rank_0_draws() -> None:
         return step.loss, _grads(stage), schedule.forward_only(x if stage.is_first else None)
 
     models = [_dropout_model() for _ in range(2)]
-    # Rank 0 alone draws from the generator the threads share: one seed per step, as
-    # in one process. (Before, each rank drew its own: the second got another seed.)
+    # Rank 0's draw is the step's seed, as in one process; rank 1 draws one after it and
+    # drops it, as every rank does so that processes' generators move on alike. (Before,
+    # each rank's draw was its seed: the second got another.)
     torch.manual_seed(5)
     (loss0, grads0, _), (loss1, grads1, output1) = _on_ranks(
         2, [2, 2], body, models=models, chunks=2

@@ -45,8 +45,14 @@ their shapes are unknown.
   ``state_dict``, or refused (a reset here is not its first holder's, whose values it
   must end with).
 
-The values drawn differ from a model built on the CPU under the same seed (each process
-draws only its own layers); load a state dict where they must be equal.
+What a layer's resets (or ``init``) draw comes from generators of the layer's own
+(:func:`torchgpipe.rng.own_generators`), seeded from one draw of the default CPU
+generator, made once per model in every process alike, and from the layer's place in the
+model: a layer gets the same values whatever the balance and whichever process fills it,
+and every process's default generator moves on by that one draw, however many layers it
+fills (a loop that shuffles its data in each process under one seed stays in step). The
+values differ from a model built on the CPU under the same seed; load a state dict where
+they must be equal.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from torchgpipe.materialize_checks import (
     on_meta,
 )
 from torchgpipe.resets import Holder, initialize, own_tensors, reset
+from torchgpipe.rng import own_generators
 from torchgpipe.split_stage import Stage
 
 __all__ = [
@@ -125,7 +132,7 @@ def materialize(layers: list[tuple[str, nn.Module]], device: torch.device, fill:
             continue
         held = _holders(layer)  # before it is allocated
         _allocate(layer, device)
-        with torch.no_grad():
+        with torch.no_grad(), own_generators(fill.seeds[name]):
             if fill.init is not None:
                 _retie(held, {})  # holders inside the layer share one tensor
                 initialize(layer, held, fill.watched, prefix, fill.init)

@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
 from torchgpipe.resets import legacy_hooks, own_tensors, reset_of, tensor_holders, under
+from torchgpipe.rng import cell_seed, draw_seed
 from torchgpipe.split_stage import Placeholder, Stage
 
 __all__ = [
@@ -174,6 +175,8 @@ class Fill:
 
     init: Init | None = None
     state_dict: Mapping[str, Tensor] | None = None
+    seeds: dict[str, int] = field(default_factory=dict)
+    """Per layer name, the seed of the generators its resets (or ``init``) draw from."""
 
     def loaded(self, layers: list[tuple[str, nn.Module]]) -> list[nn.Module]:
         """The layers among ``layers`` with values that the state dict loads into."""
@@ -219,6 +222,10 @@ def check_materializable(
     _check_lazy(layers if state_dict is not None else todo)
     whole = layers if model is None else list(model.named_children())
     fill = Fill(init=init, state_dict=state_dict)
+    if meta_layers(whole):
+        # One draw, in every process alike, whichever layers it fills (materialize.py).
+        seed = draw_seed()
+        fill.seeds = {name: cell_seed(seed, k, 0) for k, (name, _) in enumerate(whole)}
     if state_dict is not None:
         _check_keys(state_dict, whole)
     first = _first_holders(whole)

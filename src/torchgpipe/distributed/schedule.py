@@ -36,7 +36,9 @@ that changes at every step costs one move every other step.
 ``seed`` is the step's seed, which rank 0 draws from its default generator
 (:func:`torchgpipe.rng.draw_seed`) as one process's step does: every rank's cells draw
 from it (dropout), so what they draw depends on that seed alone, not on what each
-process drew from its own generator before the step.
+process drew from its own generator before the step. Every other rank draws one too,
+and drops it: the default generators move on alike, and a loop that shuffles its data
+on each rank under one ``torch.manual_seed`` keeps inputs and targets together.
 
 A process that makes another call meanwhile (``stage.clip_grad_norm_()``: ``collect.py``)
 opens it with a value of another tag (``exchange.py``): a rank waiting for the start
@@ -69,10 +71,7 @@ from torchgpipe.grad_hooks import hooked, hooks_once
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
 from torchgpipe.microbatch import flatten, gather, scatter
 from torchgpipe.rng import draw_seed
-from torchgpipe.schedules import (
-    Action,
-    Schedule,
-)
+from torchgpipe.schedules import Action, Schedule
 from torchgpipe.steps import (
     StepResult,
     TableSteps,
@@ -317,10 +316,11 @@ def _start(
     """
     batches: list[Any] = []
     if stage.is_first:
+        seed = draw_seed()  # first of all; the others draw once they have its start (above)
         if input is None:
+            call = "forward_only(input)" if forward_only else "step(input, target)"
             raise ValueError(
-                f"rank {stage.rank} runs stage 0 and needs the input: pass it as "
-                f"schedule.step(input, target)"
+                f"rank {stage.rank} runs stage 0 and needs the input: pass it as schedule.{call}"
             )
         batches = scatter(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
@@ -330,7 +330,6 @@ def _start(
             signature = _signature(table, forward_only, stage.training, batches)
             key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
-        seed = draw_seed()  # the one draw of the step, as in one process
         static = bool(key) and key in shapes
         start = (m, sizes, text, forward_only, key, static, seed, steps.reduction)
         _follow(stage, exchange, start, shapes)
@@ -350,6 +349,7 @@ def _start(
         # whose transfers this rank must take part in. None: rank 0 was lost, or made
         # another call (collect.py) and will send no start.
         start = exchange.wait_for(START, 0)
+        draw_seed()  # after rank 0's: ranks that share a process draw in a fixed order
         if start is None:
             exchange.halt()
             raise Stopped
