@@ -87,6 +87,34 @@ def test_verify_reports_one_module_used_twice() -> None:
     verify_skippables(nn.Sequential(down, up, Stash().isolate(ns), Pop().isolate(ns)))
 
 
+class _Aliased(nn.Module):
+    """Holds its stash under a second name too, and calls it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = Stash()
+        self.first = self.down
+        self.inner = nn.Sequential(nn.Identity(), Stash().isolate(Namespace()))
+        self.inner_again = self.inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(x)
+
+
+def test_a_second_name_of_a_module_is_not_a_second_use() -> None:
+    # Counted as two stashes (and refused, saying to use a new instance, which would
+    # have untied its weights), where the plain model calls it once.
+    model = nn.Sequential(_Aliased(), nn.Identity(), Pop())
+    with pytest.raises(TypeError) as info:  # the isolated stash is never popped
+        verify_skippables(model)
+    assert "stashed by layer 0.inner.1 (Stash) but never popped" in str(info.value)
+    assert "inner_again" not in str(info.value)  # found once, not twice
+    model[0].inner = model[0].inner_again = nn.Identity()
+    verify_skippables(model)
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(GPipe(model, [1, 1, 1], chunks=2)(x), model(x))
+
+
 def test_verify_finds_skippables_inside_layers() -> None:
     inner = nn.Sequential(nn.Identity(), Stash())
     with pytest.raises(TypeError, match=r"stashed by layer 0\.1 \(Stash\) but never popped"):

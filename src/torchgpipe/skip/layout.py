@@ -89,22 +89,31 @@ class _Use:
 def _skippables(module: nn.Sequential) -> Iterator[tuple[_Use, Skippable]]:
     """Every use of a skippable module inside ``module``, with its position and a name.
 
-    A module that appears twice (``Sequential(down, up, down)``) is two uses, each in
-    its place: ``named_modules(remove_duplicate=False)`` walks every occurrence, where
-    ``named_children()`` gives a repeated child once and would hide a second stash.
+    A module that appears twice in a Sequential (``Sequential(down, up, down)``) is two
+    uses, each in its place: ``named_modules(remove_duplicate=False)`` walks every
+    occurrence, where ``named_children()`` gives a repeated child once and would hide a
+    second stash. A Sequential calls each of its children; another module may hold one
+    under a second name that its forward never calls (``self.first = self.down``): a
+    module met again there is not counted again, nor anything inside it.
     """
     parents: dict[str, tuple[nn.Module, tuple[int, ...]]] = {}
     children: dict[str, int] = {}  # how many children of each parent were walked so far
     first: dict[int, str] = {}  # where each skippable module was first met, by id
+    seen: set[int] = set()  # every module met so far, by id
     for path, sub in module.named_modules(remove_duplicate=False):  # parents first
         order: tuple[int, ...] = ()
         if path:
             parent_path = path.rpartition(".")[0]
+            if parent_path not in parents:  # inside a second name, left out
+                continue
             parent, order = parents[parent_path]
             index = children.get(parent_path, 0)
             children[parent_path] = index + 1
+            if id(sub) in seen and not isinstance(parent, nn.Sequential):
+                continue  # a second name of a module, not a second use
             if isinstance(parent, nn.Sequential):
                 order = (*order, index)
+            seen.add(id(sub))
             if isinstance(sub, Skippable):
                 where = f"layer {path} ({type(sub).__name__}"
                 if id(sub) in first:  # isolate() cannot tell two uses of one object apart
