@@ -269,11 +269,25 @@ def test_skippable_decorates_module_classes_only() -> None:
         ({"stash": "skip"}, TypeError, "takes a list of names, got the string 'skip'"),
         ({"stash": ["a", "a"]}, ValueError, r"lists \['a'\] more than once"),
         ({"pop": [1]}, TypeError, r"skip names are strings, got \[1\]"),
+        ({"stash": None}, TypeError, r"takes a list of names, such as stash=\['skip'\], got None"),
+        ({"pop": 5}, TypeError, r"@skippable\(pop=\.\.\.\) takes a list of names"),
     ],
 )
 def test_bad_declarations_rejected(kwargs: dict[str, object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         skippable(**kwargs)  # type: ignore[arg-type]
+
+
+def test_names_by_position_as_in_0_0_7_and_no_parentheses_refused() -> None:
+    class Block(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            return x
+
+    assert skippable(["skip"])(Block).stash_names == ("skip",)
+    assert skippable((), ["skip"])(Block).pop_names == ("skip",)
+    with pytest.raises(TypeError, match=r"call it with its parentheses: @skippable\(stash="):
+        skippable(Block)  # type: ignore[arg-type]  # @skippable, bare
 
 
 def test_popping_an_undeclared_name_names_the_skip_and_layer() -> None:

@@ -40,7 +40,7 @@ from typing import Any, NoReturn, TypeVar, cast
 
 from torch import Tensor, nn
 
-from torchgpipe.skip.errors import SkipError
+from torchgpipe.skip.errors import SkipError, declared_names
 from torchgpipe.skip.tracker import current_tracker
 
 __all__ = ["Namespace", "SkipKey", "Skippable", "pop", "skippable", "stash"]
@@ -424,7 +424,7 @@ def _rebuild(
 
 
 def skippable(
-    *, stash: Iterable[str] = (), pop: Iterable[str] = ()
+    stash: Iterable[str] = (), pop: Iterable[str] = ()
 ) -> Callable[[ModuleType], ModuleType]:
     """Make an ``nn.Module`` class whose ``forward`` is a generator into a skippable one.
 
@@ -447,12 +447,13 @@ def skippable(
     ``Block`` decorated with those names again when they are loaded.
 
     Raises:
-        TypeError: the decorated object is not an ``nn.Module`` class.
+        TypeError: the decorated object is not an ``nn.Module`` class; ``stash`` or
+            ``pop`` is not a list of strings (``@skippable`` without its parentheses).
         ValueError: a name is listed twice in ``stash`` or in ``pop``.
     """
     # A name both stashed and popped is declared, as in torchgpipe 0.0.7, and refused
     # by verify_skippables (and GPipe): the module would pass a skip to itself.
-    stash_names, pop_names = _names(stash, "stash"), _names(pop, "pop")
+    stash_names, pop_names = declared_names(stash, "stash"), declared_names(pop, "pop")
 
     def decorate(cls: ModuleType) -> ModuleType:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -485,16 +486,3 @@ def _marked_repr(self: nn.Module) -> str:
     """A decorated module's own repr, marked as 0.0.7 marked it: ``@skippable(...)``."""
     reprs = (c.__dict__.get("__repr__") for c in type(self).__mro__)
     return f"@skippable({next(r for r in reprs if r not in (None, _marked_repr))(self)})"
-
-
-def _names(names: Iterable[str], what: str) -> tuple[str, ...]:
-    if isinstance(names, str):
-        raise TypeError(f"@skippable({what}=...) takes a list of names, got the string {names!r}")
-    result = tuple(names)
-    bad = [name for name in result if not isinstance(name, str)]
-    if bad:
-        raise TypeError(f"skip names are strings, got {bad} in @skippable({what}=...)")
-    repeated = sorted({name for name in result if result.count(name) > 1})
-    if repeated:
-        raise ValueError(f"@skippable({what}=...) lists {repeated} more than once")
-    return result
