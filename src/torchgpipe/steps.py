@@ -93,10 +93,9 @@ class TableSteps:
                 add_note(
                     error,
                     f"torchgpipe: this step's batch made m = {m} micro-batches (a batch of "
-                    f"fewer samples than chunks makes one per sample, and torch.chunk cuts "
-                    f"some sizes into fewer: 6 samples in 4 chunks make 3 of 2); give "
-                    f"every step a multiple of chunks samples, e.g. DataLoader(..., "
-                    f"drop_last=True) with such a batch size",
+                    f"fewer samples than chunks makes one per sample); give every step at "
+                    f"least chunks samples, e.g. DataLoader(..., drop_last=True) with a "
+                    f"batch size of chunks or more",
                 )
                 raise
             self._check_table(table, m)
