@@ -321,6 +321,9 @@ def test_balancing_rejects_bad_arguments() -> None:
     for balance in (balance_by_time, balance_by_size):
         with pytest.raises(ValueError, match=r"on the meta device.*balance by hand"):
             balance(2, meta, x)
+        # By time, zero-row layers were timed and a balance returned.
+        with pytest.raises(ValueError, match="is an empty batch"):
+            balance(2, model, torch.randn(0, 2), device="cpu")
 
 
 def test_balancing_takes_numpy_integers() -> None:

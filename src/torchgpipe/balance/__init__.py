@@ -65,7 +65,8 @@ def balance_by_time(
             ``nn.Sequential``, or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, a
             ``timeout`` that is not a finite positive number, a model on the meta
-            device, or a ``device`` that is not available or is ``'meta'``.
+            device, a ``device`` that is not available or is ``'meta'``, or a
+            ``sample`` that the pipeline would refuse (an empty batch).
     """
     partitions = _check(partitions, module)
     if not _real(timeout) or not 0 < timeout < math.inf:

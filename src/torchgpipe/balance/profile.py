@@ -125,6 +125,7 @@ def layerwise_time(
     After one pass to warm up (first calls allocate and initialize), passes over all
     layers repeat until ``timeout`` seconds have gone by (at least one).
     """
+    scatter(sample, 1)  # refuses what the pipeline would (an empty batch), as by size
     totals = [0.0] * len(module)
     with _profiling() as tracker:
         _time_pass(module, sample, device, totals, tracker)  # a warm-up, not counted
