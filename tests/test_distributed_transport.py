@@ -23,6 +23,7 @@ from torchgpipe.distributed import (
     ProcessGroupTransport,
     TransportError,
 )
+from torchgpipe.distributed.groups import backends_of
 from torchgpipe.distributed.transport import Transfer
 from torchgpipe.distributed.wire import filled, pack, packed_size, shell, unpack
 
@@ -473,6 +474,39 @@ def test_process_group_transport_transfers_a_group_both_ways_and_takes_a_side_gr
     torch.testing.assert_close(results[0]["received"][0], torch.arange(5.0) * 2)
     assert results[0]["side"] == ("side", 1)
     assert results[1]["side"] == ("side", 0)
+
+
+def _configured_rank(rank: int, world: int) -> dict[str, Any]:
+    group = dist.new_group([0, 1], backend="cpu:gloo")  # named by that string
+    transport = ProcessGroupTransport(group)
+    return {
+        "backend": transport.backend,
+        "wire": str(transport.wire),
+        "side": transport.side_group is group,
+    }
+
+
+@pytest.mark.distributed
+def test_process_group_transport_reads_a_groups_backends_from_its_configuration() -> None:
+    # A group named "cpu:gloo" (or "undefined", made without a backend) was taken for
+    # neither gloo nor NCCL: a side group made anew, the transfers through torch's checks.
+    assert spawn(_configured_rank, 2) == [{"backend": "gloo", "wire": "cpu", "side": True}] * 2
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
+        ("cpu:gloo", {"cpu": "gloo"}),
+        ("nccl", {"cuda": "nccl"}),
+        ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
+    ],
+)
+def test_backends_of_reads_which_backend_moves_each_device(
+    config: str, expected: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dist, "get_backend_config", lambda group: config)
+    assert backends_of(object()) == expected
 
 
 def _outside_rank(rank: int, world: int) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.distributed.transport import check_member
+from torchgpipe.distributed.groups import check_member
 
 __all__ = ["all_reduce_gradients"]
 

@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from torchgpipe.distributed.groups import backends_of, check_member
 from torchgpipe.distributed.wire import as_bytes, pack, packed_size, unpack
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "Transfer",
     "Transport",
     "TransportError",
-    "check_member",
 ]
 
 Message = tuple[Any, list[Tensor]]
@@ -223,18 +223,20 @@ class ProcessGroupTransport(Transport):
         check_member(self.group, "group")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.backend = str(dist.get_backend(self.group))
+        backends = backends_of(self.group)
         if device is None:
-            nccl = self.backend == "nccl"
+            nccl = backends.get("cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         self.device = torch.device(device)
-        if self.backend == "nccl" and self.device.type != "cuda":
+        if self.device.type != "cuda" and "cpu" not in backends:
             raise ValueError(
                 f"the NCCL backend moves CUDA tensors only, but device is {self.device}; "
                 f"pass device=torch.device('cuda', local_rank), or use gloo for CPU stages"
             )
         # Where the transfers' buffers live: NCCL moves device memory, gloo host memory.
-        self.wire = self.device if self.backend == "nccl" else torch.device("cpu")
+        nccl = self.device.type == "cuda" and backends.get("cuda") == "nccl"
+        self.wire = self.device if nccl else torch.device("cpu")
+        self.backend = backends[self.wire.type]  # the one that moves the transfers
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.side_group = self._side_group(side_group)
         # Side-channel sends in flight, with their buffers: a send does not wait for the
@@ -456,24 +458,6 @@ class ProcessGroupTransport(Transport):
             raise TransportError(
                 f"rank {self.rank} could not {op} {direction} rank {peer}: {error}", peer
             ) from error
-
-
-def check_member(
-    group: Any, name: str, wanted: str = "the one of its own pipeline, or leave it out"
-) -> None:
-    """Refuse a process group this process is not in, before torch fails on it obscurely.
-
-    ``name`` is the argument that gave it, ``wanted`` says which group to pass instead.
-    """
-    import torch.distributed as dist
-
-    if dist.get_rank(group) < 0:  # what torch.distributed answers to a non-member
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not in the process group "
-            f"given as {name}=; pass a group that includes it, {wanted} (every process "
-            f"calls new_group() for each group, but only the group's members may pass "
-            f"what it returns)"
-        )
 
 
 class _Work:
