@@ -647,6 +647,45 @@ def test_a_step_under_inference_mode_on_one_rank_fails_every_rank(where: int) ->
         torch.testing.assert_close(o[1], loss)
 
 
+def test_a_drain_that_cannot_make_its_buffers_leaves_its_transport_refusing_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its OutOfMemoryError escaped the drain: the rounds after it went unissued while
+    # the peer issued its own, and the next steps ran on mismatched pairs.
+    from torchgpipe.distributed import transfers
+
+    real = transfers.torch.empty
+    short = threading.local()  # this thread's allocations fail from the third on
+
+    def empty(*args: Any, **kwargs: Any) -> Tensor:
+        made = getattr(short, "made", None)
+        if made is not None:
+            short.made = made + 1
+            if made >= 2:
+                raise torch.OutOfMemoryError("out of memory (a test's)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transfers.torch, "empty", empty)
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = Schedule1F1B(stage, _mse)
+        _step(schedule, x, y)
+        if stage.rank == 1:
+            short.made = 0
+        failed = _outcome(lambda: _step(schedule, x, y))
+        short.made = None
+        if stage.rank == 0:  # waits on rank 1's share of the drain until the transport's timeout
+            return failed, None
+        return failed, _outcome(lambda: _step(schedule, x, y))
+
+    (_, _), (failed, after) = _on_ranks(2, [4, 4], body, chunks=4, timeout=8.0)
+    assert isinstance(failed, torch.OutOfMemoryError), repr(failed)
+    assert isinstance(after, RuntimeError), repr(after)
+    assert "rank 1 could not issue its share of a step's transfers" in str(after)
+    assert "Start every process anew" in str(after)
+
+
 def test_a_missing_input_or_target_fails_where_it_is_missing() -> None:
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)
 

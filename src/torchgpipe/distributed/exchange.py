@@ -407,7 +407,8 @@ class Exchange(Mailbox):
             self.halt()
             self.transport.abandon(
                 f"rank {self.rank} gave up waiting on rank(s) {silent} after a rank was "
-                f"lost; its side channel to them is out of order"
+                f"lost (a process of the pipeline died or stopped answering); its side "
+                f"channel to them is out of order"
             )
 
     # The end of the step

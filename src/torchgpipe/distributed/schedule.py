@@ -35,10 +35,8 @@ that changes at every step costs one move every other step.
 
 ``seed`` is the step's seed, which rank 0 draws from its default generator
 (:func:`torchgpipe.rng.draw_seed`) as one process's step does: every rank's cells draw
-from it (dropout), so what they draw depends on that seed alone, not on what each
-process drew from its own generator before the step. Every other rank draws one too,
-and drops it: the default generators move on alike, and a loop that shuffles its data
-on each rank under one ``torch.manual_seed`` keeps inputs and targets together.
+from it (dropout). Every other rank draws one too, and drops it: the default generators
+move on alike, and data shuffled on each rank under one seed stays in step.
 
 A process that makes another call meanwhile (``stage.clip_grad_norm_()``: ``collect.py``)
 opens it with a value of another tag (``exchange.py``): a rank waiting for the start
@@ -259,6 +257,8 @@ def _run(
     if step is not None and stage.is_last and failure is None and not exchange.halted:
         losses = [x for x in step.losses if x is not None]
     after = not forward_only and (hooks or (step is not None and bool(step.upstream)))
+    if step is not None and (failure is not None or exchange.halted):
+        step.drop()  # the activations go before the drain makes its buffers
     exchange.finish(
         {
             "failed": failure is not None or exchange.halted,

@@ -7,7 +7,9 @@ as one group of the round's sends (the bytes the rank's actions left with :meth:
 and receives (sized by the metadata that came ahead on the side channel); and, ahead,
 the next action's rounds that only receive, once their sizes are known. A round is
 built whole before it is issued, and only then taken off the books: a failure while
-building it (a peer that goes silent, memory) leaves it as it was, for the drain.
+building it (a peer that goes silent, memory) leaves it as it was, for the drain. A
+drain that fails so (memory still short, though a failed step's cells are let go
+first) gives the transport up (``Transport.abandon``): its peers' pairs no longer match.
 
 After the step's end (``exchange.py``), :meth:`drain` issues the remaining rounds with
 the transfers whose metadata went out (sends) or came in (receives) and no others (with
@@ -35,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import pickle
 from collections.abc import Callable
-from contextlib import suppress
 from typing import Any
 
 import torch
@@ -198,8 +199,18 @@ class Transfers:
         plan = self.plan
         if plan is not None:
             while self._round < len(plan.rounds):
-                with suppress(Stopped):  # a peer was lost as it issued: its round is spent
+                try:
                     self._issue(plan.rounds[self._round][1], draining=True)
+                except Stopped:  # a peer was lost as it issued: its round is spent
+                    continue
+                except Exception as error:  # out of memory for a buffer, say
+                    # The round and those after it go unissued while the peers issue
+                    # theirs: the pairs no longer match, and no later call may run.
+                    self.transport.abandon(
+                        f"rank {self.rank} could not issue its share of a step's transfers "
+                        f"after the step failed ({type(error).__name__}: {error})"
+                    )
+                    break
         works, self._sending = self._sending, []
         # Receives never taken (the step stopped): a work is waited for only once.
         works += [(peer, work) for _, _, work, peer in self._incoming.values() if work]

@@ -162,9 +162,9 @@ class Transport(ABC):
         """
         if self._abandoned is not None:
             raise RuntimeError(
-                f"{self._abandoned}: a process of the pipeline died or stopped answering, "
-                f"and the others cannot run another call together. Start every process "
-                f"anew (torchrun can restart them) and resume from the last checkpoint"
+                f"{self._abandoned}, and the processes of the pipeline cannot run another "
+                f"call together. Start every process anew (torchrun can restart them) and "
+                f"resume from the last checkpoint"
             )
 
 
