@@ -113,6 +113,20 @@ def test_a_second_name_of_a_module_is_not_a_second_use() -> None:
     verify_skippables(model)
     x = torch.randn(4, 2)
     torch.testing.assert_close(GPipe(model, [1, 1, 1], chunks=2)(x), model(x))
+    # Held by two modules, it may be called by both: still refused.
+    shared = Stash()
+    twice = nn.Sequential(_Calls(shared), _Calls(shared), Pop())
+    with pytest.raises(TypeError, match=r"the same object as layer 0\.inner; use a new instance"):
+        verify_skippables(twice)
+
+
+class _Calls(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
 
 
 def test_verify_finds_skippables_inside_layers() -> None:

@@ -94,12 +94,13 @@ def _skippables(module: nn.Sequential) -> Iterator[tuple[_Use, Skippable]]:
     occurrence, where ``named_children()`` gives a repeated child once and would hide a
     second stash. A Sequential calls each of its children; another module may hold one
     under a second name that its forward never calls (``self.first = self.down``): a
-    module met again there is not counted again, nor anything inside it.
+    module met again under the same parent, not a Sequential, is not counted again, nor
+    anything inside it. Met under another parent, it may be called by both: refused.
     """
     parents: dict[str, tuple[nn.Module, tuple[int, ...]]] = {}
     children: dict[str, int] = {}  # how many children of each parent were walked so far
     first: dict[int, str] = {}  # where each skippable module was first met, by id
-    seen: set[int] = set()  # every module met so far, by id
+    seen: dict[int, int] = {}  # every module met so far: the id of its first parent, by id
     for path, sub in module.named_modules(remove_duplicate=False):  # parents first
         order: tuple[int, ...] = ()
         if path:
@@ -109,11 +110,11 @@ def _skippables(module: nn.Sequential) -> Iterator[tuple[_Use, Skippable]]:
             parent, order = parents[parent_path]
             index = children.get(parent_path, 0)
             children[parent_path] = index + 1
-            if id(sub) in seen and not isinstance(parent, nn.Sequential):
+            if seen.get(id(sub)) == id(parent) and not isinstance(parent, nn.Sequential):
                 continue  # a second name of a module, not a second use
             if isinstance(parent, nn.Sequential):
                 order = (*order, index)
-            seen.add(id(sub))
+            seen.setdefault(id(sub), id(parent))
             if isinstance(sub, Skippable):
                 where = f"layer {path} ({type(sub).__name__}"
                 if id(sub) in first:  # isolate() cannot tell two uses of one object apart
