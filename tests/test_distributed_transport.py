@@ -478,6 +478,7 @@ def test_process_group_transport_transfers_a_group_both_ways_and_takes_a_side_gr
 
 def _configured_rank(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group([0, 1], backend="cpu:gloo")  # named by that string
+    ProcessGroupTransport(side_group=dist.new_group([0, 1], backend="cpu:gloo"))  # taken
     transport = ProcessGroupTransport(group)
     return {
         "backend": transport.backend,

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.distributed.groups import check_member
+from torchgpipe.distributed.groups import backends_of, check_member
 
 __all__ = ["all_reduce_gradients"]
 
@@ -97,7 +97,7 @@ def _check_replicas(module: nn.Module, params: list[nn.Parameter], group: Any) -
     digest = hashlib.sha256(repr((stages, layout)).encode()).digest()
     value = int.from_bytes(digest[:7], "little")  # fits an int64, and its negation too
     device = torch.device("cpu")
-    if str(dist.get_backend(group)) == "nccl":  # NCCL moves this process's GPU's tensors
+    if "cpu" not in backends_of(group):  # NCCL: it moves this process's GPU's tensors
         gpus = [p.device for p in params if p.device.type == "cuda"]
         if isinstance(module, PipelineStage) and module.device.type == "cuda":
             gpus.insert(0, module.device)

@@ -228,14 +228,16 @@ class ProcessGroupTransport(Transport):
             nccl = backends.get("cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         self.device = torch.device(device)
-        if self.device.type != "cuda" and "cpu" not in backends:
-            raise ValueError(
-                f"the NCCL backend moves CUDA tensors only, but device is {self.device}; "
-                f"pass device=torch.device('cuda', local_rank), or use gloo for CPU stages"
-            )
-        # Where the transfers' buffers live: NCCL moves device memory, gloo host memory.
+        # Where the transfers' buffers live: NCCL moves device memory, others host memory.
         nccl = self.device.type == "cuda" and backends.get("cuda") == "nccl"
         self.wire = self.device if nccl else torch.device("cpu")
+        if self.wire.type not in backends:
+            moved = ", ".join(f"{kind} tensors by {name}" for kind, name in backends.items())
+            raise ValueError(
+                f"the process group moves {moved} only, and stages on {self.device} need "
+                f"CPU tensors moved; pass device=torch.device('cuda', local_rank) with "
+                f"NCCL, or use a group with gloo (for CPU tensors) for these stages"
+            )
         self.backend = backends[self.wire.type]  # the one that moves the transfers
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.side_group = self._side_group(side_group)
@@ -308,7 +310,7 @@ class ProcessGroupTransport(Transport):
                 return self.group
             return dist.new_group(self._global, backend="gloo", use_local_synchronization=True)
         check_member(given, "side_group")
-        backend = str(dist.get_backend(given))
+        backend = backends_of(given).get("cpu", str(dist.get_backend(given)))
         size = dist.get_world_size(given)
         members = [dist.get_global_rank(given, r) for r in range(size)]
         if backend != "gloo" or members != self._global:
