@@ -349,10 +349,10 @@ def _start(
         # whose transfers this rank must take part in. None: rank 0 was lost, or made
         # another call (collect.py) and will send no start.
         start = exchange.wait_for(START, 0)
-        draw_seed()  # after rank 0's: ranks that share a process draw in a fixed order
         if start is None:
             exchange.halt()
             raise Stopped
+        draw_seed()  # as rank 0 did, after it: ranks sharing a process draw in one order
         start = _full(stage, start)
         m, sizes, text, first_forward_only, _, _, seed, reduction = start
         _follow(stage, exchange, start, shapes)
@@ -394,6 +394,7 @@ def join_step(stage: PipelineStage, exchange: Exchange) -> bool:
     start = exchange.wait_for(START, 0)
     if start is None:  # rank 0 made this call (or another) too, or ended
         return False
+    draw_seed()  # rank 0 drew for this step: the generators move on alike
     exchange.halt()
     _follow(stage, exchange, _full(stage, start), stage.shapes)
     stage.shapes.clear()
