@@ -386,8 +386,7 @@ def join_step(stage: PipelineStage, exchange: Exchange) -> bool:
     Rank 0 may have sent this rank metadata (or need none: known frames), and issue
     those transfers: this rank takes part in them (following the step's plan) as a rank
     that failed at the step's start would, halted, and forgets the remembered layouts as
-    every rank of a failed step does. It waits for rank 0's first value: its start, or another
-    call's.
+    every rank of a failed step does. It waits for rank 0's first value (a start, or not).
     """
     if stage.rank == 0:
         return False
