@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PopAdd, PopAddFailingOnce, ScaleInPlace, StashLinear
+from helpers import PopAdd, PopAddFailingOnce, ScaleInPlace, StashLinear, assert_same_grads
 from torch import Tensor, nn
 
 import torchgpipe.executor
@@ -139,8 +139,7 @@ def test_a_skip_changed_in_place_on_its_way_is_refused(
     y = x.detach().clone().requires_grad_()
     plain(y).square().sum().backward()
     torch.testing.assert_close(x.grad, y.grad)
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_same_grads(model, plain)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -155,8 +154,7 @@ def test_a_skipped_micro_batch_is_not_refused_for_another_changed_in_place(
     x = torch.randn(8, 4)
     model(x.clone()).square().sum().backward()
     plain(x.clone()).square().sum().backward()
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_same_grads(model, plain)
 
 
 def test_a_skip_changed_in_place_within_its_own_partition_is_fine() -> None:
@@ -167,8 +165,7 @@ def test_a_skip_changed_in_place_within_its_own_partition_is_fine() -> None:
     x = torch.randn(4, 4)
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_same_grads(model, plain)
 
 
 def test_recomputation_pops_what_the_forward_popped() -> None:
@@ -356,8 +353,7 @@ def test_a_skip_that_is_the_output_itself_in_the_callers_graph_is_not_refused(
     x = torch.randn(4, 4)
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_same_grads(model, plain)
 
 
 @skippable(pop=["skip"])
@@ -383,8 +379,7 @@ def test_a_skip_that_is_the_input_changed_in_place_before_its_pop_matches_the_pl
     x = torch.randn(8, 4)
     model(x).sum().backward()
     plain(x).sum().backward()
-    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert_same_grads(model, plain)
 
 
 @skippable(stash=["skip"])
@@ -515,8 +510,7 @@ def test_a_retry_pops_what_the_failed_call_left_as_the_plain_model_does(
     x = torch.randn(8, 4)
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
-    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert_same_grads(model, plain)
 
 
 def test_a_skip_given_back_for_a_retry_is_checked_at_its_second_pop() -> None:
@@ -561,8 +555,7 @@ def test_a_skip_changed_in_place_where_the_plain_model_loses_nothing_is_not_refu
     x = torch.randn(8, 4)
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
-    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert_same_grads(model, plain)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -579,8 +572,7 @@ def test_a_schedule_steps_a_skip_that_is_the_input_changed_by_the_popping_stage(
     loss = nn.functional.mse_loss(plain(x), target)
     loss.backward()
     torch.testing.assert_close(result.loss, loss.detach())
-    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert_same_grads(model, plain)
 
 
 def test_a_skip_changed_in_place_after_its_pop_is_not_refused() -> None:
@@ -652,8 +644,7 @@ def test_a_skip_that_is_the_input_changed_in_place_after_its_pop_matches_the_pla
     expected = plain(x)
     expected.sum().backward()
     torch.testing.assert_close(out, expected)
-    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert_same_grads(model, plain)
 
 
 @skippable(stash=["skip"])
