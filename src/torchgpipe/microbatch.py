@@ -369,12 +369,13 @@ def gather(values: Sequence[Any], *, stack_scalars: bool = False) -> Any:
     joined: dict[tuple[int, ...], Any] = {}
     leaves = []
     for path, column in zip(paths, columns, strict=True):
-        key = tuple(map(id, column)) if isinstance(column[0], Tensor) else None
-        if key is None or key not in joined:
-            leaf = _gather_leaf(path, column, stack_scalars)
-            if key is not None:
-                joined[key] = leaf
-        leaves.append(leaf if key is None else joined[key])
+        if not isinstance(column[0], Tensor):
+            leaves.append(_gather_leaf(path, column, stack_scalars))
+            continue
+        key = tuple(map(id, column))
+        if key not in joined:
+            joined[key] = _gather_leaf(path, column, stack_scalars)
+        leaves.append(joined[key])
     return unflatten(leaves, spec)
 
 

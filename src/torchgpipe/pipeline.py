@@ -125,14 +125,13 @@ def run(
     run.hand_over()
     if not stage_graphs:
         return step.outputs
-    specs, whiches, tensors = [], [], []
+    specs, tensors = [], []
     for output in step.outputs:
         leaves, spec = flatten(output)
         # A tensor returned twice (``return y, y``) comes out of the node once: one tensor
         # in both places, as the plain model's.
         mine, which = distinct_tensors(leaves)
         specs.append((leaves, spec, mine, which))
-        whiches.append(which)
         tensors += mine
     elsewhere = sorted({str(x.device) for x in tensors if x.device.type != "cpu"})
     if elsewhere:
@@ -143,6 +142,7 @@ def run(
             f"on a GPU's engine thread: put that partition on the GPU (devices=[...]) "
             f"and let it return its output there"
         )
+    whiches = [which for _, _, _, which in specs]
     backward = _Backward(run, workers, describe, whiches, upstream, tensors, params)
     flat = [x for xs in upstream for x in xs]
     # The phony makes the outputs want a gradient when only the parameters do and none
@@ -377,8 +377,10 @@ class _Backward:
             mine = [next(it) for _ in range(max(which, default=-1) + 1)]
             # Once per distinct tensor: the engine summed what each place gave it.
             per_leaf: list[Tensor | None] = []
-            for place, k in enumerate(which):
-                per_leaf.append(mine[k] if k not in which[:place] else None)
+            seen: set[int] = set()
+            for k in which:
+                per_leaf.append(None if k in seen else mine[k])
+                seen.add(k)
             step.put(("G", n - 1, i), per_leaf)
         try:
             self.workers.run(run, "backward", self.describe)
