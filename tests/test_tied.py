@@ -900,3 +900,47 @@ def test_a_rank_lost_while_ties_are_summed_is_named_by_its_peers() -> None:
     assert owner.stages == (2,)
     assert "rank 2 (stages [2]) died or cannot be reached while the tied" in str(owner)
     assert between is None  # holds no copy: its step ended well
+
+
+@pytest.mark.parametrize("short", [0, 1])  # the owner of the tie, or its other holder
+def test_memory_short_for_the_ties_sum_fails_the_step_on_every_rank(short: int) -> None:
+    rules = NCCLRules(2)
+    models = [_language_model() for _ in range(2)]
+    ids, target = _data(5)
+    plain = _language_model()
+    F.cross_entropy(plain(ids), target).backward()
+    expected = plain[0].weight.grad
+
+    def out_of_memory(like: Tensor) -> Tensor:
+        raise RuntimeError("out of memory (as CUDA says it)")
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        schedule = Schedule1F1B(stage, F.cross_entropy)
+        outcomes: list[Any] = []
+        for attempt in range(2):  # short of memory, then not
+            if stage.rank == short and attempt == 0:
+                stage._across._buffer = out_of_memory  # type: ignore[method-assign]
+            try:
+                schedule.step(ids if stage.is_first else None, target if stage.is_last else None)
+                outcomes.append(None)
+            except Exception as error:
+                outcomes.append(error)
+            vars(stage._across).pop("_buffer", None)
+            if attempt == 0:
+                stage.zero_grad()
+        grads = {n: p.grad for n, p in stage.named_parameters()}
+        return outcomes, grads["0.weight" if stage.is_first else "4.weight"]
+
+    results = run_threads(rank, 2, timeout=20.0, observe=rules.group)
+    rules.check()  # every transfer matched: on NCCL, no rank left waiting
+    for r, ((first, second), grad) in enumerate(results):
+        if r == short:
+            assert isinstance(first, RuntimeError), repr(first)
+            assert str(first) == "out of memory (as CUDA says it)"
+        else:  # the step failed here too, naming the rank short of memory
+            assert isinstance(first, RemoteError), repr(first)
+            assert first.rank == short
+            assert "out of memory" in str(first)
+        assert second is None  # the next step runs, its sum whole
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)

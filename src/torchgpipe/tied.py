@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -66,13 +66,24 @@ def check_layers(module: nn.Sequential) -> None:
         )
 
 
-Across = Callable[[tuple[int, ...], Tensor, Tensor], Tensor]
-"""Sums a tied weight's gradient over processes: ``across(ranks, grad, mine)``.
+Across = Callable[[tuple[int, ...], Tensor, Tensor], Callable[[], Tensor]]
+"""Sums a tied weight's gradient over processes: ``across(ranks, grad, mine)()``.
 
-Every process of ``ranks`` (sorted, the owner first) calls it with its own ``.grad``
-and ``mine``, what this backward added to it here; each gets the owner's ``grad`` plus
-every other process's ``mine``. See :mod:`torchgpipe.distributed.ties`.
+Every process of ``ranks`` (the owner first) calls it with its own ``.grad`` and
+``mine``, what this backward added to it here; the call makes every tensor the sum
+needs and returns the move, whose call does the transfers and returns the owner's
+``grad`` plus every other process's ``mine``, in every process alike. See
+:mod:`torchgpipe.distributed.ties`.
 """
+
+
+class _Sum(NamedTuple):
+    """A group's sum as :meth:`Ties.prepare` leaves it for :meth:`Ties.finish`."""
+
+    group: int
+    total: Tensor | None  # the owner's .grad to be (None: none to set)
+    move: Callable[[], Tensor] | None  # the transfers across processes, which give it
+    grads: list[tuple[Tensor, bool]]  # each copy's .grad to be, and whether to write it
 
 
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter (or buffer) in it
@@ -223,14 +234,22 @@ class Ties:
         """Give every copy the sum of the gradients all its group's uses added since.
 
         ``across`` sums over the other processes that hold a group (every process of
-        the group calls this, ``across`` included, for each such group in order). All
-        the sums this process can make alone come first: what could fail here (a
-        gradient of an unexpected kind) fails before any transfer, which another
-        process would otherwise wait on.
+        the group calls this, ``across`` included, for each such group in order). The
+        same as :meth:`finish` of :meth:`prepare`.
+        """
+        self.finish(self.prepare(across))
+
+    def prepare(self, across: Across | None = None) -> list[_Sum]:
+        """Everything :meth:`reduce` computes alone: the sums here, the tensors it fills.
+
+        What could fail here (memory short, a gradient of an unexpected kind) fails
+        before any transfer, which another process would otherwise wait on: across
+        processes this runs before the step's end, so such a failure fails the step on
+        every rank, and :meth:`finish` only moves values into tensors already made.
         """
         with self._lock:
             pending, self._pending = self._pending, {}
-        sums: list[tuple[int, Tensor | None, Tensor | None]] = []
+        sums: list[_Sum] = []
         with torch.no_grad():
             for g, (owner, *copies) in enumerate(self.groups):
                 ranks = self.ranks[g]
@@ -241,29 +260,42 @@ class Ties:
                 for part in parts[1:]:
                     if part is not None:
                         total = summed(total, part.to(owner.device))
-                mine = None
+                move = None
                 if ranks is not None and across is not None:
                     mine = torch.zeros_like(owner)
                     for part in parts:
                         if part is not None:
                             mine = summed(mine, part.to(owner.device))
-                sums.append((g, total, mine))
-            for g, total, mine in sums:
-                owner, *copies = self.groups[g]
-                ranks = self.ranks[g]
-                if ranks is not None and across is not None and mine is not None:
-                    here = torch.zeros_like(owner) if total is None else dense(total)
+                    total = torch.zeros_like(owner) if total is None else dense(total)
                     # Frozen here too: the transfers still go, so that a rank that
                     # disagrees cannot leave another waiting; the sum is dropped.
-                    total = across(ranks, here, mine)
+                    move = across(ranks, total, mine)
                 if total is None or not owner.requires_grad:
+                    sums.append(_Sum(g, None, move, []))
                     continue
+                # Each copy's .grad: its own, written in place, or made here.
+                grads = [
+                    (copy.grad, True)
+                    if copy.grad is not None and copy.grad.layout == total.layout
+                    else (total.to(copy.device, copy=True), move is not None)
+                    for copy in copies
+                ]
+                sums.append(_Sum(g, total, move, grads))
+        return sums
+
+    def finish(self, sums: list[_Sum]) -> None:
+        """The transfers of :meth:`prepare`'s sums, in order; then every copy's ``.grad``."""
+        with torch.no_grad():
+            for entry in sums:
+                total = entry.move() if entry.move is not None else entry.total
+                if entry.total is None or total is None:
+                    continue
+                owner, *copies = self.groups[entry.group]
                 owner.grad = total
-                for copy in copies:
-                    if copy.grad is None or copy.grad.layout != total.layout:
-                        copy.grad = total.to(copy.device, copy=True)
-                    else:
-                        copy.grad.copy_(total)
+                for copy, (grad, write) in zip(copies, entry.grads, strict=True):
+                    if write:
+                        grad.copy_(total)
+                    copy.grad = grad
 
     def after_backward(self, outputs: list[Any]) -> list[Any]:
         """The micro-batches' ``outputs`` through a node whose backward ends in :meth:`reduce`.

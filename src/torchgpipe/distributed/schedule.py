@@ -18,8 +18,8 @@ rank::
 That work can fail on one rank alone (a hook that refuses a gradient that is not
 finite, a caller's graph already freed): the second end (``_settle``) tells the others,
 so every rank fails, the others with a ``RemoteError`` naming it. A step with no hook
-and no graph before the pipeline on any rank skips it (a tie's holders see each other
-fail in the sum itself).
+and no graph before the pipeline on any rank skips it (what the ties' sum needs is made
+before the first end, where a failure fails the step; the sum then only moves values).
 
 The start names the table by its text, or None when it is the last step's; ``kind``
 says a step or a forward only; ``reduction`` is the schedule's (the other ranks refuse
@@ -249,6 +249,8 @@ def _run(
             ran_here = run
             if stage.is_last:
                 output = gather(step.outputs, stack_scalars=not forward_only)
+            if not forward_only:  # memory short for the ties' sum fails the step here
+                stage.prepare_tied()
     except Stopped:
         pass
     except BaseException as error:
@@ -447,18 +449,11 @@ def _signature(table: Schedule, forward_only: bool, training: bool, batches: lis
     input differ). Empty (never the same as another) when the input holds what cannot
     be pickled.
     """
-    layout = []
-    for batch in batches:
-        leaves, spec = flatten(batch)
-        layout.append(
-            (
-                spec,
-                [
-                    (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, Tensor) else x
-                    for x in leaves
-                ],
-            )
-        )
+
+    def kind(x: Any) -> Any:
+        return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, Tensor) else x
+
+    layout = [(spec, [kind(x) for x in leaves]) for leaves, spec in map(flatten, batches)]
     try:
         return pickle.dumps((table.text(), forward_only, training, layout))
     except Exception:  # a lambda, a lock: no static step for this input

@@ -160,9 +160,7 @@ class PipelineStage(PlacedModule, StageHolder):
         self.chunks = check_chunks(chunks)
         self.checkpoint: Checkpoint = check_checkpoint(checkpoint)
         self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
-        if not isinstance(static_shapes, bool):
-            raise TypeError(f"static_shapes must be a bool, got {static_shapes!r}")
-        self.static_shapes = static_shapes
+        self.static_shapes = check_flag(static_shapes, "static_shapes")
         # For distributed/schedule.py. Per input layout (a digest), the frames of every
         # message of the last step on it that ended well; and the last table started.
         self.shapes: dict[bytes, dict[Any, Any]] = {}
@@ -182,11 +180,11 @@ class PipelineStage(PlacedModule, StageHolder):
         self.world_size = transport.world_size
         n = len(self.balance)
         self.virtual_stages = n // self.world_size
-        self.stages = tuple(range(self.rank, n, self.world_size))
-        """The stages this process runs."""
+        self.stages = tuple(range(self.rank, n, self.world_size))  # this process's
 
         self._pool: WorkerPool | None = None
         self._tracer: Trace | None = None  # set by trace()
+        self._tie_sums: list[Any] = []  # prepare_tied's, for reduce_tied
         # What follows may fail here alone (a rank= or a balance that only this process
         # was given, a state dict without a key of these layers), while the others wait
         # for this process's fingerprint: they must hear of it.
@@ -331,14 +329,18 @@ class PipelineStage(PlacedModule, StageHolder):
         """This process's copies of each weight tied across stages, owner first."""
         return self._ties.groups
 
+    def prepare_tied(self) -> None:
+        """Make what the tied weights' sum needs (``Ties.prepare``), before this rank's end."""
+        self._tie_sums = self._ties.prepare(self._across)
+
     def reduce_tied(self) -> None:
         """Sum the tied weights' gradients over their copies, here and in other processes.
 
         ``distributed/schedule.py`` calls it in every process once a step has ended well
-        on every rank, before anything else that could fail on one rank only.
+        on every rank (after :meth:`prepare_tied`), before anything that may fail alone.
         """
-        if self._ties:
-            self._ties.reduce(self._across)
+        sums, self._tie_sums = self._tie_sums, []
+        self._ties.finish(sums)
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """This process's part of a forward-only step; the output on the last rank."""

@@ -12,7 +12,9 @@ share copies as ``GPipe``'s do (``torchgpipe/tied.py``); between processes,
 - at the start, the owner's values go to the other holders (a model filled on each
   rank by its modules' own ``reset_parameters`` starts with different values);
 - after each step, each holder sends the owner what its backward added to the weight;
-  the owner adds it all to its gradient and sends the sum back.
+  the owner adds it all to its gradient and sends the sum back. Every tensor this
+  needs is made before the step's end (``Ties.prepare``): a process short of memory
+  fails the step on every rank, rather than leave its peers' transfers unmatched.
 
 The transfers are the transport's own (``Transport.issue``), on the pipeline's group,
 from the thread that runs the step, group by group in the order :func:`tied_ranks`
@@ -24,7 +26,7 @@ checks it). Only the ranks of a group take part in its transfers. A frozen tied 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -70,19 +72,40 @@ class AcrossRanks:
                     group[0].copy_(self._from_owner(ranks, group[0]))
         ties.align()  # and from this process's owner to its own copies
 
-    def __call__(self, ranks: tuple[int, ...], grad: Tensor, mine: Tensor) -> Tensor:
-        """The owner's ``grad`` plus every other holder's ``mine`` (see ``tied.Across``)."""
+    def __call__(self, ranks: tuple[int, ...], grad: Tensor, mine: Tensor) -> Callable[[], Tensor]:
+        """The sum of the owner's ``grad`` and every other holder's ``mine`` (``tied.Across``).
+
+        Every buffer is made here; the call returned does the transfers and writes only
+        into them (and into ``grad``, on the owner): nothing there can run short of memory.
+        """
         owner, me = ranks[0], self.transport.rank
-        if me == owner:
-            buffers = [self._buffer(grad) for _ in ranks[1:]]
+        landing = None if grad.device == self.transport.wire else torch.empty_like(grad)
+        if me != owner:
+            wire, buffer = self._wire(mine), self._buffer(grad)
+
+            def holder() -> Tensor:
+                self._wait([Transfer("send", owner, wire)])
+                self._wait([Transfer("recv", owner, buffer)])
+                return self._tensor(buffer, grad, landing)
+
+            return holder
+        buffers = [self._buffer(grad) for _ in ranks[1:]]
+        inline = landing is None and grad.is_contiguous()  # its bytes a view of it
+        staged = grad if inline else torch.empty_like(grad, device=self.transport.wire)
+        back = tensor_bytes(staged)
+
+        def owner_sum() -> Tensor:
             self._wait(
                 [Transfer("recv", peer, b) for peer, b in zip(ranks[1:], buffers, strict=True)]
             )
             for buffer in buffers:
-                grad = grad.add_(self._tensor(buffer, grad))
-        else:
-            self._wait([Transfer("send", owner, self._wire(mine))])
-        return self._from_owner(ranks, grad)
+                grad.add_(self._tensor(buffer, grad, landing))
+            if not inline:
+                staged.copy_(grad)
+            self._wait([Transfer("send", peer, back) for peer in ranks[1:]])
+            return grad
+
+        return owner_sum
 
     def _from_owner(self, ranks: tuple[int, ...], value: Tensor) -> Tensor:
         """The owner's ``value``, in every process of ``ranks``."""
@@ -108,6 +131,10 @@ class AcrossRanks:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.transport.wire)
 
     @staticmethod
-    def _tensor(buffer: Tensor, like: Tensor) -> Tensor:
-        """The bytes of ``buffer`` as a tensor shaped as ``like``, on its device."""
-        return buffer.view(like.dtype).reshape(like.shape).to(like.device)
+    def _tensor(buffer: Tensor, like: Tensor, landing: Tensor | None = None) -> Tensor:
+        """The bytes of ``buffer`` as a tensor shaped as ``like``, on its device.
+
+        Copied into ``landing`` where one is given (``buffer`` is on another device).
+        """
+        value = buffer.view(like.dtype).reshape(like.shape)
+        return value.to(like.device) if landing is None else landing.copy_(value)
