@@ -195,6 +195,21 @@ def test_schedule_takes_lists_and_numpy_counts() -> None:
     assert hash(table) == hash(one_f_one_b(1, 1))
 
 
+def test_actions_take_numpy_ints_and_refuse_other_numbers() -> None:
+    import numpy as np
+
+    # A table built over np.arange: its actions passed every check, then every step
+    # failed deep in the cells' seeds (OverflowError).
+    action = Action(np.int64(1), "F", np.int64(0))  # type: ignore[arg-type]
+    assert type(action.stage) is int
+    assert type(action.i) is int
+    assert action == Action(1, "F", 0)
+    assert hash(action) == hash(Action(1, "F", 0))
+    for stage, i in [(0.0, 0), (True, 0), (0, 1.0)]:
+        with pytest.raises(TypeError, match="must be an int"):
+            Action(stage, "F", i)  # type: ignore[arg-type]
+
+
 BUILDERS = {
     "gpipe": gpipe,
     "one_f_one_b": one_f_one_b,

@@ -443,7 +443,8 @@ def test_a_step_judges_a_pop_only_where_its_cell_is_recomputed(
     # before the pop. A checkpointed cell that is recomputed (for its loss, where its
     # last layer trains) would pop the values from before the change: refused (the loss
     # came out wrong where it was let through). A frozen model's cells, where nothing
-    # wants a gradient, are not checkpointed: the values of the plain model's pop.
+    # wants a gradient, are not checkpointed: the values of the plain model's pop, in
+    # model(x) (test above); its step is refused, as the plain model's backward is.
     torch.manual_seed(0)
     plain = nn.Sequential(
         _StashSliceOrDetached("detached"), nn.ReLU(inplace=True), PopAdd(), nn.Linear(4, 4)
@@ -455,6 +456,11 @@ def test_a_step_judges_a_pop_only_where_its_cell_is_recomputed(
     if trained and len(balance) == 2:
         with pytest.raises(RuntimeError, match=r"skip 'skip' was changed in place before its"):
             step.step(x, target)
+        return
+    if not trained:
+        with pytest.raises(RuntimeError, match="nothing in the step wants a gradient"):
+            step.step(x, target)
+        torch.testing.assert_close(model(x), plain(x))
         return
     result = step.step(x, target)
     torch.testing.assert_close(result.loss, nn.functional.mse_loss(plain(x), target))

@@ -435,6 +435,39 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
         Schedule1F1B(model, per_sample).step(torch.randn(4, 2), torch.randn(4, 2))
 
 
+def test_a_complex_loss_is_refused_as_the_plain_model_refuses_it() -> None:
+    plain = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2)
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+
+    def complex_loss(output: Tensor, target: Tensor) -> Tensor:
+        return _mse(output, target) * (1 + 2j)
+
+    with pytest.raises(RuntimeError, match="real scalar"):
+        complex_loss(plain(x), y).backward()
+    for schedule in SCHEDULES.values():  # it trained on the real part, silently
+        with pytest.raises(TypeError, match="complex64 loss"):
+            schedule(model, complex_loss).step(x, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_step_where_nothing_wants_a_gradient_is_refused(schedule: str) -> None:
+    plain = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)).requires_grad_(False)
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        _mse(plain(x), y).backward()
+    with pytest.raises(RuntimeError, match="nothing in the step wants a gradient"):
+        SCHEDULES[schedule](model, _mse).step(x, y)
+    # An input that wants one is something to train (its gradient): the step runs.
+    wanting = x.clone().requires_grad_()
+    SCHEDULES[schedule](model, _mse).step(wanting, y)
+    expected = x.clone().requires_grad_()
+    _mse(plain(expected), y).backward()
+    torch.testing.assert_close(wanting.grad, expected.grad)
+
+
 @pytest.mark.parametrize("samples", [4, 5])
 def test_a_loss_per_sample_is_refused_as_the_plain_model_refuses_it(samples: int) -> None:
     # The bug: with chunks = 4 and a batch of 4, a loss per sample has one element for
@@ -651,10 +684,11 @@ def test_a_loss_that_does_not_require_grad_is_refused() -> None:
     target = torch.tensor([[-1.0] * 3, [-1.0] * 3, [1.0] * 3, [1.0] * 3])
     Schedule1F1B(model, masked).step(torch.randn(4, 3), target)
     assert all(p.grad is not None for p in model.parameters())
-    # Nothing to train and nothing wanting a gradient: nothing to refuse either.
+    # Nothing to train and nothing wanting a gradient: refused as the plain model's
+    # loss.backward() refuses it (test_a_step_where_nothing_wants_a_gradient_is_refused).
     model.requires_grad_(False)
-    result = schedule.step(torch.randn(4, 3), torch.randn(4, 3))
-    assert not result.loss.requires_grad
+    with pytest.raises(RuntimeError, match="nothing in the step wants a gradient"):
+        schedule.step(torch.randn(4, 3), torch.randn(4, 3))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -80,7 +80,8 @@ class Step(Mailbox):
         self.peak = [0] * stages
         self.losses: list[Tensor | None] = [None] * m
         self.outputs: list[Any] = [None] * m
-        self.untrained = 0  # losses that do not require grad, from outputs that do
+        self.untrained = 0  # losses that do not require grad
+        self.cut_off = False  # one of them from outputs that do, or a trained stage
         # Stage 0's inputs in the caller's graph, with their gradients (a schedule's step).
         self.upstream: list[tuple[Tensor, Tensor]] = []
 
@@ -446,9 +447,10 @@ class StepRun:
         """Keep micro-batch ``i``'s loss; its cell's backward starts from it."""
         loss = one_number(loss, self.targets)
         self.step.losses[i] = loss.detach()
-        if not loss.requires_grad and (any(cell.needs) or self.trainable(self.n - 1)):
+        if not loss.requires_grad:
             self.step.untrained += 1
-            untrained(self.step.untrained, len(self.step.losses))
+            self.step.cut_off |= any(cell.needs) or self.trainable(self.n - 1)
+            untrained(self.step.untrained, len(self.step.losses), wanted=self.step.cut_off)
         cell.outputs = [loss] if loss.requires_grad else []
 
     def _target(self, s: int, i: int, cell: StageCell) -> Any:

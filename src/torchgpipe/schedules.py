@@ -59,6 +59,12 @@ class Action:
     kind: Kind
     i: int
 
+    def __post_init__(self) -> None:  # NumPy integers become ints; floats, bools refused
+        for name, value in (("stage", self.stage), ("i", self.i)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise TypeError(f"Action: {name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.i}"
 
@@ -241,11 +247,9 @@ class Schedule:
                     for r, rank in enumerate(ranks)
                     if position[r] < len(rank)
                 ]
+                stalled, grid = "; ".join(waiting), self.grid(steps=steps)
                 raise ScheduleError(
-                    f"the schedule deadlocks at step {len(steps)}: "
-                    + "; ".join(waiting)
-                    + "\n"
-                    + self.grid(steps=steps)
+                    f"the schedule deadlocks at step {len(steps)}: {stalled}\n{grid}"
                 )
             for r, action in enumerate(row):
                 if action is not None:
@@ -256,12 +260,8 @@ class Schedule:
 
     def _membership_problems(self) -> list[str]:
         kinds: tuple[Kind, ...] = ("F", "B", "W") if self.splits_backward else ("F", "B")
-        expected = {
-            Action(s, kind, i)
-            for s in range(self.stages)
-            for i in range(self.micro_batches)
-            for kind in kinds
-        }
+        every = [(s, i) for s in range(self.stages) for i in range(self.micro_batches)]
+        expected = {Action(s, kind, i) for s, i in every for kind in kinds}
         seen: dict[Action, int] = {}
         problems = []
         for r, rank in enumerate(self.ranks):

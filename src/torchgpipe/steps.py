@@ -132,13 +132,19 @@ def one_number(loss: Any, targets: Sequence[Any] = ()) -> Tensor:
     holds one sample, a loss with a dimension is refused as one loss per sample.
 
     Raises:
-        TypeError: ``loss`` is not a tensor of one element, or is a loss per sample.
+        TypeError: ``loss`` is not a tensor of one element, is complex, or is a loss
+            per sample.
     """
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a tensor with one element, got "
             f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
             f"; use a reduction of 'mean' or 'sum' in the loss"
+        )
+    if loss.is_complex():  # the plain model's loss.backward() refuses it too
+        raise TypeError(
+            f"loss_fn returned a {loss.dtype} loss, but a backward starts from a real "
+            f"one; return a real number (loss.abs(), loss.real)"
         )
     # A loss per sample (reduction='none') has one element for a micro-batch of one
     # sample, and would pass for the micro-batch's loss: the step would weigh and add
@@ -158,21 +164,28 @@ def one_number(loss: Any, targets: Sequence[Any] = ()) -> Tensor:
     return loss.reshape(())
 
 
-def untrained(count: int, m: int) -> None:
+def untrained(count: int, m: int, *, wanted: bool) -> None:
     """Refuse a step whose ``m`` losses all came out not requiring grad (``count``).
 
-    Each came from an output that requires grad: the step would train nothing, where
-    the plain model's ``loss.backward()`` raises. One micro-batch's loss alone may be a
-    constant (a masked loss with nothing left to count).
+    The step would train nothing, where the plain model's ``loss.backward()`` raises.
+    ``wanted``: some came from outputs that require grad (``loss_fn`` cut them off).
+    One micro-batch's loss alone may be a constant (a masked loss with nothing left).
 
     Raises:
         RuntimeError: ``count == m``.
     """
-    if count == m:
+    if count == m and wanted:
         raise RuntimeError(
             "loss_fn returned a loss that does not require grad for every micro-batch, "
             "from outputs that do: the step would train nothing. Compute the loss from "
             "the output itself (no .detach(), .item() or torch.no_grad() in loss_fn)"
+        )
+    if count == m:
+        raise RuntimeError(
+            "nothing in the step wants a gradient (every parameter frozen, and an input "
+            "that wants none): the step would train nothing, where the plain model's "
+            "loss.backward() raises. Unfreeze a parameter, or call "
+            "schedule.forward_only(input) for the output alone"
         )
 
 
