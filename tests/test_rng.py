@@ -693,6 +693,28 @@ def test_rng_a_recomputation_that_draws_otherwise_than_its_forward_is_refused(
         loss.backward()
 
 
+class _LogsNoisyOnce(nn.Module):
+    """Draws for a statistic outside recomputation only, by the function it draws with next."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not is_recomputing():
+            self.noisy = F.dropout(x.detach(), 0.5).std()
+        return F.dropout(x, 0.5)
+
+
+@pytest.mark.parametrize("backward_by", ["workers", "engine"], indirect=True)
+def test_rng_a_recomputation_that_skips_a_draw_of_the_same_function_is_refused(
+    backward_by: str,
+) -> None:
+    # Every call matched the forward's by its function, one short: its Dropout took the
+    # statistic's mask, and the gradients were off by up to 20, silently.
+    layers = [nn.Linear(4, 4), _LogsNoisyOnce(), nn.Linear(4, 4), _LogsNoisyOnce()]
+    model = GPipe(nn.Sequential(*layers), [2, 2], chunks=2, checkpoint="always")
+    loss = model(torch.randn(4, 4, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match=r"made 1 random calls, where its forward made 2"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("backward_by", ["workers", "engine"], indirect=True)
 def test_rng_a_recomputation_that_stops_short_passes_the_check(backward_by: str) -> None:
     # A lazy layer draws its weights in the first forward only; nothing is drawn after,

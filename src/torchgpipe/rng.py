@@ -47,7 +47,7 @@ import threading
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -118,6 +118,7 @@ class _CellGenerators(TorchFunctionMode):
         # from the forward's, silently. It may stop short (a lazy module's first forward
         # made its weights) and, with ``more`` (a loss the forward did not compute), go on.
         self.calls: list[Any] = []
+        self.fills: set[int] = set()  # the calls that filled a parameter (lazy weights)
         self._replays = replays
         self._more = more
 
@@ -149,6 +150,8 @@ class _CellGenerators(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if self._replays is not None:
             self._check_call(func, self._replays.calls)
+        elif isinstance(args[0] if args else (kwargs or {}).get("tensor"), nn.Parameter):
+            self.fills.add(len(self.calls))  # torch.nn.init's pass it as tensor=
         self.calls.append(func)
         kwargs = kwargs or {}
         if (
@@ -175,6 +178,30 @@ class _CellGenerators(TorchFunctionMode):
             f"(LazyLinear) made its weights in the forward. Draw alike in both (run one "
             f"plain forward before wrapping lazy modules), or use checkpoint='never'"
         )
+
+    def check_whole(self) -> None:
+        """Refuse a recomputation that ended short of its forward's random calls.
+
+        Other than calls that filled parameters (a lazy module's first forward made its
+        weights): the forward's calls from the first one skipped on were matched against
+        others, the same function called once more, by position (a branch under ``if
+        not is_recomputing()`` that called ``dropout`` before a Dropout), so the
+        recomputation's numbers were not the forward's.
+        """
+        forward = self._replays
+        if forward is None or self._more:  # a loss drawn after: counted by _check_call
+            return
+        done = len(self.calls)
+        skipped = [k for k in range(done, len(forward.calls)) if k not in forward.fills]
+        if skipped:
+            raise RuntimeError(
+                f"torchgpipe: the recomputation of a checkpointed cell made {done} random "
+                f"calls, where its forward made {len(forward.calls)} (the last "
+                f"{_name(forward.calls[-1])}): a layer draws only when not recomputing "
+                f"(under 'if not is_recomputing()'), so the recomputation's random numbers "
+                f"(Dropout's masks) from that draw on were not the forward's, and the "
+                f"gradients would be wrong. Draw alike in both, or use checkpoint='never'"
+            )
 
     def _given(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with a generator of the caller's own (a layer's ``self.generator``).
