@@ -198,6 +198,9 @@ def test_rng_a_forward_reads_the_default_generator_once_and_never_sets_it() -> N
     assert torch.equal(torch.get_rng_state(), after_forward)  # one draw: the seed
     out.sum().backward()  # recomputation draws from the cells' own generators
     assert torch.equal(torch.get_rng_state(), after_forward)
+    torch.manual_seed(5)
+    GPipe(nn.Sequential(), [])(x)  # an empty GPipe's forward too (it drew nothing)
+    assert torch.equal(torch.get_rng_state(), after_forward)
 
 
 # The cells' generators, and the functions that draw from them.

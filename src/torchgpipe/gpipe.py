@@ -20,6 +20,7 @@ from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.microbatch import gather, scatter
+from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.split_stage import Stage, keep_plain_keys, put_versions_back
@@ -290,21 +291,20 @@ class GPipe(PlacedModule, StageHolder):
                 nothing has changed.
         """
         if not self._partitions:  # an empty model, as the empty nn.Sequential does
+            draw_seed()  # as every forward does: the default generator moves on alike
             return input
         self.workers.check_caller()  # before the deferred batch norms and ties change
         batches = scatter(input, self.chunks)
         m = len(batches)
         training = self.training and torch.is_grad_enabled()
         stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
+        if self._ties:
+            self._ties.begin()
         # Deferred batch norm learns m once the workers are this call's, not before: a
         # call of another thread may be running.
         expect = partial(self.expect_micro_batches, m)
-        if not self._ties:
-            return gather(pipeline.run(stages, self.workers, batches, expect))
-        self._ties.begin()
-        return gather(
-            self._ties.after_backward(pipeline.run(stages, self.workers, batches, expect))
-        )
+        outputs = pipeline.run(stages, self.workers, batches, expect)
+        return gather(self._ties.after_backward(outputs) if self._ties else outputs)
 
     # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
 
