@@ -1,6 +1,9 @@
 import gc
+import multiprocessing
+import os
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -206,3 +209,49 @@ def test_a_table_of_more_ranks_than_workers_is_refused_before_any_job_goes_out()
     with pytest.raises(ValueError, match="3 ranks cannot run on the 2 threads"):
         workers.run(run, "all", str)  # type: ignore[arg-type]
     assert workers.pool is None  # no thread was started, none waits for rank 2
+
+
+class _Parked(torch.nn.Module):
+    """Waits in the parent process until released; passes at once in a forked child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parent = os.getpid()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.getpid() == self.parent:
+            self.entered.set()
+            assert self.release.wait(timeout=30)
+        return x + 1
+
+
+def _call_in_child(pipe: Any, x: torch.Tensor, results: Any) -> None:
+    results.put(pipe(x).tolist())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_during_another_threads_run_calls_the_model_anew() -> None:
+    # The child copied the run's lock locked, with no thread to release it: its first
+    # call waited forever.
+    from torchgpipe import GPipe
+
+    parked = _Parked()
+    pipe = GPipe(torch.nn.Sequential(torch.nn.Identity(), parked), [1, 1], chunks=2)
+    x = torch.zeros(4, 1)
+    busy = threading.Thread(target=pipe, args=(x,))
+    busy.start()
+    try:
+        assert parked.entered.wait(timeout=30)
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        child = context.Process(target=_call_in_child, args=(pipe, x, results))
+        child.start()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+        assert child.exitcode == 0, "the forked child hung or failed"
+        assert results.get(timeout=10) == [[1.0]] * 4
+    finally:
+        parked.release.set()
+        busy.join(timeout=30)

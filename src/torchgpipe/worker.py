@@ -263,6 +263,7 @@ class Workers:
         self.n = n
         self.pool: WorkerPool | None = None  # started by the first run
         self._lock = threading.Lock()  # one run at a time
+        _ALL.add(self)
 
     def check_caller(self) -> None:
         """Refuse a call made from inside one of these workers' own runs.
@@ -412,6 +413,26 @@ class Workers:
             error, action = real[0]
             add_note(error, where(action, describe(action), len(step.outputs)))
             raise error
+
+
+_ALL: weakref.WeakSet[Workers] = weakref.WeakSet()  # for _forked
+
+
+def _forked() -> None:
+    """In a process just forked: let go of what the parent's other threads held.
+
+    The child has only the thread that forked: a run under way on another thread left
+    its workers' lock held, and maybe the one hold (:class:`_Holds`), with no thread to
+    release them; the first call in the child would wait forever. (Its workers are
+    gone too: a pool made in another process is replaced at the next run.)
+    """
+    for workers in list(_ALL):
+        workers._lock = threading.Lock()
+    if _HOLD.holder != threading.get_ident():
+        _HOLD.__init__()  # type: ignore[misc]
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _plain_thread() -> bool:
