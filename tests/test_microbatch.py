@@ -119,6 +119,22 @@ def test_scatter_rejects_empty_batch() -> None:
         scatter(torch.zeros(0, 3), 2)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_forward_mode_tangent_is_refused_not_lost() -> None:
+    from torch.autograd import forward_ad
+
+    # The cells cut their inputs apart: the output's tangent came out None, silently.
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+    x = torch.randn(4, 2)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match=r"input carries a forward-mode tangent"):
+            pipe(dual)
+        with pytest.raises(NotImplementedError, match=r"\['x'\]"):
+            scatter({"x": dual, "y": x}, 2)
+        assert pipe(x).shape == (4, 2)  # a plain input under a dual level passes
+
+
 def test_gather_concatenates_in_order() -> None:
     out = gather([(torch.tensor([1]), "a"), (torch.tensor([2, 3]), "a")])
     assert out[0].tolist() == [1, 2, 3]

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from torchgpipe.opaque import PLAIN, OpaqueLeaf, check_opaque, opaque_error
 
@@ -333,6 +334,14 @@ def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
             f"the {name} is an empty batch ({first_path} has size 0 in dim 0), which "
             f"splits into no micro-batch; skip empty batches before the pipeline"
         )
+    if getattr(forward_ad, "_current_level", -1) >= 0:  # a dual level is entered
+        dual = [path for path, x in tensors if forward_ad.unpack_dual(x).tangent is not None]
+        if dual:  # the cells cut their inputs apart: the tangents were lost, silently
+            raise NotImplementedError(
+                f"the {name} carries a forward-mode tangent ({', '.join(dual)}), which "
+                f"does not pass between a pipeline's partitions; compute forward-mode "
+                f"derivatives (torch.autograd.forward_ad) with the plain model"
+            )
     return size
 
 
