@@ -124,10 +124,16 @@ def _stages(world: int, balance: list[int], **options: Any) -> list[PipelineStag
 # Arguments
 
 
+class _Residual(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
         ({"module": nn.Linear(4, 4)}, TypeError, "takes an nn.Sequential, got Linear"),
+        ({"module": _Residual(*mlp())}, TypeError, "has a forward of its own"),
         ({"balance": [4, 3]}, BalanceError, "balance sums to 7"),
         ({"device": "meta"}, ValueError, "device 'meta' is the meta device"),
         ({"chunks": 0}, ValueError, "chunks must be a positive number"),

@@ -126,6 +126,28 @@ def test_module_must_be_sequential() -> None:
         GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
 
 
+class _Residual(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+def test_a_sequential_with_a_forward_of_its_own_is_refused() -> None:
+    # Its layers ran one after another, without the residual: other outputs, silently.
+    with pytest.raises(TypeError, match=r"_Residual has a forward of its own"):
+        GPipe(_Residual(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1])
+
+
+class _Named(nn.Sequential):
+    def describe(self) -> str:
+        return "layers"
+
+
+def test_a_sequential_subclass_that_keeps_its_forward_is_taken() -> None:
+    plain = _Named(nn.Linear(2, 2), nn.Linear(2, 2))
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(GPipe(plain, [1, 1])(x), plain(x))
+
+
 def test_duplicate_children_rejected() -> None:
     layer = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="layer 2 is the same module as layer 0"):

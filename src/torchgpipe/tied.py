@@ -51,7 +51,17 @@ __all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tie_groups", 
 
 
 def check_layers(module: nn.Sequential) -> None:
-    """Refuse a layer that appears twice (tensors shared by layers are fine: ties)."""
+    """Refuse a layer that appears twice (tensors shared by layers are fine: ties).
+
+    And a subclass with a forward of its own, which a pipeline would not call.
+    """
+    if type(module).forward is not nn.Sequential.forward:
+        raise TypeError(
+            f"{type(module).__name__} has a forward of its own, which a pipeline does not "
+            f"call: it runs the layers one after another, each on the previous one's "
+            f"output. Split the model with torchgpipe.split(model, example_input, ...), "
+            f"or move what its forward adds into layers of their own"
+        )
     problems = []
     first_index: dict[int, int] = {}
     for index, layer in enumerate(module):
