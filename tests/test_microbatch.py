@@ -135,6 +135,22 @@ def test_a_forward_mode_tangent_is_refused_not_lost() -> None:
         assert pipe(x).shape == (4, 2)  # a plain input under a dual level passes
 
 
+def test_a_sparse_input_is_refused_with_what_to_do() -> None:
+    with pytest.raises(TypeError, match=r"input\['x'\] \(torch.sparse_coo\); pass them dense"):
+        scatter({"x": torch.eye(4).to_sparse()}, 2)
+
+
+class _Pair(tuple):  # type: ignore[type-arg]
+    def __new__(cls, a: object, b: object) -> "_Pair":
+        return super().__new__(cls, (a, b))
+
+
+def test_a_tuple_subclass_that_cannot_be_rebuilt_says_so() -> None:
+    leaves, spec = flatten(_Pair(torch.ones(1), torch.zeros(1)))
+    with pytest.raises(TypeError, match=r"a _Pair \(a subclass of tuple\) could not be rebuilt"):
+        unflatten(leaves, spec)
+
+
 def test_gather_concatenates_in_order() -> None:
     out = gather([(torch.tensor([1]), "a"), (torch.tensor([2, 3]), "a")])
     assert out[0].tolist() == [1, 2, 3]

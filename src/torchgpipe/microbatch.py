@@ -182,7 +182,15 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return spec.cls(zip(spec.keys, children, strict=True))
     if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple
         return spec.cls(*children)
-    return spec.cls(children)
+    try:
+        return spec.cls(children)
+    except TypeError as error:  # a subclass whose __new__ takes other arguments
+        raise TypeError(
+            f"a {spec.cls.__name__} (a subclass of {spec.kind}) could not be rebuilt from "
+            f"its items as {spec.cls.__name__}(items) ({error}); hand "
+            f"on a plain {spec.kind} or a named tuple, and make the {spec.cls.__name__} in "
+            f"the layer that uses it"
+        ) from error
 
 
 def _fill_dict(rebuilt: Any, keys: tuple[Any, ...], values: list[Any]) -> None:
@@ -320,6 +328,13 @@ def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
             f"cannot split a 0-dim tensor into micro-batches: {', '.join(scalars)}; give the "
             f"{name} a batch dimension (shape [batch, ...]; x.expand(batch_size) repeats "
             f"a 0-dim x), or {_SHARED_ADVICE[name]}"
+        )
+    odd = [f"{path} ({x.layout})" for path, x in tensors if x.layout != torch.strided]
+    if odd:  # tensor_split cannot cut them (sparse ones give no gradient back through it)
+        raise TypeError(
+            f"the {name} holds tensors that cannot be split into micro-batches: "
+            f"{', '.join(odd)}; pass them dense (x.to_dense()), and make them sparse in "
+            f"the first layer if it wants them so"
         )
     first_path, first = tensors[0]
     size = first.size(0)
