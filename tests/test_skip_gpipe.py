@@ -466,6 +466,22 @@ def test_a_step_judges_a_pop_only_where_its_cell_is_recomputed(
     torch.testing.assert_close(result.loss, nn.functional.mse_loss(plain(x), target))
 
 
+class _HoldsWithoutCalling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stash = StashLinear()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+def test_a_skippable_held_but_not_called_is_named_as_a_cause() -> None:
+    # The message blamed only a change of names after GPipe was built.
+    model = GPipe(nn.Sequential(_HoldsWithoutCalling(), PopAdd()), [1, 1], chunks=2)
+    with pytest.raises(SkipError, match="a skippable module that declares them was not called"):
+        model(torch.randn(4, 4))
+
+
 class _RetriesAfterAnInPlaceChange(PopAddFailingOnce):
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
         try:

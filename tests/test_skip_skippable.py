@@ -64,6 +64,16 @@ def test_skippable_has_the_0_0_7_name_sets() -> None:
     assert isinstance(Stash().stashable_names, frozenset)
 
 
+def test_verify_skippables_imports_from_where_0_0_7_had_it() -> None:
+    from torchgpipe.skip import skippable as module
+    from torchgpipe.skip.layout import verify_skippables
+    from torchgpipe.skip.skippable import verify_skippables as old_path
+
+    assert old_path is verify_skippables
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        module.nothing  # noqa: B018
+
+
 def test_the_0_0_7_name_sets_are_read_only() -> None:
     layer = Stash()
     with pytest.raises(AttributeError, match=r"stashable_names is read-only.*@skippable"):

@@ -65,15 +65,15 @@ def as_device(device: Device) -> torch.device:
         raise ValueError(
             f"device {device!r} is the meta device, whose tensors hold no data, so no layer "
             f"can run there; meta is for building a model without memory (with "
-            f"torch.device('meta'): model = ...): give GPipe (or PipelineStage) real "
-            f"devices such as 'cpu' or 'cuda:0', and it materializes the model's meta "
-            f"layers on them (see its init and state_dict arguments)"
+            f"torch.device('meta'): model = ...): name a real device such as 'cpu' or "
+            f"'cuda:0' (GPipe and PipelineStage materialize a model's meta layers on "
+            f"theirs: see their init and state_dict arguments)"
         )
     if result.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
                 f"device {result} was requested but CUDA is not available here; use "
-                f"'cpu' devices, or leave devices=None to pick what the machine has"
+                f"'cpu' (GPipe: or leave devices=None to pick what the machine has)"
             )
         if result.index is None:
             result = torch.device("cuda", torch.cuda.current_device())

@@ -486,3 +486,12 @@ def _marked_repr(self: nn.Module) -> str:
     """A decorated module's own repr, marked as 0.0.7 marked it: ``@skippable(...)``."""
     reprs = (c.__dict__.get("__repr__") for c in type(self).__mro__)
     return f"@skippable({next(r for r in reprs if r not in (None, _marked_repr))(self)})"
+
+
+def __getattr__(name: str) -> Any:
+    """``verify_skippables``, where torchgpipe 0.0.7 had it (the layout builds on this module)."""
+    if name == "verify_skippables":
+        from torchgpipe.skip.layout import verify_skippables
+
+        return verify_skippables
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

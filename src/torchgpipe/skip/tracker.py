@@ -197,9 +197,11 @@ def run_cell(
     if missing or left:
         raise SkipError(
             f"GPipe routes skips {missing} out of this partition and {left} into it, but "
-            f"its layers did not stash or pop them under those names; a layer's skip "
-            f"names and namespaces must not change after GPipe is built (isolate() "
-            f"before wrapping the model)"
+            f"its layers did not stash or pop them under those names: a skippable module "
+            f"that declares them was not called (a module holding it that does not call "
+            f"it in its forward: give its skips to a module that runs), or a layer's skip "
+            f"names and namespaces changed after GPipe was built (isolate() before "
+            f"wrapping the model)"
         )
     return output, {key: tracker.out[key] for key in outbound}
 
