@@ -994,6 +994,38 @@ def test_split_refuses_a_python_random_draw_and_leaves_random_as_it_was() -> Non
     assert 0 <= kept[0]() < 1  # what it kept draws as ever once the split is over
 
 
+_draw = random.random  # a name taken before the split: split's wrappers do not see it
+
+
+@pytest.mark.parametrize("source", ["python", "numpy"])
+def test_split_refuses_a_random_draw_through_a_name_it_does_not_watch(source: str) -> None:
+    import numpy as np
+
+    # The draw was frozen into the graph: the split model never dropped the layer.
+    draw = _draw if source == "python" else np.random.rand
+
+    class LayerDrop(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            return h if self.training and draw() < 0.1 else self.b(h)
+
+    with pytest.raises(SplitError, match=r"draws Python random numbers .*from random import"):
+        split(LayerDrop(), torch.randn(3, 4), at=["b"])
+
+
+def test_split_refuses_a_forward_that_looks_at_an_inputs_type() -> None:
+    class Masked(_Pair):
+        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+            h = self.a(x)
+            if isinstance(mask, torch.Tensor):  # False for fx's proxy: the mask was dropped
+                h = h.masked_fill(mask, 0.0)
+            return self.b(h)
+
+    x, mask = torch.randn(3, 4), torch.rand(3, 4) > 0.5
+    with pytest.raises(SplitError, match=r"computes other outputs than the module itself"):
+        split(Masked(), {"x": x, "mask": mask}, at=["b"])
+
+
 def test_split_refuses_an_in_place_module_on_an_earlier_stages_value() -> None:
     class InPlace(_Pair):
         def __init__(self) -> None:

@@ -39,6 +39,7 @@ from torchgpipe.rng import own_generators
 from torchgpipe.split_refusals import (
     TORCH_DIR,
     ConstantDraws,
+    captured_as_computed,
     python_draws_refused,
     stored_values_refused,
     user_line,
@@ -422,10 +423,15 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
                 kinds[n] = ("device", value)
             return value
 
+    versions = [b._version for b in module.buffers()]
     try:
         module.eval()
-        with torch.no_grad(), own_generators():
-            Record(fx.GraphModule(module, graph)).run(*args)
+        with torch.no_grad():
+            with own_generators():
+                output = Record(fx.GraphModule(module, graph)).run(*args)
+            if versions == [b._version for b in module.buffers()]:  # else, not again
+                with own_generators():
+                    captured_as_computed(module, output, example, kind)
     finally:
         for m, training in modes.items():
             m.training = training

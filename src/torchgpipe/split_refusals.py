@@ -12,6 +12,7 @@ import copy
 import functools
 import os
 import random
+import sys
 import threading
 import traceback
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from torchgpipe.split_stage import SplitError
 __all__ = [
     "TORCH_DIR",
     "ConstantDraws",
+    "captured_as_computed",
     "python_draws_refused",
     "stored_values_refused",
     "user_line",
@@ -142,8 +144,18 @@ def python_draws_refused(model: str) -> Iterator[None]:
                 setattr(random, name, _refusing(name, original))
         _USERS[0] += 1
     outer, _TRACING.model = _TRACING.model, model
+    before = _python_states()
     try:
         yield
+        if _python_states() != before:  # drawn through a name imported before the split
+            raise SplitError(
+                f"cannot split {model}: its forward draws Python random numbers (Python's "
+                f"random or numpy.random, by a name imported from them, as 'from random "
+                f"import random'), and torch.fx runs Python code once, at split time: "
+                f"every call would take the branch drawn then; draw from torch instead "
+                f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
+                f"split calls whole (if another thread of yours drew meanwhile, split again)"
+            )
     finally:
         _TRACING.model = outer
         with _LOCK:
@@ -153,6 +165,17 @@ def python_draws_refused(model: str) -> Iterator[None]:
                     if getattr(getattr(random, name), "__torchgpipe_wraps__", None) is original:
                         setattr(random, name, original)  # not if someone replaced it since
                 _INSTALLED.clear()
+
+
+def _python_states() -> tuple[Any, ...]:
+    """The states of Python's and (if imported) numpy's global random numbers."""
+    numpy = sys.modules.get("numpy")
+    try:
+        state = numpy.random.get_state(legacy=False)["state"] if numpy is not None else {}
+        drawn = (state.get("pos"), bytes(state["key"])) if "key" in state else None
+    except Exception:  # another numpy: not watched
+        drawn = None
+    return random.getstate(), drawn
 
 
 def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:
@@ -224,3 +247,50 @@ def where_made(node: fx.Node) -> str:
             if not path.startswith((TORCH_DIR, _HERE)):  # the user's own frames
                 frames.append(f"{path}:{rest.split(',')[0]}")
     return f" ({frames[-1]})" if frames else ""
+
+
+# Refused after tracing: a graph that computes other values than the module.
+
+
+def captured_as_computed(module: nn.Module, captured: Any, example: Any, kind: str) -> None:
+    """Refuse a capture whose graph gave ``captured`` where ``module`` itself gives other values.
+
+    Run as the graph just ran on ``example`` (eval mode, no grad, generators of the run's
+    own). fx stands a proxy in for each input while it traces, not a tensor, so code that
+    looks at an input's type (``isinstance(mask, torch.Tensor)``, ``torch.is_tensor``)
+    takes another branch than on tensors, silently; and a draw from a generator fx does
+    not watch (``from random import random``, numpy's) is frozen into the graph.
+
+    Raises:
+        SplitError: an output differs (in number, shape, dtype or beyond rounding).
+    """
+    args, kwargs = {"one": ((example,), {}), "args": (tuple(example), {})}.get(kind, ((), example))
+    plain = module(*args, **kwargs)
+    # Leaves only: fx gives containers of its own kinds (immutable_dict for a dict).
+    got, want = pytree.tree_leaves(captured), pytree.tree_leaves(plain)
+    same = len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want, strict=True))
+    if not same:
+        raise SplitError(
+            f"cannot split {type(module).__name__}: on the example input the captured "
+            f"forward computes other outputs than the module itself. torch.fx stands a "
+            f"proxy in for each input while it traces: code that looks at an input's type "
+            f"(isinstance(x, torch.Tensor), torch.is_tensor(x)) takes another branch there, "
+            f"and a draw from Python's or numpy's random numbers is kept as a constant. "
+            f"Test for None instead (x is not None), draw with torch, or keep that code in "
+            f"a submodule split calls whole (name no split point inside it)"
+        )
+
+
+def _close(a: Any, b: Any) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        try:
+            return type(a) is type(b) and (a is b or bool(a == b) or (a != a and b != b))  # NaN
+        except Exception:  # no verdict from a value that compares oddly: not a difference
+            return True
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_meta or a.layout != torch.strided:  # no values to compare
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
