@@ -597,3 +597,26 @@ def test_one_micro_batch_on_the_engines_way_leaves_views_to_autograd() -> None:
         patch.setattr(pipeline, "workers_run_backward", lambda devices: False)
         model(x).square().sum().backward()
     assert_same_grads(model, plain)
+
+
+class _Fails(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        raise ArithmeticError("layer failed")
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_failed_forward_still_makes_the_callers_streams_wait(
+    grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU the partitions' streams may still run kernels the failed run queued
+    # (a batch norm's statistics): the caller, who may load a checkpoint next, must
+    # wait for them. The wait (hand_over) was skipped when the forward raised.
+    from torchgpipe.executor import StepRun
+
+    handed: list[bool] = []
+    original = StepRun.hand_over
+    monkeypatch.setattr(StepRun, "hand_over", lambda run: handed.append(True) or original(run))
+    model = GPipe(nn.Sequential(nn.Linear(2, 2), _Fails()), [1, 1], chunks=2)
+    with torch.set_grad_enabled(grad), pytest.raises(ArithmeticError, match="layer failed"):
+        model(torch.randn(4, 2))
+    assert handed == [True]

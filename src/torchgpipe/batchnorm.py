@@ -270,7 +270,7 @@ def _commit(layer: _BatchNorm, moments: Moments | None) -> None:
         if moments is None:
             return
         count, mean, m2 = moments
-        variance = m2 / (count - 1) if count > 1 else m2 / count
+        variance = torch.where(count > 1, m2 / (count - 1), m2 / count)  # no sync
         for running, value in ((layer.running_mean, mean), (layer.running_var, variance)):
             if running is not None:
                 # Blended in float64, cast after: a float16 variance over 65504 is inf,
@@ -289,7 +289,7 @@ def _merged(moments: Moments | None, x: Tensor) -> Moments | None:
     # around 1e6 spread by 1e-3, var() was off by 8e-8, two passes by 7e-14 (relative),
     # in 0.7x to 1.4x var()'s time, a float64 input copied once (CPU, torch 2.13).
     stats = x.to(torch.float64)
-    count = torch.tensor(float(samples), dtype=stats.dtype, device=x.device)
+    count = torch.full((), float(samples), dtype=stats.dtype, device=x.device)  # no sync
     mean = stats.mean(dims)
     shape = [1, -1, *[1] * (x.dim() - 2)]
     deviations = stats.sub_(mean.view(shape)) if stats is not x else stats - mean.view(shape)

@@ -121,8 +121,10 @@ def run(
     stage_graphs = wants_grad and workers_run_backward(list(devices.values()))
     step = Step(n, m)
     run = StepRun(stages, None, _table(n, m), step, batches, [], [], connected=not stage_graphs)
-    workers.run(run, "forward", describe, before)
-    run.hand_over()
+    try:
+        workers.run(run, "forward", describe, before)
+    finally:  # failed too: the caller's streams must not run ahead of what was queued
+        run.hand_over()
     if not stage_graphs:
         return step.outputs
     specs, tensors = [], []

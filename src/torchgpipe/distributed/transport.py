@@ -35,6 +35,7 @@ from torch import Tensor
 
 from torchgpipe.distributed.groups import backends_of, check_member
 from torchgpipe.distributed.wire import as_bytes, pack, packed_size, unpack
+from torchgpipe.stream import use_device
 
 __all__ = [
     "Pending",
@@ -248,7 +249,8 @@ class ProcessGroupTransport(Transport):
         # NCCL sets up a communicator at its first operation, which must then be a
         # collective of every rank of the group, not a batch of point-to-point ones.
         try:
-            dist.all_reduce(torch.zeros(1, device=self.wire), group=self.group)
+            with use_device(self.wire):  # NCCL works on the current device (set_device)
+                dist.all_reduce(torch.zeros(1, device=self.wire), group=self.group)
         except RuntimeError as error:  # gloo reports a peer gone this way
             raise TransportError(
                 f"rank {self.rank} could not reach the other processes of the pipeline "
@@ -413,7 +415,8 @@ class ProcessGroupTransport(Transport):
             for t in transfers
         ]
         try:
-            works = dist.batch_isend_irecv(ops)
+            with use_device(self.wire):  # the caller may not have called set_device
+                works = dist.batch_isend_irecv(ops)
         except RuntimeError as error:  # gloo and NCCL report a lost peer this way
             peers = sorted({t.peer for t in transfers})
             raise TransportError(
