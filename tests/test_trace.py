@@ -295,6 +295,29 @@ def test_chrome_export_nests_spans_that_overlap_in_part() -> None:
         assert "recorded_dur" not in shown[key]["args"]
 
 
+def test_chrome_export_cuts_a_span_at_the_next_ones_start_exactly() -> None:
+    # Its ts and dur were each converted to microseconds: their sum could pass the next
+    # span's ts by an ulp (370 of 1999 such cuts), an overlap in part in the JSON.
+    for k in range(1, 400):
+        trace = Trace(2)
+        trace.record(1, 0, "forward", 0.123456789, 0.2)  # the first span, on another row
+        first, second = 1.0, 1.0 + k * 1.37e-6  # seconds, as perf_counter gives
+        trace.record(0, 0, "backward", first, second + 1e-3)
+        trace.record(0, 1, "backward", second, second + 2e-3)
+        a, b = [e for e in trace.chrome()["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+        assert a["ts"] + a["dur"] <= b["ts"], k
+
+
+def test_the_timeline_title_of_one_process_trace_names_what_it_holds() -> None:
+    from torchgpipe._timeline import default_title
+
+    # It said "n = 2 on 1 ranks" of a trace of one process's stage 0 of two.
+    trace = Trace(2)
+    trace.record(0, 0, "forward", 0.0, 1.0)
+    title = default_title(trace)
+    assert title.startswith("timeline: n = 2 (traced here: partitions [0]), m = 1"), title
+
+
 @pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
 def test_trace_round_trip(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # The bug: a Trace held a threading.Lock, so it could not be copied or saved.

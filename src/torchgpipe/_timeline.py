@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from torchgpipe.trace import Trace
 
-__all__ = ["draw_timeline"]
+__all__ = ["default_title", "draw_timeline"]
 
 
 class _Style(NamedTuple):
@@ -67,13 +67,7 @@ def draw_timeline(trace: Trace, path: Path, *, title: str | None = None) -> None
     axes.set_yticks(range(trace.n), [f"partition {j}" for j in range(trace.n)])
     axes.invert_yaxis()
     axes.set_xlabel("time (ms)")
-    summary = trace.summary()
-    ranks = f" on {len(summary.ranks)} ranks" if len(summary.ranks) < trace.n else ""
-    axes.set_title(
-        title
-        or f"timeline: n = {trace.n}{ranks}, m = {summary.m}, bubble {summary.bubble:.0%} "
-        f"(ideal {summary.ideal_bubble:.0%})"
-    )
+    axes.set_title(title or default_title(trace))
     # Right of the plot, not in it: inside, it would cover the last spans of a row.
     axes.legend(
         handles=[
@@ -87,3 +81,18 @@ def draw_timeline(trace: Trace, path: Path, *, title: str | None = None) -> None
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def default_title(trace: Trace) -> str:
+    """The picture's title: the partitions, their ranks, the bubble and GPipe's ideal."""
+    summary = trace.summary()
+    # As the summary counts them: ranks hold v partitions each, traced here or not.
+    traced = sorted(j for group in summary.ranks for j in group)
+    v = len(traced) / max(len(summary.ranks), 1)
+    ranks = f" on {trace.n / v:g} ranks" if v > 1 else ""
+    if len(traced) < trace.n:
+        ranks += f" (traced here: partitions {traced})"
+    return (
+        f"timeline: n = {trace.n}{ranks}, m = {summary.m}, bubble {summary.bubble:.0%} "
+        f"(ideal {summary.ideal_bubble:.0%})"
+    )

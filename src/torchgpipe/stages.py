@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from torchgpipe.steps import StepResult, TableSteps
 
 __all__ = ["Layout", "StageHolder", "Stages", "has_skippables", "trainable_params"]
+
+_TRACING = threading.Lock()  # StageHolder.traced's check and set
 
 
 def trainable_params(partitions: Iterable[nn.Module]) -> list[Tensor]:
@@ -112,12 +115,12 @@ class StageHolder:
     @contextmanager
     def traced(self) -> Iterator[Trace]:
         """A new trace of every stage, on while the block runs (``trace()``'s body)."""
-        if self._tracer is not None:
-            raise RuntimeError(
-                f"this {type(self).__name__} is traced already; end that trace first"
-            )
-        trace = Trace(len(self.balance))
-        self._tracer = trace
+        with _TRACING:  # checked and set at once: two threads cannot both start one
+            if self._tracer is not None:
+                raise RuntimeError(
+                    f"this {type(self).__name__} is traced already; end that trace first"
+                )
+            trace = self._tracer = Trace(len(self.balance))
         try:
             yield trace
         finally:

@@ -274,7 +274,9 @@ class Trace:
                     "pid": _PID,
                     "tid": e.j,
                     "ts": (e.start - begin) * 1e6,
-                    "dur": (end - e.start) * 1e6,
+                    # The end's own, less the start's: cut short at the next span's start,
+                    # it ends at that start exactly, not an ulp past it.
+                    "dur": (end - begin) * 1e6 - (e.start - begin) * 1e6,
                     "args": args,
                 }
             )
