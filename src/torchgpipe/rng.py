@@ -43,11 +43,14 @@ multiply rather than the fused kernel, and keeps its mask in the input's dtype.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -118,7 +121,6 @@ class _CellGenerators(TorchFunctionMode):
         # from the forward's, silently. It may stop short (a lazy module's first forward
         # made its weights) and, with ``more`` (a loss the forward did not compute), go on.
         self.calls: list[Any] = []
-        self.fills: set[int] = set()  # the calls that filled a parameter (lazy weights)
         self._replays = replays
         self._more = more
 
@@ -148,11 +150,10 @@ class _CellGenerators(TorchFunctionMode):
         handler = HANDLERS.get(func)
         if handler is None:  # most functions draw nothing: the fast way through
             return func(*args, **kwargs) if kwargs else func(*args)
+        call = (func, _site())
         if self._replays is not None:
-            self._check_call(func, self._replays.calls)
-        elif isinstance(args[0] if args else (kwargs or {}).get("tensor"), nn.Parameter):
-            self.fills.add(len(self.calls))  # torch.nn.init's pass it as tensor=
-        self.calls.append(func)
+            self._check_call(call, self._replays.calls)
+        self.calls.append(call)
         kwargs = kwargs or {}
         if (
             kwargs.get("generator") is not None
@@ -163,14 +164,19 @@ class _CellGenerators(TorchFunctionMode):
             kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
         return handler(self, func, args, kwargs)
 
-    def _check_call(self, func: Any, forward: list[Any]) -> None:
-        """Refuse a recomputation's call of ``func`` where its forward called another."""
+    def _check_call(self, call: _Call, forward: list[_Call]) -> None:
+        """Refuse a recomputation's ``call`` where its forward made another.
+
+        A call is its function and the line of the user's code that made it: a branch
+        under ``if not is_recomputing()`` that called ``dropout`` before a Dropout has
+        the function of the call after it, but not its line.
+        """
         k = len(self.calls)
-        if (k < len(forward) and forward[k] is func) or (k >= len(forward) and self._more):
+        if (k < len(forward) and forward[k] == call) or (k >= len(forward) and self._more):
             return
-        was = _name(forward[k]) if k < len(forward) else "nothing more"
+        was = _shown(forward[k]) if k < len(forward) else "nothing more"
         raise RuntimeError(
-            f"torchgpipe: the recomputation of a checkpointed cell called {_name(func)} "
+            f"torchgpipe: the recomputation of a checkpointed cell called {_shown(call)} "
             f"as its random call {k + 1}, where its forward called {was}, so its random "
             f"numbers (Dropout's masks) from there on would not be the forward's and the "
             f"gradients would be wrong: a layer draws only when not recomputing (under "
@@ -178,30 +184,6 @@ class _CellGenerators(TorchFunctionMode):
             f"(LazyLinear) made its weights in the forward. Draw alike in both (run one "
             f"plain forward before wrapping lazy modules), or use checkpoint='never'"
         )
-
-    def check_whole(self) -> None:
-        """Refuse a recomputation that ended short of its forward's random calls.
-
-        Other than calls that filled parameters (a lazy module's first forward made its
-        weights): the forward's calls from the first one skipped on were matched against
-        others, the same function called once more, by position (a branch under ``if
-        not is_recomputing()`` that called ``dropout`` before a Dropout), so the
-        recomputation's numbers were not the forward's.
-        """
-        forward = self._replays
-        if forward is None or self._more:  # a loss drawn after: counted by _check_call
-            return
-        done = len(self.calls)
-        skipped = [k for k in range(done, len(forward.calls)) if k not in forward.fills]
-        if skipped:
-            raise RuntimeError(
-                f"torchgpipe: the recomputation of a checkpointed cell made {done} random "
-                f"calls, where its forward made {len(forward.calls)} (the last "
-                f"{_name(forward.calls[-1])}): a layer draws only when not recomputing "
-                f"(under 'if not is_recomputing()'), so the recomputation's random numbers "
-                f"(Dropout's masks) from that draw on were not the forward's, and the "
-                f"gradients would be wrong. Draw alike in both, or use checkpoint='never'"
-            )
 
     def _given(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with a generator of the caller's own (a layer's ``self.generator``).
@@ -324,6 +306,33 @@ class CellRandomness:
 
 def _name(func: Any) -> str:
     return str(getattr(func, "__name__", func))
+
+
+_Call = tuple[Any, tuple[Any, int] | None]  # a random function, and where the user called it
+_TORCH = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(__file__)
+
+
+def _site() -> tuple[Any, int] | None:
+    """The code object and line of the innermost caller outside torch: the user's layer.
+
+    None where that caller is this library's (an ``nn.Dropout`` right in the
+    ``nn.Sequential``, which the cell calls): no user code between.
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(32):
+        if frame is None:
+            return None
+        path = frame.f_code.co_filename
+        if not path.startswith(_TORCH):
+            return None if path.startswith(_HERE) else (frame.f_code, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+def _shown(call: _Call) -> str:
+    func, site = call
+    return _name(func) + (f" at {site[0].co_filename}:{site[1]}" if site is not None else "")
 
 
 def _resolve(device: torch.device | str | int | None) -> torch.device:
