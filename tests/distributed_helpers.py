@@ -265,7 +265,7 @@ def lose_in_tie_sum(stage: Any, transport: Any) -> None:
 
     assert isinstance(transport, LocalTransport)
 
-    def die() -> None:
+    def die(*sums: Any) -> None:
         transport.close()
         raise RuntimeError("gone")
 

@@ -944,3 +944,29 @@ def test_memory_short_for_the_ties_sum_fails_the_step_on_every_rank(short: int) 
             assert "out of memory" in str(first)
         assert second is None  # the next step runs, its sum whole
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def _transposed_language_model() -> nn.Sequential:
+    model = _language_model()
+    torch.manual_seed(1)
+    model[0].weight = nn.Parameter(torch.randn(WIDTH, VOCAB).t())  # not contiguous
+    model[4].weight = model[0].weight
+    return model
+
+
+def test_a_tied_weight_that_is_not_contiguous_sums_across_processes() -> None:
+    # The owner sent the bytes of a contiguous copy made before the sum: garbage (1e36).
+    ids, target = _data(5)
+    plain = _transposed_language_model()
+    F.cross_entropy(plain(ids), target).backward()
+    models = [_transposed_language_model() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        Schedule1F1B(stage, F.cross_entropy).step(
+            ids if stage.is_first else None, target if stage.is_last else None
+        )
+        return dict(stage.named_parameters())["0.weight" if stage.is_first else "4.weight"].grad
+
+    for grad in run_threads(rank, 2, timeout=20.0):
+        torch.testing.assert_close(grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)

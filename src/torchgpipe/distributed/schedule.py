@@ -106,7 +106,7 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
             ran = _run(stage, steps, input, target, forward_only=False, hooks=hooks)
             what = "the sum of the tied weights' gradients"
             try:  # every rank's step ended well: every holder of a tie takes part
-                stage.reduce_tied()
+                stage.reduce_tied(ran.tie_sums)  # a failed step drops them with its _Ran
             except TransportError as error:
                 raise _lost_in_ties(ran.exchange, error) from error
             # Only now the caller's graph (a layer before the pipeline, a target that
@@ -188,6 +188,7 @@ class _Ran:
     output: Any  # the micro-batches' outputs gathered, on the last rank; None elsewhere
     run: StepRun | None  # what hands the input's gradients back (None: nothing ran here)
     settle: bool  # a rank has work after the end that may fail there alone (_settle)
+    tie_sums: list[Any]  # what the tied weights' sum needs (PipelineStage.prepare_tied)
 
 
 def _run(
@@ -215,6 +216,7 @@ def _run(
     sizes: list[int] = []
     failure: tuple[BaseException, Action | None] | None = None
     ran_here: StepRun | None = None
+    tie_sums: list[Any] = []
     try:
         m, sizes, table, batches, targets, seed = _start(
             stage, steps, exchange, input, target, forward_only=forward_only, shapes=shapes
@@ -250,7 +252,7 @@ def _run(
             if stage.is_last:
                 output = gather(step.outputs, stack_scalars=not forward_only)
             if not forward_only:  # memory short for the ties' sum fails the step here
-                stage.prepare_tied()
+                tie_sums = stage.prepare_tied()
     except Stopped:
         pass
     except BaseException as error:
@@ -298,7 +300,9 @@ def _run(
     assert m is not None
     # Every rank sees every end: all agree whether to settle (one rank has none to tell).
     settle = after or any(status.get("after") for status, _ in exchange.ends.values())
-    return _Ran(exchange, step, sizes, m, output, ran_here, settle and bool(exchange.peers))
+    return _Ran(
+        exchange, step, sizes, m, output, ran_here, settle and bool(exchange.peers), tie_sums
+    )
 
 
 def _start(

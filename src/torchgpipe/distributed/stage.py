@@ -184,7 +184,6 @@ class PipelineStage(PlacedModule, StageHolder):
 
         self._pool: WorkerPool | None = None
         self._tracer: Trace | None = None  # set by trace()
-        self._tie_sums: list[Any] = []  # prepare_tied's, for reduce_tied
         # What follows may fail here alone (a rank= or a balance that only this process
         # was given, a state dict without a key of these layers), while the others wait
         # for this process's fingerprint: they must hear of it.
@@ -329,17 +328,16 @@ class PipelineStage(PlacedModule, StageHolder):
         """This process's copies of each weight tied across stages, owner first."""
         return self._ties.groups
 
-    def prepare_tied(self) -> None:
-        """Make what the tied weights' sum needs (``Ties.prepare``), before this rank's end."""
-        self._tie_sums = self._ties.prepare(self._across)
+    def prepare_tied(self) -> list[Any]:
+        """What the tied weights' sum needs, made before this rank ends a step (``Ties``)."""
+        return self._ties.prepare(self._across)
 
-    def reduce_tied(self) -> None:
+    def reduce_tied(self, sums: list[Any]) -> None:
         """Sum the tied weights' gradients over their copies, here and in other processes.
 
         ``distributed/schedule.py`` calls it in every process once a step has ended well
-        on every rank (after :meth:`prepare_tied`), before anything that may fail alone.
+        on every rank, with :meth:`prepare_tied`'s, before anything that may fail alone.
         """
-        sums, self._tie_sums = self._tie_sums, []
         self._ties.finish(sums)
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:

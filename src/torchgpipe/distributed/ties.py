@@ -91,7 +91,9 @@ class AcrossRanks:
             return holder
         buffers = [self._buffer(grad) for _ in ranks[1:]]
         inline = landing is None and grad.is_contiguous()  # its bytes a view of it
-        staged = grad if inline else torch.empty_like(grad, device=self.transport.wire)
+        wire_at = self.transport.wire
+        # Contiguous: the bytes sent are its own, not a copy made here (of nothing yet).
+        staged = grad if inline else torch.empty(grad.shape, dtype=grad.dtype, device=wire_at)
         back = tensor_bytes(staged)
 
         def owner_sum() -> Tensor:
