@@ -35,7 +35,6 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from torchgpipe.microbatch import flatten
-from torchgpipe.rng import own_generators
 from torchgpipe.split_refusals import (
     TORCH_DIR,
     ConstantDraws,
@@ -423,15 +422,11 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
                 kinds[n] = ("device", value)
             return value
 
-    versions = [b._version for b in module.buffers()]
     try:
         module.eval()
         with torch.no_grad():
-            with own_generators():
-                output = Record(fx.GraphModule(module, graph)).run(*args)
-            if versions == [b._version for b in module.buffers()]:  # else, not again
-                with own_generators():
-                    captured_as_computed(module, output, example, kind)
+            graph_run = fx.GraphModule(module, graph)
+            captured_as_computed(module, lambda: Record(graph_run).run(*args), example, kind)
     finally:
         for m, training in modes.items():
             m.training = training

@@ -15,8 +15,10 @@ import random
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+from types import FrameType
 from typing import Any
 
 import torch
@@ -24,7 +26,9 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from torchgpipe.microbatch import flatten
 from torchgpipe.random_functions import HANDLERS
+from torchgpipe.rng import own_generators
 from torchgpipe.split_stage import SplitError
 
 __all__ = [
@@ -144,19 +148,15 @@ def python_draws_refused(model: str) -> Iterator[None]:
                 setattr(random, name, _refusing(name, original))
         _USERS[0] += 1
     outer, _TRACING.model = _TRACING.model, model
-    before = _python_states()
+    drawn: list[str] = []  # where, in the user's code
+    watched = sys.getprofile() is None  # a profiler of the user's own is left alone
+    if watched:
+        sys.setprofile(partial(_watch_draws, drawn))
     try:
         yield
-        if _python_states() != before:  # drawn through a name imported before the split
-            raise SplitError(
-                f"cannot split {model}: its forward draws Python random numbers (Python's "
-                f"random or numpy.random, by a name imported from them, as 'from random "
-                f"import random'), and torch.fx runs Python code once, at split time: "
-                f"every call would take the branch drawn then; draw from torch instead "
-                f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
-                f"split calls whole (if another thread of yours drew meanwhile, split again)"
-            )
     finally:
+        if watched:
+            sys.setprofile(None)
         _TRACING.model = outer
         with _LOCK:
             _USERS[0] -= 1
@@ -165,17 +165,46 @@ def python_draws_refused(model: str) -> Iterator[None]:
                     if getattr(getattr(random, name), "__torchgpipe_wraps__", None) is original:
                         setattr(random, name, original)  # not if someone replaced it since
                 _INSTALLED.clear()
+    if drawn:  # through a name imported before the split, or a generator of its own
+        raise SplitError(
+            f"cannot split {model}: its forward draws Python random numbers (by a name "
+            f"imported from random, or a random.Random of its own) at {drawn[0]}, and "
+            f"torch.fx runs Python code once, at split time: every call would take the "
+            f"branch drawn then; draw from torch instead "
+            f"(torch.rand((), device=x.device) < p), or keep that code in a submodule "
+            f"split calls whole"
+        )
 
 
-def _python_states() -> tuple[Any, ...]:
-    """The states of Python's and (if imported) numpy's global random numbers."""
-    numpy = sys.modules.get("numpy")
-    try:
-        state = numpy.random.get_state(legacy=False)["state"] if numpy is not None else {}
-        drawn = (state.get("pos"), bytes(state["key"])) if "key" in state else None
-    except Exception:  # another numpy: not watched
-        drawn = None
-    return random.getstate(), drawn
+_RANDOM_FILE = random.__file__
+_THEIRS = (TORCH_DIR, _HERE)
+
+
+def _watch_draws(drawn: list[str], frame: FrameType, event: str, arg: Any) -> None:
+    """A profile function (this thread's, while fx traces): note each Python random draw.
+
+    Every draw of Python's ``random`` (module or ``random.Random`` instance, whatever
+    name it was imported under) ends in a method of C of a ``Random``: the ``c_call``
+    event names it. Noted at the innermost caller outside ``random.py``, unless that is
+    torch's or this library's code, or a module being imported. (NumPy's draws, methods
+    compiled by Cython, make no event.)
+    """
+    if event != "c_call":
+        return
+    owner, name = getattr(arg, "__self__", None), getattr(arg, "__name__", "")
+    if not isinstance(owner, random.Random) or name not in ("random", "getrandbits"):
+        return  # (every draw of Python's ends in one of those two)
+    caller: FrameType | None = frame
+    while caller is not None and caller.f_code.co_filename == _RANDOM_FILE:
+        caller = caller.f_back
+    if caller is None or caller.f_code.co_filename.startswith(_THEIRS):
+        return
+    outer: FrameType | None = caller
+    while outer is not None:  # not while a module is imported (sympy draws as it loads)
+        if outer.f_code.co_filename.startswith("<frozen importlib"):
+            return
+        outer = outer.f_back
+    drawn.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
 
 
 def _holds_proxy(value: Any, depth: int = 0) -> fx.Proxy | None:
@@ -252,33 +281,52 @@ def where_made(node: fx.Node) -> str:
 # Refused after tracing: a graph that computes other values than the module.
 
 
-def captured_as_computed(module: nn.Module, captured: Any, example: Any, kind: str) -> None:
-    """Refuse a capture whose graph gave ``captured`` where ``module`` itself gives other values.
+def captured_as_computed(
+    module: nn.Module, run_graph: Callable[[], Any], example: Any, kind: str
+) -> None:
+    """Run the captured graph on ``example``; refuse it where the module computes otherwise.
 
-    Run as the graph just ran on ``example`` (eval mode, no grad, generators of the run's
-    own). fx stands a proxy in for each input while it traces, not a tensor, so code that
-    looks at an input's type (``isinstance(mask, torch.Tensor)``, ``torch.is_tensor``)
-    takes another branch than on tensors, silently; and a draw from a generator fx does
-    not watch (``from random import random``, numpy's) is frozen into the graph.
+    Both run as they are called (eval mode and no grad, the caller's), with generators
+    of the run's own. fx stands a proxy in for each input while it traces, not a tensor,
+    so code that looks at an input's type (``isinstance(mask, torch.Tensor)``,
+    ``torch.is_tensor``) takes another branch than on tensors, silently. Not compared:
+    a graph run that drew random numbers (a layer's own generator, Python's ``random``
+    in a submodule called whole: the second run would draw others), or changed a buffer
+    (the second would change it again).
 
     Raises:
         SplitError: an output differs (in number, shape, dtype or beyond rounding).
     """
+    versions = [b._version for b in module.buffers()]
+    state = random.getstate()
+    with own_generators() as generators:
+        captured = run_graph()
+    if generators.calls or random.getstate() != state:
+        return
+    if versions != [b._version for b in module.buffers()]:
+        return
     args, kwargs = {"one": ((example,), {}), "args": (tuple(example), {})}.get(kind, ((), example))
-    plain = module(*args, **kwargs)
-    # Leaves only: fx gives containers of its own kinds (immutable_dict for a dict).
-    got, want = pytree.tree_leaves(captured), pytree.tree_leaves(plain)
+    with own_generators():
+        plain = module(*args, **kwargs)
+    got, want = _leaves(captured), _leaves(plain)
     same = len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want, strict=True))
     if not same:
         raise SplitError(
             f"cannot split {type(module).__name__}: on the example input the captured "
             f"forward computes other outputs than the module itself. torch.fx stands a "
             f"proxy in for each input while it traces: code that looks at an input's type "
-            f"(isinstance(x, torch.Tensor), torch.is_tensor(x)) takes another branch there, "
-            f"and a draw from Python's or numpy's random numbers is kept as a constant. "
-            f"Test for None instead (x is not None), draw with torch, or keep that code in "
-            f"a submodule split calls whole (name no split point inside it)"
+            f"(isinstance(x, torch.Tensor), torch.is_tensor(x)) takes another branch "
+            f"there. Test for None instead (x is not None), or keep that code in a "
+            f"submodule split calls whole (name no split point inside it)"
         )
+
+
+def _leaves(value: Any) -> list[Any]:
+    """``value``'s leaves as the pipeline sees them (dataclasses too), else pytree's."""
+    try:
+        return flatten(value)[0]
+    except TypeError:  # an object the pipeline would refuse to carry anyway
+        return pytree.tree_leaves(value)
 
 
 def _close(a: Any, b: Any) -> bool:
