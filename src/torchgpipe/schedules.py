@@ -16,8 +16,7 @@ Dependencies: ``F(s, i)`` after ``F(s - 1, i)``; ``B(s, i)`` after ``F(s, i)`` a
 every action is there once, on the rank of its stage, and that a dry run finishes; it
 names the step and the ranks where a bad table stalls. :func:`simulate` gives the
 makespan, the bubble fraction and the most micro-batches whose activations each stage
-holds at once, for given costs per kind of action. This module knows nothing of torch:
-the executors follow these tables; they do not decide them.
+holds at once, for given costs per kind of action. It knows nothing of torch.
 """
 
 from __future__ import annotations
@@ -61,6 +60,8 @@ class Action:
 
     def __post_init__(self) -> None:  # NumPy integers become ints; floats, bools refused
         for name, value in (("stage", self.stage), ("i", self.i)):
+            if type(value) is int:  # the common case, fast
+                continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise TypeError(f"Action: {name} must be an int, got {value!r}")
             object.__setattr__(self, name, int(value))
@@ -77,10 +78,8 @@ class Action:
         """
         match = _ACTION.match(text.strip())
         if match is None:
-            raise ValueError(
-                f"{text!r} is not an action; write the stage, F, B or W, and the "
-                f"micro-batch, as in '1F3'"
-            )
+            what = "write the stage, F, B or W, and the micro-batch, as in '1F3'"
+            raise ValueError(f"{text!r} is not an action; {what}")
         kind: Kind = match.group(2)  # type: ignore[assignment]  # the pattern allows only F, B, W
         return cls(int(match.group(1)), kind, int(match.group(3)))
 
