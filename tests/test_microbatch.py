@@ -151,6 +151,20 @@ def test_a_tuple_subclass_that_cannot_be_rebuilt_says_so() -> None:
         unflatten(leaves, spec)
 
 
+def test_a_pipeline_inside_a_torch_func_transform_is_refused_with_what_to_do() -> None:
+    # It failed deep in a cell, in torch's words about requires_grad_.
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
+    params = dict(pipe.named_parameters())
+    x = torch.randn(4, 2)
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(pipe, p, (x,)).sum()
+
+    with pytest.raises(NotImplementedError, match=r"inside a torch.func transform"):
+        torch.func.grad(loss)(params)
+    assert pipe(x).shape == (4, 2)  # outside one, as ever
+
+
 def test_gather_concatenates_in_order() -> None:
     out = gather([(torch.tensor([1]), "a"), (torch.tensor([2, 3]), "a")])
     assert out[0].tolist() == [1, 2, 3]

@@ -620,3 +620,30 @@ def test_a_failed_forward_still_makes_the_callers_streams_wait(
     with torch.set_grad_enabled(grad), pytest.raises(ArithmeticError, match="layer failed"):
         model(torch.randn(4, 2))
     assert handed == [True]
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: Tensor) -> Tensor:
+        return (w + w.T) / 2
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_parametrize_cached_is_refused_where_graphs_are_recorded(checkpoint: str) -> None:
+    # Its cache is every thread's: a checkpointed forward left the weight there without
+    # a graph, and the other cells' gradients missed it (None, or off by 4 %); without
+    # checkpointing, the second micro-batch's backward met the first's freed graph.
+    from torch.nn.utils import parametrize
+
+    layer = nn.Linear(3, 3)
+    parametrize.register_parametrization(layer, "weight", _Symmetric())
+    plain = nn.Sequential(layer, nn.Tanh(), nn.Linear(3, 3))
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=4, checkpoint=checkpoint)
+    x = torch.randn(8, 3)
+    with parametrize.cached():
+        with pytest.raises(RuntimeError, match=r"parametrize.cached\(\) is on"):
+            model(x).sum().backward()
+        with torch.no_grad():  # inference keeps it
+            torch.testing.assert_close(model(x), plain(x))
+    model(x).sum().backward()  # outside cached(), as ever
+    plain(x).sum().backward()
+    assert_same_grads(model, plain)

@@ -54,7 +54,7 @@ from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
 from torchgpipe.split_backward import backward_inputs
 from torchgpipe.stages import Stages
-from torchgpipe.steps import LossFn, one_number, untrained
+from torchgpipe.steps import LossFn, one_number, refuse_cached_parametrizations, untrained
 from torchgpipe.stream import (
     AnyStream,
     caller_streams,
@@ -138,9 +138,7 @@ class StepRun:
         self.table = table
         self.step = step
         self.post: Mailbox = post if post is not None else step
-        self.batches = batches
-        self.targets = targets
-        self.weights = weights
+        self.batches, self.targets, self.weights = batches, targets, weights
         self.partitions = stages.partitions
         self.devices = stages.devices
         self.inbound = stages.inbound
@@ -154,9 +152,10 @@ class StepRun:
         self.state = ThreadState.capture()
         self.split = table.splits_backward
         self.checkpoint_stop = stages.checkpoint_stop
+        graphs = self.state.grad_enabled or loss_fn is not None  # a step records them
+        refuse_cached_parametrizations(stages.partitions.values(), graphs)
         self.seed = draw_seed() if seed is None else seed
-        self.rank_device = layout.devices
-        self.compute, self.copy = layout.compute, layout.copy
+        self.rank_device, self.compute, self.copy = layout.devices, layout.compute, layout.copy
         # The caller's streams, which the ranks' wait for first (stream.caller_streams).
         self.source = caller_streams(layout.devices.values(), [*batches[:1], *targets[:1]])
         self._home = next(iter(self.compute.values()))

@@ -349,6 +349,12 @@ def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
             f"the {name} is an empty batch ({first_path} has size 0 in dim 0), which "
             f"splits into no micro-batch; skip empty batches before the pipeline"
         )
+    level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
+    if level() is not None:  # the partitions' threads and cut graphs are out of its reach
+        raise NotImplementedError(
+            "a pipeline runs inside a torch.func transform (grad, vmap, jacrev...), whose "
+            "tensors do not reach its partitions; apply the transform to the plain model"
+        )
     if getattr(forward_ad, "_current_level", -1) >= 0:  # a dual level is entered
         dual = [path for path, x in tensors if forward_ad.unpack_dual(x).tangent is not None]
         if dual:  # the cells cut their inputs apart: the tangents were lost, silently

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import flatten
@@ -24,6 +25,7 @@ __all__ = [
     "batch_size",
     "loss_weights",
     "one_number",
+    "refuse_cached_parametrizations",
     "untrained",
     "weighted",
 ]
@@ -204,4 +206,26 @@ def refuse_inference_mode(call: str) -> None:
             f"{call} runs under torch.inference_mode(), where no gradient can be "
             f"recorded, but a step trains; leave inference mode for it, or call "
             f"schedule.forward_only(input) for a forward without gradients"
+        )
+
+
+def refuse_cached_parametrizations(partitions: Iterable[nn.Module], graphs: bool) -> None:
+    """Refuse a run that records graphs (``graphs``) under ``parametrize.cached()``.
+
+    Its cache is one for every thread and every micro-batch: a checkpointed cell's
+    forward, which records no graph, would leave each parametrized weight there without
+    one, for the later cells and recomputations to read (their gradients missing those
+    weights, silently); and a weight cached with its graph would be one graph that every
+    micro-batch's backward walks, which the first frees.
+
+    Raises:
+        RuntimeError: the cache is on, graphs are recorded, and a layer is parametrized.
+    """
+    cached = bool(getattr(parametrize, "_cache_enabled", 0)) and graphs
+    if cached and any(parametrize.is_parametrized(m) for p in partitions for m in p.modules()):
+        raise RuntimeError(
+            "torch.nn.utils.parametrize.cached() is on while the pipeline records "
+            "gradients: its one cached weight would serve every micro-batch, without a "
+            "graph where a cell is checkpointed (gradients lost). Leave cached() for the "
+            "pipeline's training calls and steps (inference under no_grad may keep it)"
         )
