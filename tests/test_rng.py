@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+import torchgpipe
 from torchgpipe import GPipe, executor, is_recomputing
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed, random_functions
 from torchgpipe.training import (
@@ -215,12 +221,12 @@ def test_rng_cell_seeds_differ_between_cells_and_runs() -> None:
 def _twice(fn: Callable[[], Any], seed: int = 11) -> tuple[Any, Any]:
     """``fn()`` in a cell's forward and in its replay."""
     randomness = CellRandomness(seed)
-    with randomness.forward():
-        first = fn()
-    torch.rand(100)  # the default generator moves on in between
-    with randomness.replay():
-        second = fn()
-    return first, second
+    results = []
+    for scope in (randomness.forward, randomness.replay):  # one line: the calls' sites
+        with scope():
+            results.append(fn())
+        torch.rand(100)  # the default generator moves on in between
+    return results[0], results[1]
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -722,6 +728,52 @@ def test_rng_a_recomputation_that_skips_a_draw_of_the_same_function_is_refused(
     line = r"at .*test_rng\.py:\d+"
     with pytest.raises(RuntimeError, match=rf"called dropout {line} as its random call 1, "):
         loss.backward()
+
+
+def _drop(x: Tensor) -> Tensor:  # one helper for every dropout of a layer
+    return F.dropout(x, 0.5)
+
+
+class _LogsThroughAHelper(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        if not is_recomputing():
+            self.noisy = _drop(x.detach()).std()
+        return _drop(x)
+
+
+@pytest.mark.parametrize("backward_by", ["workers", "engine"], indirect=True)
+def test_rng_a_skipped_draw_through_a_helper_is_refused(backward_by: str) -> None:
+    # Both draws had the helper's line: the call's caller tells them apart.
+    model = GPipe(nn.Sequential(nn.Identity(), _LogsThroughAHelper()), [1, 1], chunks=1,
+                  checkpoint="always")  # fmt: skip
+    loss = model(torch.randn(8, 8, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match=r"called dropout at .*test_rng\.py:\d+ from "):
+        loss.backward()
+
+
+_INSTALLED = """
+import torch
+from torch import nn
+from torchgpipe import GPipe, pipeline
+pipeline.workers_run_backward = lambda devices: False  # the engine's way, as on a GPU
+model = GPipe(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5)),
+              [2, 2], chunks=2, checkpoint="always")
+model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+print("ok")
+"""
+
+
+def test_rng_installed_beside_torch_the_library_is_not_taken_for_torch(tmp_path: Path) -> None:
+    # ".../site-packages/torchgpipe" starts with ".../site-packages/torch": the library's
+    # own frames counted as torch's, and a checkpointed Dropout failed its recomputation.
+    (tmp_path / "torch").symlink_to(Path(torch.__file__).parent)
+    shutil.copytree(Path(torchgpipe.__file__).parent, tmp_path / "torchgpipe")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    ran = subprocess.run(
+        [sys.executable, "-c", _INSTALLED], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "ok"
 
 
 class _LazyRandomFeatures(nn.Module):

@@ -308,31 +308,38 @@ def _name(func: Any) -> str:
     return str(getattr(func, "__name__", func))
 
 
-_Call = tuple[Any, tuple[Any, int] | None]  # a random function, and where the user called it
-_TORCH = os.path.dirname(torch.__file__)
-_HERE = os.path.dirname(__file__)
+_Site = tuple[tuple[Any, int], ...]  # the user's frames of a call: code and line, innermost first
+_Call = tuple[Any, _Site]  # a random function, and where the user called it
+# With the separator: installed beside torch, this library's path starts with torch's.
+_TORCH = os.path.join(os.path.dirname(torch.__file__), "")
+_HERE = os.path.join(os.path.dirname(__file__), "")
 
 
-def _site() -> tuple[Any, int] | None:
-    """The code object and line of the innermost caller outside torch: the user's layer.
+def _site() -> _Site:
+    """Where the user's code made a random call: its frames outside torch, up to the cell.
 
-    None where that caller is this library's (an ``nn.Dropout`` right in the
-    ``nn.Sequential``, which the cell calls): no user code between.
+    Up to 4 of them, innermost first (a helper that draws, called from two lines, is
+    two sites). Empty where torch's own module is called by this library's cell (an
+    ``nn.Dropout`` right in the ``nn.Sequential``): no user code between.
     """
+    frames: list[tuple[Any, int]] = []
     frame: FrameType | None = sys._getframe(2)
-    for _ in range(32):
-        if frame is None:
-            return None
+    for _ in range(64):
+        if frame is None or len(frames) == 4:
+            break
         path = frame.f_code.co_filename
+        if path.startswith(_HERE):  # the cell: the user's code is below it
+            break
         if not path.startswith(_TORCH):
-            return None if path.startswith(_HERE) else (frame.f_code, frame.f_lineno)
+            frames.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
-    return None
+    return tuple(frames)
 
 
 def _shown(call: _Call) -> str:
     func, site = call
-    return _name(func) + (f" at {site[0].co_filename}:{site[1]}" if site is not None else "")
+    lines = [f"{code.co_filename}:{line}" for code, line in site[:2]]
+    return _name(func) + "".join(f" {w} {at}" for w, at in zip(["at", "from"], lines, strict=False))
 
 
 def _resolve(device: torch.device | str | int | None) -> torch.device:
