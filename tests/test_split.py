@@ -1043,6 +1043,28 @@ def test_split_refuses_a_forward_that_looks_at_an_inputs_type() -> None:
     with pytest.raises(SplitError, match=r"computes other outputs than the module itself"):
         split(Masked(), {"x": x, "mask": mask}, at=["b"])
 
+    class WithDropout(Masked):  # a Dropout in eval draws nothing: still compared
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+            return super().forward(self.drop(x), mask)
+
+    with pytest.raises(SplitError, match=r"computes other outputs than the module itself"):
+        split(WithDropout(), {"x": x, "mask": mask}, at=["b"])
+
+
+def test_split_leaves_the_example_as_it_was() -> None:
+    class Scales(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            x /= 255.0  # in place on the input, as image code does
+            return self.b(self.a(x))
+
+    x = torch.full((3, 4), 255.0)
+    split(Scales(), x, at=["b"])
+    assert torch.equal(x, torch.full((3, 4), 255.0))
+
 
 def test_split_refuses_an_in_place_module_on_an_earlier_stages_value() -> None:
     class InPlace(_Pair):

@@ -426,7 +426,8 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         module.eval()
         with torch.no_grad():
             graph_run = fx.GraphModule(module, graph)
-            captured_as_computed(module, lambda: Record(graph_run).run(*args), example, kind)
+            recorded = lambda: Record(graph_run).run(*args)  # noqa: E731
+            captured_as_computed(module, recorded, lambda: graph_run(*args), example, kind)
     finally:
         for m, training in modes.items():
             m.training = training

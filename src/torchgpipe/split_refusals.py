@@ -22,11 +22,11 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import Tensor, fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from torchgpipe.microbatch import flatten
+from torchgpipe.microbatch import flatten, map_tensors
 from torchgpipe.random_functions import HANDLERS
 from torchgpipe.rng import own_generators
 from torchgpipe.split_stage import SplitError
@@ -150,8 +150,8 @@ def python_draws_refused(model: str) -> Iterator[None]:
     outer, _TRACING.model = _TRACING.model, model
     drawn: list[str] = []  # where, in the user's code
     watched = sys.getprofile() is None  # a profiler of the user's own is left alone
-    if watched:
-        sys.setprofile(partial(_watch_draws, drawn))
+    if watched:  # the frame that entered this (split's), below any the trace makes
+        sys.setprofile(partial(_watch_draws, drawn, sys._getframe(2)))
     try:
         yield
     finally:
@@ -180,7 +180,9 @@ _RANDOM_FILE = random.__file__
 _THEIRS = (TORCH_DIR, _HERE)
 
 
-def _watch_draws(drawn: list[str], frame: FrameType, event: str, arg: Any) -> None:
+def _watch_draws(
+    drawn: list[str], entry: FrameType, frame: FrameType, event: str, arg: Any
+) -> None:
     """A profile function (this thread's, while fx traces): note each Python random draw.
 
     Every draw of Python's ``random`` (module or ``random.Random`` instance, whatever
@@ -200,8 +202,8 @@ def _watch_draws(drawn: list[str], frame: FrameType, event: str, arg: Any) -> No
     if caller is None or caller.f_code.co_filename.startswith(_THEIRS):
         return
     outer: FrameType | None = caller
-    while outer is not None:  # not while a module is imported (sympy draws as it loads)
-        if outer.f_code.co_filename.startswith("<frozen importlib"):
+    while outer is not None and outer is not entry:  # not in an import the trace made
+        if outer.f_code.co_filename.startswith("<frozen importlib"):  # (sympy draws)
             return
         outer = outer.f_back
     drawn.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
@@ -282,35 +284,40 @@ def where_made(node: fx.Node) -> str:
 
 
 def captured_as_computed(
-    module: nn.Module, run_graph: Callable[[], Any], example: Any, kind: str
+    module: nn.Module,
+    run_graph: Callable[[], Any],
+    again: Callable[[], Any],
+    example: Any,
+    kind: str,
 ) -> None:
     """Run the captured graph on ``example``; refuse it where the module computes otherwise.
 
-    Both run as they are called (eval mode and no grad, the caller's), with generators
-    of the run's own. fx stands a proxy in for each input while it traces, not a tensor,
-    so code that looks at an input's type (``isinstance(mask, torch.Tensor)``,
-    ``torch.is_tensor``) takes another branch than on tensors, silently. Not compared:
-    a graph run that drew random numbers (a layer's own generator, Python's ``random``
-    in a submodule called whole: the second run would draw others), or changed a buffer
-    (the second would change it again).
+    ``run_graph`` runs it once (the run whose values ``split`` learns), ``again`` once
+    more; then the module itself, on a copy of ``example``: all as they are called (eval
+    mode and no grad, the caller's), each with generators of its own seeded alike. fx
+    stands a proxy in for each input while it traces, not a tensor, so code that looks
+    at an input's type (``isinstance(mask, torch.Tensor)``, ``torch.is_tensor``) takes
+    another branch than on tensors, silently. Not compared: a graph whose two runs
+    differ (it draws from what no run's own generators replace: a layer's own generator,
+    Python's or NumPy's in a submodule called whole), or whose run changed a buffer (a
+    second run would change it again).
 
     Raises:
         SplitError: an output differs (in number, shape, dtype or beyond rounding).
     """
     versions = [b._version for b in module.buffers()]
-    state = random.getstate()
-    with own_generators() as generators:
-        captured = run_graph()
-    if generators.calls or random.getstate() != state:
-        return
+    with own_generators():
+        captured = _leaves(run_graph())
     if versions != [b._version for b in module.buffers()]:
         return
+    with own_generators():
+        if not _all_close(captured, _leaves(again())):
+            return
     args, kwargs = {"one": ((example,), {}), "args": (tuple(example), {})}.get(kind, ((), example))
+    args, kwargs = map_tensors(Tensor.clone, (args, kwargs))  # a forward may change its input
     with own_generators():
         plain = module(*args, **kwargs)
-    got, want = _leaves(captured), _leaves(plain)
-    same = len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want, strict=True))
-    if not same:
+    if not _all_close(captured, _leaves(plain)):
         raise SplitError(
             f"cannot split {type(module).__name__}: on the example input the captured "
             f"forward computes other outputs than the module itself. torch.fx stands a "
@@ -319,6 +326,10 @@ def captured_as_computed(
             f"there. Test for None instead (x is not None), or keep that code in a "
             f"submodule split calls whole (name no split point inside it)"
         )
+
+
+def _all_close(got: list[Any], want: list[Any]) -> bool:
+    return len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want, strict=True))
 
 
 def _leaves(value: Any) -> list[Any]:
