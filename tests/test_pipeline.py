@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import gc
 import itertools
@@ -647,3 +648,41 @@ def test_parametrize_cached_is_refused_where_graphs_are_recorded(checkpoint: str
     model(x).sum().backward()  # outside cached(), as ever
     plain(x).sum().backward()
     assert_same_grads(model, plain)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failed_call_leaves_nothing_for_the_collector(where: str) -> None:
+    # The exception's frames held the step, and the step's record of failures the
+    # exception: the failed batch and activations stayed until the collector ran (36
+    # to 68 MiB per failure in the review's loop that skips batches that fail).
+    layers = [nn.Linear(4, 4), _Fails() if where == "forward" else _FailsBackward()]
+    model = GPipe(nn.Sequential(*layers), [1, 1], chunks=2)
+
+    def fail() -> None:
+        with contextlib.suppress(ArithmeticError):  # the exception dropped at once
+            model(torch.randn(4, 4, requires_grad=True)).sum().backward()
+
+    fail()  # the first call makes what is kept from call to call
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            fail()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ArithmeticError("backward failed")
+
+
+class _FailsBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _RaisesInBackward.apply(x)  # type: ignore[no-any-return]

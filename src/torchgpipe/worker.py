@@ -405,14 +405,36 @@ class Workers:
                 # forever. Leave those threads, and start fresh ones next time.
                 pool.close()
                 self.pool = None
+        # Raised with no name bound to it here, and no record of it left in the step:
+        # the frames of its traceback hold the step (and its tensors), which a reference
+        # back to the error would keep in a cycle that only the collector frees.
         if lost:
             add_note(lost[0], "torchgpipe: a worker failed while reporting a result")
-            raise lost[0]
-        real = real_failures(step)
-        if real:
-            error, action = real[0]
-            add_note(error, where(action, describe(action), len(step.outputs)))
-            raise error
+            raise _first(lost, step)
+        if real_failures(step):
+            raise _first([], step, describe, len(step.outputs))
+
+
+def _first(
+    lost: list[BaseException],
+    step: Mailbox,
+    describe: Callable[[Action], str] | None = None,
+    m: int = 0,
+) -> BaseException:
+    """The first of ``lost``, or the step's first real failure noted with where it was.
+
+    ``lost`` and the step's record of failures are emptied. ``m``: the step's micro-batches.
+    """
+    real = real_failures(step)
+    step.failures.clear()
+    if lost:
+        first = lost[0]
+        lost.clear()
+        return first
+    error, action = real[0]
+    assert describe is not None
+    add_note(error, where(action, describe(action), m))
+    return error
 
 
 _ALL: weakref.WeakSet[Workers] = weakref.WeakSet()  # for _forked
