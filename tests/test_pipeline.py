@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
+    BackwardFails,
     Fail,
     Recorder,
     assert_same_grads,
@@ -673,16 +674,6 @@ def test_a_failed_call_leaves_nothing_for_the_collector(where: str) -> None:
         gc.enable()
 
 
-class _RaisesInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise ArithmeticError("backward failed")
-
-
 class _FailsBackward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
-        return _RaisesInBackward.apply(x)  # type: ignore[no-any-return]
+        return BackwardFails.apply(x)  # type: ignore[no-any-return]

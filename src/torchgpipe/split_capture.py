@@ -32,13 +32,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.utils import _pytree as pytree
 
-from torchgpipe.microbatch import flatten
 from torchgpipe.split_refusals import (
     TORCH_DIR,
     ConstantDraws,
     captured_as_computed,
+    leaves,
     python_draws_refused,
     stored_values_refused,
     user_line,
@@ -440,11 +439,7 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
 
 def _tensors(value: Any) -> list[Tensor]:
     """The tensors in ``value``: as the pipeline sees them (dataclasses too), or pytree's."""
-    try:
-        leaves = flatten(value)[0]
-    except TypeError:  # an object the pipeline would refuse to carry anyway
-        leaves = pytree.tree_leaves(value)
-    return [x for x in leaves if isinstance(x, Tensor)]
+    return [x for x in leaves(value) if isinstance(x, Tensor)]
 
 
 def _memory(tensor: Tensor) -> int:

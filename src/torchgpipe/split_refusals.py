@@ -35,6 +35,7 @@ __all__ = [
     "TORCH_DIR",
     "ConstantDraws",
     "captured_as_computed",
+    "leaves",
     "python_draws_refused",
     "stored_values_refused",
     "user_line",
@@ -307,17 +308,17 @@ def captured_as_computed(
     """
     versions = [b._version for b in module.buffers()]
     with own_generators():
-        captured = _leaves(run_graph())
+        captured = leaves(run_graph())
     if versions != [b._version for b in module.buffers()]:
         return
     with own_generators():
-        if not _all_close(captured, _leaves(again())):
+        if not _all_close(captured, leaves(again())):
             return
     args, kwargs = {"one": ((example,), {}), "args": (tuple(example), {})}.get(kind, ((), example))
     args, kwargs = map_tensors(Tensor.clone, (args, kwargs))  # a forward may change its input
     with own_generators():
         plain = module(*args, **kwargs)
-    if not _all_close(captured, _leaves(plain)):
+    if not _all_close(captured, leaves(plain)):
         raise SplitError(
             f"cannot split {type(module).__name__}: on the example input the captured "
             f"forward computes other outputs than the module itself. torch.fx stands a "
@@ -332,7 +333,7 @@ def _all_close(got: list[Any], want: list[Any]) -> bool:
     return len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want, strict=True))
 
 
-def _leaves(value: Any) -> list[Any]:
+def leaves(value: Any) -> list[Any]:
     """``value``'s leaves as the pipeline sees them (dataclasses too), else pytree's."""
     try:
         return flatten(value)[0]
