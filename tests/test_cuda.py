@@ -413,6 +413,57 @@ def test_cuda_failure_reaches_the_caller_and_the_next_call_works() -> None:
     assert model(x).shape == (8, 4)
 
 
+class CountsOnDevice(nn.Module):
+    """Counts its calls on the host and, behind a slow kernel, on its stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        torch.cuda._sleep(SLOW)
+        with torch.no_grad():
+            self.seen.add_(1)
+        return x * 1
+
+
+def test_cuda_failed_forward_leaves_the_callers_stream_behind_what_was_queued() -> None:
+    # model(x) raises on partition 1 while partition 0's kernels may still be queued on
+    # its stream. The caller's stream must wait for them all the same: a state dict
+    # loaded right after the failure would otherwise be overwritten by them.
+    counter = CountsOnDevice()
+    model = GPipe(nn.Sequential(counter, FailOn(0)), [1, 1], devices=[CUDA] * 2,
+                  chunks=4, checkpoint="never")  # fmt: skip
+    with pytest.raises(ValueError, match="boom on the GPU"):
+        model(torch.randn(8, 4, device=CUDA))
+    seen = int(counter.seen.item())  # read on the caller's stream
+    assert counter.calls >= 1
+    assert seen == counter.calls
+
+
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+def test_cuda_deferred_batch_norm_does_not_wait_for_the_gpu() -> None:
+    # Merging each micro-batch's moments and updating the running statistics only queue
+    # kernels: a host sync there would stall the partition's worker once per micro-batch.
+    torch.manual_seed(0)
+    plain = nn.BatchNorm2d(8).to(CUDA)
+    layer = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain), chunks=4)
+    x = torch.randn(16, 8, 5, 5, device=CUDA)
+    torch.cuda.synchronize()
+    try:  # the mode is set before torch warns of it: reset it whatever happens
+        torch.cuda.set_sync_debug_mode("error")
+        for piece in x.chunk(4):
+            layer(piece)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    plain(x)
+    torch.testing.assert_close(layer.running_mean, plain.running_mean)
+    torch.testing.assert_close(layer.running_var, plain.running_var)
+    assert int(layer.num_batches_tracked) == 1
+
+
 def test_cuda_deferred_batch_norm_across_partitions_of_one_gpu() -> None:
     # The same pipeline on CPU partitions is the reference: its statistics are checked
     # against the plain model's in test_batchnorm.py.

@@ -404,9 +404,10 @@ def test_a_copy_of_a_model_that_ran_runs_its_own_layers(copier: Any) -> None:
         for p in other.parameters():
             p.mul_(2.0)
     plain = nn.Sequential(*other)
-    assert torch.equal(other(x), plain(x))
+    # Close, not equal: a micro-batch's matrix product may round apart from the batch's.
+    torch.testing.assert_close(other(x), plain(x))
     with torch.no_grad():
-        assert torch.equal(other.eval()(x), plain(x))
+        torch.testing.assert_close(other.eval()(x), plain(x))
     assert torch.equal(model(x), before)
 
 

@@ -757,7 +757,7 @@ from torch import nn
 from torchgpipe import GPipe, pipeline
 pipeline.workers_run_backward = lambda devices: False  # the engine's way, as on a GPU
 model = GPipe(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5)),
-              [2, 2], chunks=2, checkpoint="always")
+              [2, 2], devices=["cpu"] * 2, chunks=2, checkpoint="always")
 model(torch.randn(4, 8, requires_grad=True)).sum().backward()
 print("ok")
 """
