@@ -10,6 +10,13 @@ is the median over rounds of the ratio to naive-1's throughput in the same round
 row may have its own batch (``--naive-batch`` for naive-1), as the seed's tables tuned
 the batch per row.
 
+Where ``pipeline-1``'s micro-batch is naive-1's batch, its row also gives the bound that
+checkpointing allows: with the default ``'except_last'``, each of the first m - 1
+micro-batches runs its forward once more without recording (f0, naive-1's forward timed
+under ``no_grad`` in the same round), so the best step is m naive-1 steps plus
+(m - 1) f0, and the bound on the speed-up m T / (m T + (m - 1) f0). It counts the SGD
+step m times where one runs, so it is a little low.
+
 ``--devices cuda`` puts partition ``j`` on GPU ``j % count``; ``--devices cpu`` (the
 default without CUDA) puts every partition on the CPU, each run by a worker thread with
 one intra-op thread, whose backward runs on the same worker; with two cores, few
@@ -52,6 +59,7 @@ class Run:
         self.name, self.model, self.x, self.k, self.balance = name, model, x, k, balance
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.seconds: list[float] = []
+        self.no_grad_seconds: list[float] = []  # forwards under no_grad (naive-1's)
 
     def step(self, loss_of: Any) -> float:
         """Seconds of one training step: forward, backward and the SGD step."""
@@ -62,6 +70,18 @@ class Run:
         self.optimizer.zero_grad()
         loss_of(self.model(self.x)).backward()
         self.optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def forward_without_grad(self) -> float:
+        """Seconds of one forward under ``no_grad``, as a checkpointed micro-batch's first."""
+        cuda = self.x.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model(self.x)
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -110,16 +130,18 @@ def measure(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tic
     for _ in range(args.warmup):
         for run in runs:
             run.step(loss_of)
+    naive = runs[0]
     for _ in range(args.steps):
         for run in runs:
             run.seconds.append(run.step(loss_of))
-    naive = runs[0]
+        naive.no_grad_seconds.append(naive.forward_without_grad())
     for run in runs:
         ratios = [
             (len(run.x) / t) / (len(naive.x) / t_naive)
             for t, t_naive in zip(run.seconds, naive.seconds, strict=True)
         ]
         seconds = statistics.median(run.seconds)
+        bounds = _bounds(run, naive, args.chunks)
         rows.append({
             "model": name,
             "experiment": run.name,
@@ -129,7 +151,23 @@ def measure(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], tic
             "step_s": seconds,
             "throughput": len(run.x) / seconds,
             "speedup": statistics.median(ratios),
+            "bound": statistics.median(bounds) if bounds else None,
+            "of_bound": statistics.median(r / b for r, b in zip(ratios, bounds, strict=True))
+            if bounds else None,
         })  # fmt: skip
+
+
+def _bounds(run: Run, naive: Run, m: int) -> list[float]:
+    """Per round, the speed-up checkpointing allows ``run`` (see the module's docstring).
+
+    None where ``run`` is not pipeline-1 at m times naive-1's batch.
+    """
+    if run.k != 1 or run is naive or len(run.x) != m * len(naive.x):
+        return []
+    return [
+        m * t / (m * t + (m - 1) * f0)
+        for t, f0 in zip(naive.seconds, naive.no_grad_seconds, strict=True)
+    ]
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -141,11 +179,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]
     for name in args.models:
         lines += ["", f"{name}:", f"{'Experiment':<12} {'batch':>6} {'Throughput':>12} "
-                  f"{'Speed-up':>9}  balance"]  # fmt: skip
+                  f"{'Speed-up':>9}  {'bound':>6} {'of it':>6}  balance"]  # fmt: skip
         for r in (r for r in rows if r["model"] == name):
+            bound = f"{r['bound']:>6.3f} {r['of_bound']:>6.3f}" if r["bound"] else " " * 13
             lines.append(
                 f"{r['experiment']:<12} {r['batch']:>6} {r['throughput']:>8.1f}/s  "
-                f"{r['speedup']:>8.3f}x  {r['balance'] or ''}"
+                f"{r['speedup']:>8.3f}x  {bound}  {r['balance'] or ''}"
             )
     return "\n".join(lines)
 
