@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import threading
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -711,6 +712,37 @@ def test_frozen_tied_weights_get_no_gradient_across_processes() -> None:
     assert first["0.weight"] is None
     assert last["4.weight"] is None
     assert last["2.weight"] is not None
+
+
+@pytest.mark.parametrize("frozen_on", [(), (0,), (0, 1)])
+def test_a_tied_weight_frozen_on_every_holder_crosses_no_wire(frozen_on: tuple[int, ...]) -> None:
+    # Each step summed a frozen tie over the wire, a whole weight of zeros each way.
+    models = [_language_model() for _ in range(2)]
+    for r in frozen_on:
+        models[r][0].weight.requires_grad_(False)
+    weight_bytes = models[0][0].weight.numel() * models[0][0].weight.element_size()
+    sent: list[int] = []
+    built = threading.Barrier(2)
+
+    def observe(rank: int, ops: list[tuple[int, str, int]]) -> None:
+        sent.extend(n for _, kind, n in ops if kind == "send" and n == weight_bytes)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        if built.wait() == 0:
+            sent.clear()  # the start's alignment of the values moved the weight once
+        built.wait()
+        for k in range(2):
+            ids, target = _data(k)
+            Schedule1F1B(stage, F.cross_entropy).step(
+                ids if stage.is_first else None, target if stage.is_last else None
+            )
+        return {n: p.grad for n, p in stage.named_parameters()}
+
+    first, last = run_threads(rank, 2, timeout=20.0, observe=observe)
+    assert len(sent) == (0 if len(frozen_on) == 2 else 4)  # each way, each step
+    assert (first["0.weight"] is None) == (0 in frozen_on)
+    assert (last["4.weight"] is None) == (1 in frozen_on)
 
 
 def test_a_meta_model_starts_with_the_owners_values_on_every_rank() -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -94,6 +94,7 @@ class _Sum(NamedTuple):
     total: Tensor | None  # the owner's .grad to be (None: none to set)
     move: Callable[[], Tensor] | None  # the transfers across processes, which give it
     grads: list[tuple[Tensor, bool]]  # each copy's .grad to be, and whether to write it
+    frozen: str | None = None  # held across processes and frozen here: its first name
 
 
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter (or buffer) in it
@@ -277,11 +278,12 @@ class Ties:
                         if part is not None:
                             mine = summed(mine, part.to(owner.device))
                     total = torch.zeros_like(owner) if total is None else dense(total)
-                    # Frozen here too: the transfers still go, so that a rank that
-                    # disagrees cannot leave another waiting; the sum is dropped.
+                    # Frozen here too: the transfers go unless every holder froze it
+                    # (finish's skip), so that one that disagrees waits on none.
                     move = across(ranks, total, mine)
                 if total is None or not owner.requires_grad:
-                    sums.append(_Sum(g, None, move, []))
+                    name = self.names[g][0] if move is not None and self.names[g] else None
+                    sums.append(_Sum(g, None, move, [], None if owner.requires_grad else name))
                     continue
                 # Each copy's .grad: its own, written in place, or made here.
                 grads = [
@@ -293,10 +295,15 @@ class Ties:
                 sums.append(_Sum(g, total, move, grads))
         return sums
 
-    def finish(self, sums: list[_Sum]) -> None:
-        """The transfers of :meth:`prepare`'s sums, in order; then every copy's ``.grad``."""
+    def finish(self, sums: list[_Sum], skip: Collection[int] = ()) -> None:
+        """The transfers of :meth:`prepare`'s sums, in order; then every copy's ``.grad``.
+
+        ``skip``: groups frozen in every process that holds them, which move nothing.
+        """
         with torch.no_grad():
             for entry in sums:
+                if entry.group in skip:
+                    continue
                 total = entry.move() if entry.move is not None else entry.total
                 if entry.total is None or total is None:
                     continue

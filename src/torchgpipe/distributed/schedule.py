@@ -106,7 +106,7 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
             ran = _run(stage, steps, input, target, forward_only=False, hooks=hooks)
             what = "the sum of the tied weights' gradients"
             try:  # every rank's step ended well: every holder of a tie takes part
-                stage.reduce_tied(ran.tie_sums)  # a failed step drops them with its _Ran
+                stage.reduce_tied(ran.tie_sums, ran.exchange.ends)  # a failed step: dropped
             except TransportError as error:
                 raise _lost_in_ties(ran.exchange, error) from error
             # Only now the caller's graph (a layer before the pipeline, a target that
@@ -271,6 +271,7 @@ def _run(
             else describe(failure[0], failure[1], stage.rank, stage.stages, m),
             "peaks": {s: step.peak[s] for s in stage.stages} if step is not None else {},
             "after": after,
+            "frozen": [s.frozen for s in tie_sums if s.frozen is not None],
         },
         [torch.stack(losses).cpu()] if losses else [],
     )

@@ -32,7 +32,7 @@ from torchgpipe.distributed.checks import (
 )
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key
-from torchgpipe.distributed.ties import AcrossRanks, tied_ranks
+from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks
 from torchgpipe.distributed.transport import Transport
 from torchgpipe.gpipe import (
     Checkpoint,
@@ -332,13 +332,13 @@ class PipelineStage(PlacedModule, StageHolder):
         """What the tied weights' sum needs, made before this rank ends a step (``Ties``)."""
         return self._ties.prepare(self._across)
 
-    def reduce_tied(self, sums: list[Any]) -> None:
+    def reduce_tied(self, sums: list[Any], ends: Mapping[int, Any]) -> None:
         """Sum the tied weights' gradients over their copies, here and in other processes.
 
         ``distributed/schedule.py`` calls it in every process once a step has ended well
-        on every rank, with :meth:`prepare_tied`'s, before anything that may fail alone.
+        on every rank, with :meth:`prepare_tied`'s and the peers' ends of the step.
         """
-        self._ties.finish(sums)
+        self._ties.finish(sums, frozen_everywhere(sums, self._ties.ranks, self.rank, ends))
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """This process's part of a forward-only step; the output on the last rank."""

@@ -20,13 +20,17 @@ The transfers are the transport's own (``Transport.issue``), on the pipeline's g
 from the thread that runs the step, group by group in the order :func:`tied_ranks`
 gives them, which walks the whole model and so is the same on every rank: every pair
 of ranks issues them in matching order, as NCCL requires (``tests/nccl_rules.py``
-checks it). Only the ranks of a group take part in its transfers. A frozen tied weight
-(``requires_grad`` off) has no gradient to send.
+checks it). Only the ranks of a group take part in its transfers. A tied weight frozen
+(``requires_grad`` off) in every process that holds it moves nothing: each rank's end of
+the step names the groups it froze (:func:`frozen_everywhere`), and every holder sees
+every end before the sums. Where the holders disagree, the transfers go as for any
+weight, a frozen copy's part zeros, and a frozen copy takes no gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +39,7 @@ from torchgpipe.distributed.transport import Transfer, Transport
 from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 
-__all__ = ["AcrossRanks", "tied_ranks"]
+__all__ = ["AcrossRanks", "frozen_everywhere", "tied_ranks"]
 
 
 def tied_ranks(
@@ -56,6 +60,23 @@ def tied_ranks(
                 if rank not in held:
                     held.append(rank)
     return {key: tuple(held) for key, held in ranks.items() if len(held) > 1}
+
+
+def frozen_everywhere(
+    sums: Sequence[Any], ranks: Sequence[tuple[int, ...] | None], rank: int, ends: Mapping[int, Any]
+) -> set[int]:
+    """The groups of ``sums`` (``Ties.prepare``'s) that every process holding them froze.
+
+    ``ranks``: each group's holders (``Ties.ranks``); ``ends``: each peer's end of the
+    step, (status, tensors), whose status names the groups that peer froze (``frozen``).
+    """
+    said = {peer: set(status.get("frozen", ())) for peer, (status, _) in ends.items()}
+    return {
+        s.group
+        for s in sums
+        if s.frozen is not None
+        and all(s.frozen in said.get(peer, ()) for peer in ranks[s.group] or () if peer != rank)
+    }
 
 
 class AcrossRanks:
