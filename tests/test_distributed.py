@@ -811,6 +811,20 @@ def _sparse_rank(rank: int, world: int) -> dict[tuple[str, str], Any]:
     return out
 
 
+def _half_mean_rank(rank: int, world: int) -> Tensor:
+    net = nn.Linear(2, 1, bias=False).half()
+    net.weight.grad = torch.full_like(net.weight, 40000.0)
+    all_reduce_gradients(net, None, op="mean")
+    return net.weight.grad
+
+
+def test_all_reduce_gradients_mean_of_float16_fits_where_the_sum_would_not() -> None:
+    # Summed first, two float16 gradients of 40000 made inf (over 65504) before the
+    # division; DDP divides first, and so does this.
+    for grad in spawn(_half_mean_rank, 2, timeout=30.0):
+        assert torch.equal(grad, torch.full((1, 2), 40000.0, dtype=torch.half))
+
+
 def test_all_reduce_gradients_averages_sparse_gradients_as_the_plain_sum_would() -> None:
     results = spawn(_sparse_rank, 2, timeout=30.0)
     for case, op in [(case, op) for case in _SPARSE_CASES for op in ("mean", "sum")]:

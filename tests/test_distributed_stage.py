@@ -918,6 +918,43 @@ def test_traces_of_every_rank_merge_into_one_on_a_common_clock(tmp_path: Any) ->
     assert (tmp_path / "pipeline.json").stat().st_size > 0
 
 
+def test_a_rank_given_as_a_numpy_integer_gathers_the_trace_there() -> None:
+    np = pytest.importorskip("numpy")
+    x, y = _batch(6, 8, 4), _batch(7, 8, 4)
+
+    def body(stage: PipelineStage) -> Any:
+        with stage.trace() as trace:
+            _step(Schedule1F1B(stage, _mse), x, y)
+        return stage.gather_trace(trace, dst=np.int64(1))
+
+    nothing, merged = _on_ranks(2, [4, 4], body, chunks=4)
+    assert nothing is None
+    assert merged is not None
+    assert merged.n == 2
+
+
+@pytest.mark.parametrize("case", ["no input", "an empty batch", "a batch the table refuses"])
+def test_a_call_refused_at_rank_0s_start_draws_no_seed_anywhere(case: str) -> None:
+    # Rank 0 drew the step's seed before it looked at the input; the others never drew
+    # theirs, and data shuffled on each rank under one seed went out of step for good.
+    inputs = {"no input": None, "an empty batch": torch.zeros(0, 4), "a batch the table "
+              "refuses": torch.zeros(3, 4)}  # fmt: skip
+    interleaved = case.startswith("a batch the table")  # 3 micro-batches on 2 ranks
+    balance = [2, 2, 2, 2] if interleaved else [4, 4]
+    models = [mlp(), mlp()]
+    torch.manual_seed(7)  # the ranks share this process's default generator here
+    before = torch.get_rng_state()
+
+    def body(stage: PipelineStage) -> Any:
+        schedule = (ScheduleInterleaved1F1B if interleaved else Schedule1F1B)(stage, _mse)
+        return _outcome(lambda: schedule.forward_only(inputs[case] if stage.is_first else None))
+
+    refused = _on_ranks(2, balance, body, models=models, chunks=4)
+    assert isinstance(refused[0], ValueError), refused
+    assert isinstance(refused[1], RemoteError), refused
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # Start-up checks that a step would otherwise find too late.
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchgpipe.balance.blockpartition import whole_number
 from torchgpipe.distributed.errors import RemoteError, describe
 from torchgpipe.distributed.exchange import Exchange
 from torchgpipe.distributed.transport import ProcessGroupTransport, TransportError
@@ -216,8 +217,10 @@ def check_rank(dst: object, world_size: int, what: str) -> int:
         TypeError: ``dst`` is not an int.
         ValueError: ``dst`` is out of range.
     """
-    if not isinstance(dst, int) or isinstance(dst, bool):
-        raise TypeError(f"{what} must be a rank (an int), got {dst!r}")
+    try:  # a NumPy integer too
+        dst = whole_number(dst, what)
+    except TypeError:
+        raise TypeError(f"{what} must be a rank (an int), got {dst!r}") from None
     if not 0 <= dst < world_size:
         raise ValueError(
             f"{what}={dst} is not a rank of the pipeline's {world_size} processes; pass "

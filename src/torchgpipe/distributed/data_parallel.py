@@ -49,7 +49,9 @@ def all_reduce_gradients(
     of a stage calls this with the group of its replicas, then steps its optimizer. A
     parameter that no replica gave a gradient keeps ``grad`` None; one that only some
     replicas did gets the reduced gradient everywhere, a replica without one counting
-    zero. Gradients of one dtype and device travel together, in one ``all_reduce``.
+    zero. Gradients of one dtype and device travel together, in one ``all_reduce``;
+    for the mean each is divided first, as DDP does (a float16 sum may overflow where
+    the mean fits).
     Sparse gradients travel as dense, and come out sparse (the rows any replica's
     gradient names) where every replica that has a gradient has a sparse one, dense
     otherwise (see the module's documentation).
@@ -151,10 +153,10 @@ def _reduce_bucket(bucket: list[nn.Parameter], group: Any, *, divide: int) -> No
     flat = torch.cat(
         [*(g.reshape(-1) for g in grads), torch.tensor(present + dense, dtype=dtype, device=device)]
     )
-    dist.all_reduce(flat, group=group)
     total = flat.numel() - 2 * n
-    if divide != 1:
+    if divide != 1:  # before the sum, as DDP: a float16 sum may overflow where the mean fits
         flat[:total] /= divide
+    dist.all_reduce(flat, group=group)
     anywhere = (flat[total : total + n] != 0).tolist()
     somewhere_dense = (flat[total + n :] != 0).tolist()
     # The same on every replica, after the sum: the parameters whose mean is sparse.

@@ -323,7 +323,6 @@ def _start(
     """
     batches: list[Any] = []
     if stage.is_first:
-        seed = draw_seed()  # first of all; the others draw once they have its start (above)
         if input is None:
             call = "forward_only(input)" if forward_only else "step(input, target)"
             raise ValueError(
@@ -338,6 +337,7 @@ def _start(
             key = hashlib.sha256(signature).digest() if signature else b""
         text = table.text()
         static = bool(key) and key in shapes
+        seed = draw_seed()  # once the input is taken: a refused one draws on no rank
         start = (m, sizes, text, forward_only, key, static, seed, steps.reduction)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
