@@ -110,6 +110,53 @@ def test_what_cannot_be_filled_is_refused_by_name() -> None:
         GPipe(unsaved, [1, 1], state_dict=plain.state_dict())
 
 
+class _Counted(nn.Linear):
+    resets = 0
+
+    def reset_parameters(self) -> None:
+        type(self).resets += 1
+        super().reset_parameters()
+
+
+class _NeedsStd(nn.Module):
+    """A module whose reset needs the argument its constructor gave it."""
+
+    def __init__(self, std: float = 0.02) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 4))
+        self.reset_parameters(std)
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.w, std=std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.w
+
+
+def test_a_state_dict_that_holds_a_layer_spares_its_resets() -> None:
+    # Every reset ran, then the load overwrote it: time thrown away (seconds for an
+    # orthogonal init of large layers), and a reset that needs arguments failed.
+    plain = nn.Sequential(_Counted(4, 4), nn.Tanh(), _NeedsStd(), _Rotary(fills=True))
+    with torch.device("meta"):
+        meta = nn.Sequential(_Counted(4, 4), nn.Tanh(), _NeedsStd(), _Rotary(fills=True))
+    _Counted.resets = 0
+    model = GPipe(meta, [2, 2], state_dict=plain.state_dict())
+    assert _Counted.resets == 0
+    torch.testing.assert_close(model[2].w, plain[2].w)
+    torch.testing.assert_close(model[3].linear.weight, plain[3].linear.weight)
+    # In no state dict: the reset above it runs, and the load then wins.
+    torch.testing.assert_close(model[3].frequencies, torch.arange(1.0, 5.0))
+
+
+def test_a_reset_that_needs_arguments_is_named_when_it_must_run() -> None:
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), _NeedsStd())
+    with pytest.raises(TypeError) as info:
+        GPipe(meta, [1, 1])
+    assert any("reset_parameters() of _NeedsStd in layer 1" in n for n in info.value.__notes__)
+    assert on_meta(meta[1])  # put back
+
+
 @pytest.mark.parametrize(
     ("arguments", "match"),
     [
@@ -982,9 +1029,9 @@ def test_what_the_split_forward_never_uses_is_filled_by_its_reset_or_the_state_d
 class _Frequencies(nn.Module):
     """Fills its buffer in its own reset."""
 
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = True) -> None:
         super().__init__()
-        self.register_buffer("freq", torch.empty(4))
+        self.register_buffer("freq", torch.empty(4), persistent=persistent)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -996,9 +1043,9 @@ class _Frequencies(nn.Module):
 
 
 class _Reads(nn.Module):
-    def __init__(self, freq: Tensor) -> None:
+    def __init__(self, freq: Tensor, persistent: bool = True) -> None:
         super().__init__()
-        self.register_buffer("freq", freq)
+        self.register_buffer("freq", freq, persistent=persistent)
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.freq
@@ -1007,10 +1054,10 @@ class _Reads(nn.Module):
 class _ReadsUnder(nn.Module):
     """Holds the buffer in a child; its own reset fills its own weight only."""
 
-    def __init__(self, freq: Tensor) -> None:
+    def __init__(self, freq: Tensor, persistent: bool = True) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(4))
-        self.reader = _Reads(freq)
+        self.reader = _Reads(freq, persistent)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -1020,9 +1067,9 @@ class _ReadsUnder(nn.Module):
         return self.reader(x) * self.w
 
 
-def _shares_a_buffer() -> nn.Sequential:
-    first = _Frequencies()
-    return nn.Sequential(first, _ReadsUnder(first.freq))
+def _shares_a_buffer(persistent: bool = True) -> nn.Sequential:
+    first = _Frequencies(persistent)
+    return nn.Sequential(first, _ReadsUnder(first.freq, persistent))
 
 
 @pytest.mark.parametrize("balance", [[1, 1], [2]])
@@ -1068,6 +1115,25 @@ def test_a_buffer_whose_first_holder_is_on_another_rank_needs_a_state_dict() -> 
     first, second = build(plain.state_dict())
     torch.testing.assert_close(second["1.reader.freq"], torch.arange(4.0), rtol=0, atol=0)
     torch.testing.assert_close(first["0.freq"], torch.arange(4.0), rtol=0, atol=0)
+
+
+def test_a_buffer_in_no_state_dict_whose_first_holder_is_on_another_rank_is_refused() -> None:
+    # The refusal said to pass state_dict=, which never holds a persistent=False buffer.
+    plain = _shares_a_buffer(persistent=False)
+    with torch.device("meta"):
+        models = [_shares_a_buffer(persistent=False) for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        return PipelineStage(
+            models[transport.rank], [1, 1], transport=transport, state_dict=plain.state_dict()
+        )
+
+    first, second = run_threads(rank, 2)
+    assert isinstance(first, RemoteError)
+    assert isinstance(second, ValueError)
+    assert "1.reader.freq: each a buffer whose first holder is a layer of another" in str(second)
+    assert "persistent=False" in str(second)
+    assert "pass state_dict=" not in str(second)
 
 
 class _WithLazyAux(nn.Module):

@@ -137,8 +137,9 @@ def materialize(layers: list[tuple[str, nn.Module]], device: torch.device, fill:
                 _retie(held, {})  # holders inside the layer share one tensor
                 initialize(layer, held, fill.watched, prefix, fill.init)
             else:
-                reset(layer, held, fill.watched, prefix)  # and ties inside the layer
-                if fill.state_dict is not None:
+                loading = fill.state_dict is not None
+                reset(layer, held, fill.watched, prefix, loading=loading)  # and ties inside
+                if loading:
                     _load(layer, prefix, fill.state_dict)  # the state dict's values win
         _retie(held, made)
 

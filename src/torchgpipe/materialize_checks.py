@@ -350,6 +350,7 @@ def _check_fillable(
     legacy: dict[str, list[str]] = {}
     unfilled: list[str] = []
     elsewhere: list[str] = []
+    unsaved: list[str] = []  # as elsewhere, registered with persistent=False
     watched: dict[int, tuple[int, Tensor]] = {}
     allocated = {id(layer) for _, layer in meta}
     here = {id(layer) for _, layer in layers}
@@ -381,7 +382,8 @@ def _check_fillable(
             if id(layer) not in allocated or tensor.numel() == 0:
                 continue  # keeps its values; or nothing to fill
             if first.get(id(tensor)) not in (None, id(layer)):  # a buffer, first held elsewhere
-                elsewhere.append(key)
+                persistent = key in layer.state_dict(prefix=prefix, keep_vars=True)
+                (elsewhere if persistent else unsaved).append(key)
                 continue
             hooks = [(p, m, hook) for _, m, p in holders for hook in legacy_hooks(m)]
             for path, module, hook in hooks:
@@ -423,6 +425,14 @@ def _check_fillable(
             f"layer of another process, whose values it must end with, and buffers do not "
             f"travel between processes; pass state_dict= (the plain model's) or init= to "
             f"fill it here"
+        )
+    if unsaved:
+        problems.append(
+            f"{', '.join(dict.fromkeys(unsaved))}: each a buffer whose first holder is a "
+            f"layer of another process and which no state dict holds (registered with "
+            f"persistent=False); buffers do not travel between processes: give each layer "
+            f"a buffer of its own, or pass init= to fill every tensor of this process's "
+            f"layers"
         )
     if problems:
         raise ValueError("\n".join(problems))

@@ -46,13 +46,21 @@ def own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def reset(
-    layer: nn.Module, held: list[Holder], watched: dict[int, tuple[int, Tensor]], prefix: str
+    layer: nn.Module,
+    held: list[Holder],
+    watched: dict[int, tuple[int, Tensor]],
+    prefix: str,
+    *,
+    loading: bool = False,
 ) -> None:
     """Reset the modules of ``layer``, children first, but those filled before; then tie.
 
     ``held``: the layer's holders before allocation (``materialize``'s ``_holders``);
     ``watched``: the meta tensors a reset is to fill (``Fill.watched``);
-    ``prefix``: what the layer's keys start with in the model's, for errors.
+    ``prefix``: what the layer's keys start with in the model's, for errors;
+    ``loading``: a state dict loads the rest, so only the modules above a watched
+    tensor reset (a buffer no state dict holds): a reset costs time, and may need
+    arguments that only the model's constructor gave it.
 
     Allocation gave each holder of a tensor tied inside the layer (a head and an
     embedding, a module and its parent) one of its own, and each module's reset fills
@@ -82,12 +90,24 @@ def reset(
     """
     before = _filled_before(layer, held)
     modules = [m for _, m in _children_first(layer, "") if id(m) not in before and reset_of(m)]
+    if loading:
+        mine = {id(m) for key, m, _ in held if watched.get(key, (None,))[0] == id(layer)}
+        modules = [m for m in modules if any(id(below) in mine for below in m.modules())]
 
     def run() -> None:
         for module in modules:
             reset = reset_of(module)
             assert reset is not None  # chosen for having one
-            reset()
+            try:
+                reset()
+            except Exception as error:  # the model is put back whole; say whose reset
+                add_note(
+                    error,
+                    f"torchgpipe: raised by reset_parameters() of {type(module).__name__} "
+                    f"in layer {_where(layer, prefix)}, which filling a meta model calls "
+                    f"without arguments; pass init= or state_dict= to fill that layer",
+                )
+                raise
 
     left = _fill(layer, held, watched, run, modules, prefix)
     if left:
