@@ -137,10 +137,10 @@ def materialize(layers: list[tuple[str, nn.Module]], device: torch.device, fill:
                 _retie(held, {})  # holders inside the layer share one tensor
                 initialize(layer, held, fill.watched, prefix, fill.init)
             else:
-                loading = fill.state_dict is not None
-                reset(layer, held, fill.watched, prefix, loading=loading)  # and ties inside
-                if loading:
-                    _load(layer, prefix, fill.state_dict)  # the state dict's values win
+                state_dict = fill.state_dict
+                reset(layer, held, fill.watched, prefix, loading=state_dict is not None)
+                if state_dict is not None:  # the resets tied inside the layer; then load
+                    _load(layer, prefix, state_dict)  # the state dict's values win
         _retie(held, made)
 
 
