@@ -1526,3 +1526,32 @@ def test_arguments_of_the_wrong_type_are_refused_up_front(
     assert all(p.is_meta for p in layers.parameters())
     with pytest.raises(TypeError, match=match):  # the same checks, before any transport
         PipelineStage(layers, [4, 4], **arguments)
+
+
+class _WithOwnTensor(nn.Module):
+    """A model whose own parameter (not a submodule's) its own reset fills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.empty(3, 4))
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.position, std=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x + self.position)))
+
+
+def test_a_split_models_own_tensor_is_refused_as_its_own() -> None:
+    # Named "Stage: it has no reset_parameters()", where the model has one that no
+    # stage runs.
+    with torch.device("meta"):
+        model = _WithOwnTensor()
+    stages = split(model, torch.zeros(2, 3, 4, device="meta"), at=["second"])
+    with pytest.raises(ValueError, match=r"position \(the split model's own, not a submodule"):
+        GPipe(stages, [1, 1])
+    plain = split(_WithOwnTensor(), torch.zeros(2, 3, 4), at=["second"])
+    filled = GPipe(stages, [1, 1], state_dict=plain.state_dict())
+    torch.testing.assert_close(filled[0].position, plain[0].position)

@@ -465,6 +465,11 @@ def _unfilled(key: str, module: nn.Module) -> str:
             f"while it holds neither the {module.kind} nor so its reset_parameters(); "
             f"split points that put a call of it in that stage would give it both)"
         )
+    if isinstance(module, Stage):  # the split model's own tensor (not a submodule's)
+        return (
+            f"{key} (the split model's own, not a submodule's: its model's "
+            f"reset_parameters(), if any, is not a stage's to run)"
+        )
     return f"{key} ({type(module).__name__}: it has no reset_parameters())"
 
 
