@@ -1015,7 +1015,9 @@ def test_what_the_split_forward_never_uses_is_filled_by_its_reset_or_the_state_d
     x = torch.randn(6, 4)
     model = GPipe(_split_on_meta(lambda: WithUnused(tensors=False), x, "b"), [1, 1])
     assert _kaiming(model[1].get_submodule("aux").weight)
-    with pytest.raises(ValueError, match=r"nothing is known to fill offset \(Stage"):
+    with pytest.raises(
+        ValueError, match=r"nothing is known to fill offset \(the split model's own"
+    ):
         GPipe(_split_on_meta(WithUnused, x, "b"), [1, 1])  # the model's own: no reset
     plain = WithUnused()
     model = GPipe(_split_on_meta(WithUnused, x, "b"), [1, 1], state_dict=plain.state_dict())
@@ -1555,3 +1557,44 @@ def test_a_split_models_own_tensor_is_refused_as_its_own() -> None:
     plain = split(_WithOwnTensor(), torch.zeros(2, 3, 4), at=["second"])
     filled = GPipe(stages, [1, 1], state_dict=plain.state_dict())
     torch.testing.assert_close(filled[0].position, plain[0].position)
+
+
+class _FrequencyReader(nn.Module):
+    def __init__(self, freq: Tensor, persistent: bool) -> None:
+        super().__init__()
+        self.register_buffer("freq", freq, persistent=persistent)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.freq
+
+
+def test_a_buffer_tied_under_a_persistent_false_name_loads_the_plain_state_dict() -> None:
+    # The second name, in no state dict, was added to the one given: "keys the model
+    # does not: 1.freq".
+    def build() -> nn.Sequential:
+        freq = torch.arange(4.0)
+        return nn.Sequential(_FrequencyReader(freq, True), _FrequencyReader(freq, False))
+
+    plain = build()
+    with torch.device("meta"):
+        meta = build()
+    model = GPipe(meta, [2], state_dict=plain.state_dict())
+    assert model[1].freq is model[0].freq
+    torch.testing.assert_close(model[1].freq, torch.arange(4.0))
+
+
+class _RotaryNeedsBase(_Rotary):
+    """Its reset fills a persistent=False buffer, and needs an argument to."""
+
+    def reset_parameters(self, base: float = 1.0, *, must: bool) -> None:  # type: ignore[override]
+        super().reset_parameters()
+
+
+def test_a_reset_that_must_run_beside_a_state_dict_points_to_init_alone() -> None:
+    plain = nn.Sequential(_Rotary(fills=True))
+    with torch.device("meta"):
+        meta = nn.Sequential(_RotaryNeedsBase(fills=True))
+    with pytest.raises(TypeError) as info:
+        GPipe(meta, [1], state_dict=plain.state_dict())
+    (note,) = [n for n in info.value.__notes__ if "reset_parameters()" in n]
+    assert "a persistent=False buffer): pass init= to fill that layer instead" in note

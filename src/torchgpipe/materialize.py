@@ -292,6 +292,7 @@ def tied_state_dict(
             holders[id(tensor)] = holders.get(id(tensor), 0) + 1
             tensors[id(tensor)] = tensor
     loaded = OrderedDict(state_dict)
+    saved = set(module.state_dict(keep_vars=True))  # no persistent=False buffer's name
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:  # each module's version, for its _load_from_state_dict
         _keep_metadata(loaded, metadata)
@@ -302,7 +303,7 @@ def tied_state_dict(
             and holders[key] > 1
             and every_name_fits(state_dict, keys, tensors[key])
         ):
-            loaded.update(dict.fromkeys(keys, value))
+            loaded.update(dict.fromkeys([k for k in keys if k in saved], value))
     return loaded
 
 

@@ -382,7 +382,8 @@ def _check_fillable(
             if id(layer) not in allocated or tensor.numel() == 0:
                 continue  # keeps its values; or nothing to fill
             if first.get(id(tensor)) not in (None, id(layer)):  # a buffer, first held elsewhere
-                persistent = key in layer.state_dict(prefix=prefix, keep_vars=True)
+                names = layer.state_dict(prefix=prefix, keep_vars=True)
+                persistent = any(k in names for k, _, _ in holders)
                 (elsewhere if persistent else unsaved).append(key)
                 continue
             hooks = [(p, m, hook) for _, m, p in holders for hook in legacy_hooks(m)]

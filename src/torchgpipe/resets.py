@@ -105,7 +105,13 @@ def reset(
                     error,
                     f"torchgpipe: raised by reset_parameters() of {type(module).__name__} "
                     f"in layer {_where(layer, prefix)}, which filling a meta model calls "
-                    f"without arguments; pass init= or state_dict= to fill that layer",
+                    f"without arguments; "
+                    + (
+                        "it fills a tensor no state dict holds (a persistent=False "
+                        "buffer): pass init= to fill that layer instead"
+                        if loading
+                        else "pass init= or state_dict= to fill that layer"
+                    ),
                 )
                 raise
 
