@@ -639,7 +639,9 @@ def test_a_step_under_inference_mode_on_one_rank_fails_every_rank(where: int) ->
             refused = _outcome(lambda: _step(schedule, x, y))
         return refused, _step(schedule, x, y).loss  # the next step runs
 
-    out = _on_ranks(2, [4, 4], body, chunks=4)
+    # No timeout is under test: 15 s per receive, where a loaded 16-core host once
+    # starved a rank of 5 s in the next step.
+    out = _on_ranks(2, [4, 4], body, chunks=4, timeout=30.0)
     assert all(isinstance(o, tuple) for o in out), out
     said = f"rank {where}'s schedule.step() runs under torch.inference_mode()"
     assert isinstance(out[where][0], RuntimeError), repr(out[where][0])

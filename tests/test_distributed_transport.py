@@ -171,6 +171,17 @@ def test_local_transport_recv_times_out_naming_both_ranks() -> None:
     assert time.monotonic() - start < 5.0
 
 
+def test_local_transport_pair_that_timed_out_is_given_up_both_ways() -> None:
+    # As gloo's: a message sent late was read by the next step's listener as its own.
+    t0, t1 = LocalTransport.mesh(2, timeout=0.05)
+    with pytest.raises(TransportError, match="sent nothing"):
+        t1.recv(0)
+    with pytest.raises(TransportError, match="ranks 0 and 1 gave their connection up"):
+        t0.send(1, "late", [])
+    with pytest.raises(TransportError, match="ranks 1 and 0 gave their connection up"):
+        t1.issue([Transfer("send", 0, torch.zeros(1, dtype=torch.uint8))])
+
+
 def test_local_transport_mesh_gives_one_connected_transport_per_rank() -> None:
     transports = LocalTransport.mesh(4, timeout=1.5)
     assert [t.rank for t in transports] == [0, 1, 2, 3]
@@ -235,6 +246,7 @@ def test_local_transfer_from_a_closed_or_silent_peer_raises() -> None:
     (silent,) = t1.issue([Transfer("recv", 0, torch.empty(1, dtype=torch.uint8))])
     with pytest.raises(TransportError, match=r"sent no transfer to rank 1 in 0\.05 s"):
         silent.wait()
+    t0, t1 = LocalTransport.mesh(2, timeout=5.0)
     (waiting,) = t1.issue([Transfer("recv", 0, torch.empty(1, dtype=torch.uint8))])
     t0.close()
     with pytest.raises(TransportError, match="rank 0 closed its transport"):
@@ -617,6 +629,46 @@ def test_the_reason_of_a_loss_for_a_cause_is_told_over_that_of_giving_up() -> No
     assert failure is not None
     assert failure.rank == 1
     assert str(failure) == "rank 1 (stages [1]) died or cannot be reached"
+
+
+def test_of_peers_lost_alike_the_one_lost_first_is_the_cause() -> None:
+    # Rank 1 died; rank 0 then failed its step over it and its process ended, so rank 2
+    # lost rank 0 too, later. Rank 3 lost neither (it halted on rank 2's end first): one
+    # loss each, and rank 0, the lower, was named though alive when the step failed.
+    from torchgpipe.distributed.errors import first_failure
+
+    stages = [(0,), (1,), (2,), (3,)]
+    mine = {1: "died or cannot be reached", 0: "died or cannot be reached"}
+    theirs = {"failed": True, "error": None, "lost": {}, "given_up": []}
+    failure = first_failure(2, stages, {3: (theirs, [])}, mine, set())
+    assert failure is not None
+    assert failure.rank == 1
+
+
+class _Work:
+    def __init__(self, fails: bool) -> None:
+        self.fails, self.waited = fails, False
+
+    def wait(self) -> None:
+        self.waited = True
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
+
+
+def test_flush_waits_for_every_send_after_one_failed() -> None:
+    # gloo drops a send whose work goes unwaited: a dead peer's failure lost the live
+    # peers' ends of the step, and they named a live rank dead.
+    from torchgpipe.distributed.transport import ProcessGroupTransport
+
+    transport = object.__new__(ProcessGroupTransport)
+    transport.rank = 0
+    works = [_Work(True), _Work(False), _Work(False)]
+    empty = torch.empty(0, dtype=torch.uint8)
+    transport._pending = [(work, empty, peer) for peer, work in enumerate(works, 1)]
+    with pytest.raises(TransportError, match="rank 0 could not send to rank 1") as info:
+        transport.flush()
+    assert info.value.peer == 1
+    assert [w.waited for w in works] == [True, True, True]
 
 
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:

@@ -84,7 +84,8 @@ def first_failure(
     """What rank ``rank`` raises for a step that failed elsewhere, from the ends it got.
 
     The lowest rank that raised; else the peer the most ranks lost for a cause (not only
-    given up as silent, ``given_up`` here and in each end), the likely dead one.
+    given up as silent, ``given_up`` here and in each end), the likely dead one; of
+    those lost alike, the first this rank lost.
     """
     errors = [s["error"] for s, _ in ends.values() if s.get("error") is not None]
     if errors:
@@ -100,6 +101,7 @@ def first_failure(
             action=first["action"],
             remote_traceback=first["traceback"],
         )
+    order = {p: k for k, p in enumerate(lost)}  # this rank's own losses, as they came
     seen, caused = Counter(list(lost)), Counter(p for p in lost if p not in given_up)
     strong = {p: r for p, r in lost.items() if p not in given_up}  # lost for a cause
     weak = {p: r for p, r in lost.items() if p in given_up}
@@ -113,7 +115,9 @@ def first_failure(
     lost = {**weak, **strong}  # a cause's reason over having given up
     lost.pop(rank, None)  # a peer lost after its end came: the cause if none else
     if lost := {p: r for p, r in lost.items() if p not in ends} or lost:
-        peer = min(lost, key=lambda p: (-caused[p], -seen[p], p))  # most lost it: dead
+        # Most lost it: dead. On a tie, the one this rank lost first: a peer whose
+        # process ended after the failure (its own end sent) is lost later.
+        peer = min(lost, key=lambda p: (-caused[p], -seen[p], order.get(p, len(order)), p))
         return RemoteError(
             f"rank {peer} (stages {list(stages[peer])}) {lost[peer]}",
             rank=peer,

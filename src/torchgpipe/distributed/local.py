@@ -43,6 +43,7 @@ class _Mesh:
         self.transfers = {pair: queue.SimpleQueue[Tensor | _Closed]() for pair in pairs}
         self.observe = observe
         self.closed: set[int] = set()
+        self.broken: set[frozenset[int]] = set()  # pairs given up after a timeout
         self.lock = threading.Lock()
 
 
@@ -51,7 +52,9 @@ class LocalTransport(Transport):
 
     Each thread plays one rank with its own transport from :meth:`mesh`. Tensors are
     copied on the way, as between processes. :meth:`close` plays a rank that dies: its
-    peers' ``recv``, ``send`` and transfers raise :class:`TransportError`. Transfers
+    peers' ``recv``, ``send`` and transfers raise :class:`TransportError`; a ``recv`` or a
+    transfer that times out gives the pair up, as gloo does: what either then sends the
+    other, or sent after, is not read, and raises there too. Transfers
     between two ranks are matched in the order each issued them, as NCCL matches them;
     a receive given another byte count than its send fails.
     """
@@ -143,12 +146,15 @@ class LocalTransport(Transport):
             except queue.Empty:
                 self._check_open(peer)  # closed meanwhile, here or there
                 if time.monotonic() >= deadline:
+                    with self._mesh.lock:  # as gloo gives a pair up: later items would
+                        self._mesh.broken.add(frozenset((peer, self.rank)))  # be misread
                     raise TransportError(
                         f"rank {peer} sent {what} to rank {self.rank} in {self.timeout} s", peer
                     ) from None
                 continue
             if isinstance(item, _Closed):
                 raise TransportError(f"rank {peer} closed its transport", peer)
+            self._check_pair(peer)  # what came after the pair was given up is not read
             return item
 
     def _check_open(self, peer: int | None) -> None:
@@ -156,6 +162,14 @@ class LocalTransport(Transport):
             raise TransportError(f"rank {self.rank} closed its transport", self.rank)
         if peer is not None and peer in self._mesh.closed:
             raise TransportError(f"rank {peer} closed its transport", peer)
+        if peer is not None:
+            self._check_pair(peer)
+
+    def _check_pair(self, peer: int) -> None:
+        if frozenset((peer, self.rank)) in self._mesh.broken:
+            raise TransportError(
+                f"ranks {self.rank} and {peer} gave their connection up after a timeout", peer
+            )
 
 
 class _Waited:

@@ -368,14 +368,22 @@ class ProcessGroupTransport(Transport):
 
     def flush(self) -> None:
         """Wait for the side-channel sends in flight; see :meth:`Transport.flush`."""
+        # Every one, even after one failed: gloo does not deliver a send whose work is
+        # dropped unfinished (its buffer goes with it), and a dead peer's failure would
+        # lose the live peers' ends of the step with it.
         pending, self._pending = self._pending, []
+        failure: TransportError | None = None
         for work, _, peer in pending:
             try:
                 work.wait()
             except RuntimeError as error:
-                raise TransportError(
-                    f"rank {self.rank} could not send to rank {peer}: {error}", peer
-                ) from error
+                if failure is None:
+                    failure = TransportError(
+                        f"rank {self.rank} could not send to rank {peer}: {error}", peer
+                    )
+                    failure.__cause__ = error
+        if failure is not None:
+            raise failure
 
     def recv(self, peer: int) -> Message:
         """Receive ``peer``'s next side-channel message; see :meth:`Transport.recv`."""
