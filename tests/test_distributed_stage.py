@@ -1462,3 +1462,28 @@ def test_a_rank_that_refuses_its_arguments_still_tells_the_others(call: str) -> 
     assert type(one) is RuntimeError, repr(one)
     assert "was called with other arguments on other processes: rank 0 with" in str(one)
     torch.testing.assert_close(after0.loss, after1.loss)
+
+
+def test_a_dropped_stage_goes_without_the_collector() -> None:
+    # The step's exchange, in a cycle with its transfers, held the stage through the
+    # functions it was given: dropped stages (parameters, listener threads) piled up
+    # until a collection, 18 of them in the review's loop of rebuilds.
+    import gc
+    import weakref
+
+    models = [mlp() for _ in range(2)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [4, 4], transport=transport, chunks=2)
+        Schedule1F1B(stage, _mse).step(x if stage.is_first else None, y if stage.is_last else None)
+        return weakref.ref(stage)
+
+    gc.collect()
+    gc.disable()
+    try:
+        refs = run_threads(rank, 2)
+        assert all(isinstance(ref, weakref.ref) for ref in refs), refs
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()

@@ -15,7 +15,7 @@ layers): it raises its error, the others a ``RemoteError`` that names it, at onc
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -437,17 +437,21 @@ class PipelineStage(PlacedModule, StageHolder):
             expect_micro_batches(layer, m)
 
     def exchange(self) -> Exchange:
-        """A new exchange for one step (or the start), listening to every peer."""
+        """A new exchange for one step (or the start), listening to every peer.
+
+        Its functions hold no reference to the stage: an exchange (in a cycle with its
+        transfers) would keep a dropped stage, parameters and listeners, until collected.
+        """
         self.transport.check_open()
-        routes = self.skip_layout.routes
+        routes, world = self.skip_layout.routes, self.world_size
         index = {route.key: k for k, route in enumerate(routes)}
 
         def owner(key: Key) -> int:  # the rank of the stage that takes it
             kind = key[0]
             if kind in ("F", "G"):
-                return int(key[1]) % self.world_size
+                return int(key[1]) % world
             route = routes[index[key[1]]]
-            return (route.pop_partition if kind == "S" else route.stash_partition) % self.world_size
+            return (route.pop_partition if kind == "S" else route.stash_partition) % world
 
         def wire(key: Key) -> Key:
             return (key[0], index[key[1]], *key[2:]) if key[0] in ("S", "SG") else key
@@ -481,12 +485,9 @@ class PipelineStage(PlacedModule, StageHolder):
 
         It needs none of what :meth:`_build` makes, which may have failed.
         """
-        return Exchange(
-            self.transport,
-            self._listeners(),
-            owner=lambda key: self.rank,
-            stages=self._rank_stages(),
-        )
+        rank = self.rank  # not self: see exchange()
+        owner: Callable[[Key], int] = lambda key: rank  # noqa: E731
+        return Exchange(self.transport, self._listeners(), owner=owner, stages=self._rank_stages())
 
     def _stop_listening(self) -> None:
         """Let the listener threads end (those of a stage that failed to start)."""
