@@ -671,6 +671,50 @@ def test_flush_waits_for_every_send_after_one_failed() -> None:
     assert [w.waited for w in works] == [True, True, True]
 
 
+class _Stalled:
+    """A send to a live peer that posts no receive: its wait returns once released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def wait(self) -> None:
+        self.released.wait()
+
+
+def test_flush_after_a_failed_send_waits_for_a_stalled_peer_a_grace_at_most() -> None:
+    # Else a live but stalled peer held the rank until the process group's timeout.
+    from torchgpipe.distributed.transport import ProcessGroupTransport
+
+    transport = object.__new__(ProcessGroupTransport)
+    transport.rank = 0
+    stalled = _Stalled()
+    empty = torch.empty(0, dtype=torch.uint8)
+    transport._pending = [(_Work(True), empty, 1), (stalled, empty, 2)]
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="rank 0 could not send to rank 1"):
+        transport.flush(0.1)
+    assert time.monotonic() - start < 5.0
+    stalled.released.set()
+
+
+def test_of_peers_lost_by_two_ranks_in_two_orders_every_rank_names_one() -> None:
+    # Ranks 2 and 3 died together; rank 0 lost 3 first, rank 1 lost 2 first, and each
+    # got the other's end: by each rank's own order alone, they named different ranks.
+    from torchgpipe.distributed.errors import first_failure
+
+    stages = [(0,), (1,), (2,), (3,)]
+    why = "died or cannot be reached"
+    named = []
+    for rank, mine in ((0, [3, 2]), (1, [2, 3])):
+        theirs = {"failed": True, "error": None, "lost": {p: why for p in mine[::-1]}}
+        failure = first_failure(
+            rank, stages, {1 - rank: (theirs, [])}, dict.fromkeys(mine, why), set()
+        )
+        assert failure is not None
+        named.append(failure.rank)
+    assert named == [2, 2]
+
+
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
     # Rank 0 sent its end, then died while its last transfers were under way: the
     # others' step halted for that loss alone, which names it.

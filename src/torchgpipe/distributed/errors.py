@@ -87,6 +87,7 @@ def first_failure(
     given up as silent, ``given_up`` here and in each end), the likely dead one; of
     those lost alike, the first this rank lost.
     """
+    mine = dict(lost)  # this rank's own losses, in the order they came
     errors = [s["error"] for s, _ in ends.values() if s.get("error") is not None]
     if errors:
         first = min(errors, key=lambda e: e["rank"])
@@ -101,7 +102,6 @@ def first_failure(
             action=first["action"],
             remote_traceback=first["traceback"],
         )
-    order = {p: k for k, p in enumerate(lost)}  # this rank's own losses, as they came
     seen, caused = Counter(list(lost)), Counter(p for p in lost if p not in given_up)
     strong = {p: r for p, r in lost.items() if p not in given_up}  # lost for a cause
     weak = {p: r for p, r in lost.items() if p in given_up}
@@ -115,9 +115,12 @@ def first_failure(
     lost = {**weak, **strong}  # a cause's reason over having given up
     lost.pop(rank, None)  # a peer lost after its end came: the cause if none else
     if lost := {p: r for p, r in lost.items() if p not in ends} or lost:
-        # Most lost it: dead. On a tie, the one this rank lost first: a peer whose
+        # Most lost it: dead. On a tie, the one lost first, over every rank's order of
+        # losses (the same sum on every rank that got the same ends): a peer whose
         # process ended after the failure (its own end sent) is lost later.
-        peer = min(lost, key=lambda p: (-caused[p], -seen[p], order.get(p, len(order)), p))
+        orders = [list(mine), *([int(p) for p in s["lost"]] for s, _ in ends.values())]
+        when = {p: sum(o.index(p) if p in o else len(o) for o in orders) for p in lost}
+        peer = min(lost, key=lambda p: (-caused[p], -seen[p], when[p], p))
         return RemoteError(
             f"rank {peer} (stages {list(stages[peer])}) {lost[peer]}",
             rank=peer,

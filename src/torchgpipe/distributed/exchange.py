@@ -35,14 +35,16 @@ others; they send theirs in turn. So a failure anywhere makes every rank fail, n
 the rank, the stage and the action where it started. A dead rank is seen by the
 transport (``TransportError``) and reported alike, as the rank the most others lost for
 a cause (of those lost alike, the first this rank lost). A failed send to the dead
-rank does not stop the sends to the others (``flush``): gloo never delivers a send left
-unwaited, and the live ranks would miss each other's ends.
+rank does not stop the sends to the others (``flush``, for :data:`LOST_GRACE` seconds
+more at most): gloo never delivers a send left unwaited, and the live ranks would miss
+each other's ends.
 
 Once a rank is known gone (this rank's transport failed to reach it, or an end says
 another's did), a wait on the others lasts :data:`LOST_GRACE` seconds at most: a death
 can leave a live process mute (gloo's event loop was seen spinning in one, its other
-connections starved; most such waits came from the sends dropped above, since fixed). Peers still silent then are given up, their listeners left in a
-receive that would take a later call's message: the transport refuses every later call.
+connections starved; most such waits came from sends dropped unwaited, since fixed).
+Peers still silent then are given up, their listeners left in a receive that would take
+a later call's message: the transport refuses every later call.
 
 An exchange serves one call of every process (a step, ``collect.py``), tagged by its
 first key's first element; a wait on a peer in another call ends at once, and each
@@ -435,7 +437,7 @@ class Exchange(Mailbox):
             self.transfers.drain()
         finally:
             try:
-                self.transport.flush()
+                self.transport.flush(LOST_GRACE)
             except TransportError as error:
                 self.lose(error.peer, _unreachable(error), gone=True)
             with self._arrived:  # every listener over, or given up (_give_up)

@@ -44,6 +44,7 @@ class _Mesh:
         self.observe = observe
         self.closed: set[int] = set()
         self.broken: set[frozenset[int]] = set()  # pairs given up after a timeout
+        self.timed_out: set[tuple[int, int]] = set()  # (sender, receiver) that timed out
         self.lock = threading.Lock()
 
 
@@ -97,7 +98,9 @@ class LocalTransport(Transport):
         self._check_open(peer)
         pickle.dumps(header)  # what could not cross a process boundary fails here too
         copies = [t.detach().clone() for t in tensors]
-        self._mesh.queues[(self.rank, peer)].put((header, copies))
+        with self._mesh.lock:  # nothing goes in after the pair was given up
+            self._check_pair(peer)
+            self._mesh.queues[(self.rank, peer)].put((header, copies))
 
     def recv(self, peer: int) -> Message:
         """Wait for ``peer``'s next message; see :meth:`Transport.recv`."""
@@ -112,7 +115,9 @@ class LocalTransport(Transport):
         for transfer in transfers:
             self._check_open(transfer.peer)
             if transfer.kind == "send":
-                self._mesh.transfers[(self.rank, transfer.peer)].put(transfer.buffer.clone())
+                with self._mesh.lock:
+                    self._check_pair(transfer.peer)
+                    self._mesh.transfers[(self.rank, transfer.peer)].put(transfer.buffer.clone())
                 pending.append(_Done())
             else:
                 receive = _LocalReceive(self, transfer.peer, transfer.buffer)
@@ -148,13 +153,18 @@ class LocalTransport(Transport):
                 if time.monotonic() >= deadline:
                     with self._mesh.lock:  # as gloo gives a pair up: later items would
                         self._mesh.broken.add(frozenset((peer, self.rank)))  # be misread
+                        self._mesh.timed_out.add((peer, self.rank))
                     raise TransportError(
                         f"rank {peer} sent {what} to rank {self.rank} in {self.timeout} s", peer
                     ) from None
                 continue
             if isinstance(item, _Closed):
                 raise TransportError(f"rank {peer} closed its transport", peer)
-            self._check_pair(peer)  # what came after the pair was given up is not read
+            # What came on the direction that timed out is not read (it came late); on
+            # the other, only what was queued before the break is, as gloo delivers it
+            # to a receive posted then (sends are refused after, under the lock).
+            if (peer, self.rank) in self._mesh.timed_out:
+                self._check_pair(peer)
             return item
 
     def _check_open(self, peer: int | None) -> None:

@@ -18,13 +18,14 @@ Every failure to reach a peer (it died, it closed, it timed out) raises
 on CPU, NCCL on GPU) and the side channel on a gloo group (the pipeline's own when it
 is gloo, under another tag); on gloo, which has no groups of operations, it issues
 them straight on the ``ProcessGroup``, one by one. ``wire.py`` makes the buffers.
-``local.py`` holds :class:`LocalTransport`, which connects
-threads of one process, for tests of the protocol above it without processes.
+``local.py`` holds :class:`LocalTransport`, which connects threads of one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,13 +38,7 @@ from torchgpipe.distributed.groups import backends_of, check_member
 from torchgpipe.distributed.wire import as_bytes, pack, packed_size, unpack
 from torchgpipe.stream import use_device
 
-__all__ = [
-    "Pending",
-    "ProcessGroupTransport",
-    "Transfer",
-    "Transport",
-    "TransportError",
-]
+__all__ = ["Pending", "ProcessGroupTransport", "Transfer", "Transport", "TransportError"]
 
 Message = tuple[Any, list[Tensor]]
 
@@ -142,8 +137,11 @@ class Transport(ABC):
             TransportError: a peer cannot be reached.
         """
 
-    def flush(self) -> None:  # noqa: B027  # a no-op for transports whose send waits
+    def flush(self, grace: float | None = None) -> None:  # noqa: B027  # no-op: sends wait
         """Wait until every message sent so far has left.
+
+        Once one could not be delivered, the others are waited for ``grace`` seconds
+        more at most (None: as long as they take), then that failure is raised.
 
         Raises:
             TransportError: a message could not be delivered.
@@ -366,24 +364,25 @@ class ProcessGroupTransport(Transport):
                     f"and the PipelineStage anew to run more steps, in every process"
                 )
 
-    def flush(self) -> None:
+    def flush(self, grace: float | None = None) -> None:
         """Wait for the side-channel sends in flight; see :meth:`Transport.flush`."""
-        # Every one, even after one failed: gloo does not deliver a send whose work is
-        # dropped unfinished (its buffer goes with it), and a dead peer's failure would
-        # lose the live peers' ends of the step with it.
+        # Each one, even after one failed: gloo never delivers a send whose work is
+        # dropped unwaited (the live peers' ends of a step would go with a dead one's).
+        # After a failure the rest wait on a thread left after ``grace`` s: a live peer
+        # posting no receive would hold this rank until the group's timeout, and gloo's
+        # wait(timeout) closes every pair of the process when it expires.
         pending, self._pending = self._pending, []
-        failure: TransportError | None = None
-        for work, _, peer in pending:
+        for k, (work, _, peer) in enumerate(pending):
             try:
                 work.wait()
             except RuntimeError as error:
-                if failure is None:
-                    failure = TransportError(
-                        f"rank {self.rank} could not send to rank {peer}: {error}", peer
-                    )
-                    failure.__cause__ = error
-        if failure is not None:
-            raise failure
+                rest = [w for w, _, _ in pending[k + 1 :]]
+                waiter = threading.Thread(target=_wait_all, args=(rest,), daemon=True)
+                waiter.start()
+                waiter.join(grace)
+                raise TransportError(
+                    f"rank {self.rank} could not send to rank {peer}: {error}", peer
+                ) from error
 
     def recv(self, peer: int) -> Message:
         """Receive ``peer``'s next side-channel message; see :meth:`Transport.recv`."""
@@ -491,3 +490,10 @@ class _Work:
             raise TransportError(
                 f"rank {self._rank} could not {kind} {direction} rank {peer}: {error}", peer
             ) from error
+
+
+def _wait_all(works: list[Any]) -> None:
+    """Wait for each of ``works``, whatever fails (``flush`` raised the first failure)."""
+    for work in works:
+        with contextlib.suppress(RuntimeError):
+            work.wait()
