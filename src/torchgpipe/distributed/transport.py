@@ -376,7 +376,7 @@ class ProcessGroupTransport(Transport):
             try:
                 work.wait()
             except RuntimeError as error:
-                rest = [w for w, _, _ in pending[k + 1 :]]
+                rest = pending[k + 1 :]  # their buffers too, which the works may not hold
                 waiter = threading.Thread(target=_wait_all, args=(rest,), daemon=True)
                 waiter.start()
                 waiter.join(grace)
@@ -492,8 +492,8 @@ class _Work:
             ) from error
 
 
-def _wait_all(works: list[Any]) -> None:
-    """Wait for each of ``works``, whatever fails (``flush`` raised the first failure)."""
-    for work in works:
+def _wait_all(sends: list[tuple[Any, Tensor, int]]) -> None:
+    """Wait for each of ``sends`` (work, buffer, peer), whatever fails (``flush`` told)."""
+    for work, _, _ in sends:
         with contextlib.suppress(RuntimeError):
             work.wait()
