@@ -715,6 +715,23 @@ def test_of_peers_lost_by_two_ranks_in_two_orders_every_rank_names_one() -> None
     assert named == [2, 2]
 
 
+def test_losses_after_a_ranks_end_do_not_order_its_choice_apart_from_the_others() -> None:
+    # Ranks 2 and 3 died after ranks 0 and 1 sent their ends (no loss told): rank 0 then
+    # lost 2 before 3, rank 1 3 before 2; by their own orders they named two ranks.
+    from torchgpipe.distributed.errors import first_failure
+
+    stages = [(0,), (1,), (2,), (3,)]
+    why = "died or cannot be reached"
+    named = []
+    for rank, mine in ((0, [2, 3]), (1, [3, 2])):
+        theirs = {"failed": True, "error": None, "lost": {}}
+        lost = dict.fromkeys(mine, why)
+        failure = first_failure(rank, stages, {1 - rank: (theirs, [])}, lost, set(), told={})
+        assert failure is not None
+        named.append(failure.rank)
+    assert named == [2, 2]
+
+
 def test_a_peer_lost_after_its_end_came_is_the_cause_when_no_other_is() -> None:
     # Rank 0 sent its end, then died while its last transfers were under way: the
     # others' step halted for that loss alone, which names it.

@@ -80,14 +80,17 @@ def first_failure(
     ends: dict[int, tuple[dict[str, Any], Any]],
     lost: dict[int, str],
     given_up: set[int],
+    *,
+    told: dict[int, str] | None = None,
 ) -> RemoteError | None:
     """What rank ``rank`` raises for a step that failed elsewhere, from the ends it got.
 
     The lowest rank that raised; else the peer the most ranks lost for a cause (not only
     given up as silent, ``given_up`` here and in each end), the likely dead one; of
-    those lost alike, the first this rank lost.
+    those lost alike, the first over the orders of losses that every rank read: each
+    end's, this rank's as its own end told it (``told``; ``lost`` where none was sent).
     """
-    mine = dict(lost)  # this rank's own losses, in the order they came
+    mine = dict(lost) if told is None else told  # this rank's losses, as the others read
     errors = [s["error"] for s, _ in ends.values() if s.get("error") is not None]
     if errors:
         first = min(errors, key=lambda e: e["rank"])

@@ -88,6 +88,8 @@ class Exchange(Mailbox):
             are objects of one process), and ``unwire`` its inverse.
     """
 
+    told: dict[int, str] | None = None  # self.lost as this rank's end said it (finish)
+
     def __init__(
         self,
         transport: Transport,
@@ -424,7 +426,8 @@ class Exchange(Mailbox):
         another did) and ``error``: the description of its own failure, if it raised.
         Call it on the thread of this rank's actions: it issues the plan's last rounds.
         """
-        status = {**status, "lost": dict(self.lost), "tag": self.tag, "call": self.call}
+        self.told = dict(self.lost)  # the losses the others read in this rank's end
+        status = {**status, "lost": self.told, "tag": self.tag, "call": self.call}
         status.update(moved=self.moved, gone=self.gone, given_up=sorted(self.given_up))
         for peer in self.peers:
             if peer in self.lost and peer not in self.given_up:  # given up: maybe alive
@@ -460,7 +463,9 @@ class Exchange(Mailbox):
 
     def remote_failure(self) -> RemoteError | None:
         """The failure of another rank that stopped this step, or None if none did."""
-        failure = first_failure(self.rank, self.stages, self.ends, self.lost, self.given_up)
+        failure = first_failure(
+            self.rank, self.stages, self.ends, self.lost, self.given_up, told=self.told
+        )
         if failure is None and self.halted and not self.other_calls():  # pragma: no cover
             return RemoteError("the step stopped on another rank", rank=-1, stages=())
         return failure

@@ -367,10 +367,10 @@ class ProcessGroupTransport(Transport):
     def flush(self, grace: float | None = None) -> None:
         """Wait for the side-channel sends in flight; see :meth:`Transport.flush`."""
         # Each one, even after one failed: gloo never delivers a send whose work is
-        # dropped unwaited (the live peers' ends of a step would go with a dead one's).
-        # After a failure the rest wait on a thread left after ``grace`` s: a live peer
-        # posting no receive would hold this rank until the group's timeout, and gloo's
-        # wait(timeout) closes every pair of the process when it expires.
+        # dropped unwaited (the live peers' ends would go with a dead one's). After a
+        # failure the rest wait on a thread left after ``grace`` s (gloo's wait(timeout)
+        # closes every pair of the process); a send before it, to a live peer posting no
+        # receive, still holds this rank until the group's timeout, as a stalled peer does.
         pending, self._pending = self._pending, []
         for k, (work, _, peer) in enumerate(pending):
             try:
