@@ -156,6 +156,7 @@ def test_solve_takes_numpy_and_tensor_scalars() -> None:
         ([1.0, -2.0], 1, r"non-negative, got \[\(1, -2.0\)\]"),
         ([1.0, float("nan")], 1, "finite"),
         ([1.0], 0, "partitions must be a positive int"),
+        ([1, 10**400], 1, "costs must be numbers"),  # no float holds it (was OverflowError)
     ],
 )
 def test_solve_rejects_bad_input(costs: list[float], k: int, match: str) -> None:
@@ -324,6 +325,21 @@ def test_balancing_rejects_bad_arguments() -> None:
         # By time, zero-row layers were timed and a balance returned.
         with pytest.raises(ValueError, match="is an empty batch"):
             balance(2, model, torch.randn(0, 2), device="cpu")
+        # The sample on meta failed in the first layer with torch's bare message.
+        with pytest.raises(ValueError, match="sample, which is on the meta device"):
+            balance(2, model, torch.empty(4, 2, device="meta"), device="cpu")
+        # What GPipe refuses, balancing refuses alike (it profiled a chain of layers that
+        # the subclass's forward does not run).
+        with pytest.raises(TypeError, match="has a forward of its own"):
+            balance(2, _Residual(nn.Linear(2, 2), nn.Linear(2, 2)), x, device="cpu")
+        twice = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="layer 1 is the same module as layer 0"):
+            balance(2, nn.Sequential(twice, twice), x, device="cpu")
+
+
+class _Residual(nn.Sequential):
+    def forward(self, x: Tensor) -> Tensor:
+        return x + super().forward(x)
 
 
 def test_balancing_takes_numpy_integers() -> None:
@@ -424,6 +440,60 @@ def test_balancing_leaves_an_integer_sample_as_it_was(by: str) -> None:
 def test_balance_by_size_takes_lazy_layers() -> None:
     model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(4))
     assert sum(balance_by_size(2, model, torch.randn(8, 3), chunks=2)) == 3
+
+
+class _CountedLazy(nn.LazyLinear):
+    """A lazy layer that counts how often it makes its parameters."""
+
+    made = 0
+
+    def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
+        _CountedLazy.made += 1  # not type(self): made, it becomes an nn.Linear
+        super().initialize_parameters(input)
+
+
+class _CountedCalls(nn.Module):
+    calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        _CountedCalls.calls += 1
+        return x
+
+
+def test_balance_by_time_times_a_lazy_layer_made_once() -> None:
+    # Each pass copied the lazy model's layer anew, which made (and initialized) its
+    # weights inside the timed region at every pass: a lazy layer timed 3.7 times its
+    # eager twin. Its copy from the warm-up, weights made, is the one timed now.
+    _CountedLazy.made = _CountedCalls.calls = 0
+    model = nn.Sequential(_CountedLazy(8), _CountedCalls())
+    balance_by_time(2, model, torch.randn(4, 3), timeout=0.05, device="cpu")
+    assert _CountedCalls.calls >= 3  # the warm-up and timed passes
+    assert _CountedLazy.made == 1
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)  # left alone
+
+
+class _ToSparse(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_sparse()
+
+
+class _ToDense(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_dense()
+
+
+def test_balancing_takes_sparse_tensors_between_layers() -> None:
+    # GPipe passes them; balancing failed on them (ones_like of a sparse tensor; the
+    # storage of one, which it has not).
+    model = nn.Sequential(nn.Linear(4, 4), _ToSparse(), _ToDense(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    assert sum(balance_by_time(2, model, x, timeout=0.01, device="cpu")) == 4
+    assert sum(balance_by_size(2, model, x, device="cpu")) == 4
+    sizes = profile.layerwise_size(model, x, chunks=1, param_scale=0, device=torch.device("cpu"))
+    sparse = torch.randn(3, 4).to_sparse()  # the sparse layer's output: its two storages
+    assert sizes[1] == sum(
+        t.untyped_storage().nbytes() for t in (sparse._indices(), sparse._values())
+    )
 
 
 @skippable(pop=["skip"])

@@ -332,6 +332,14 @@ def test_len_indexing_and_iteration() -> None:
     assert model[-1] is module[3]
     assert list(model) == list(module)
     assert list(model[1:3]) == [module[1], module[2]]
+    # A slice keeps the layers' names, as the Sequential's own slice does.
+    named = nn.Sequential(OrderedDict(a=nn.Linear(2, 2), b=nn.ReLU(), c=nn.Linear(2, 2)))
+    sliced = GPipe(named, [2, 1])[::2]
+    assert (
+        list(sliced.state_dict())
+        == list(named[::2].state_dict())
+        == ["a.weight", "a.bias", "c.weight", "c.bias"]
+    )
 
 
 def test_state_dict_keys_are_the_sequentials() -> None:

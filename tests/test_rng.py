@@ -486,6 +486,32 @@ def test_rng_generators_given_positionally_are_kept() -> None:
     assert torch.equal(first, other)
 
 
+POSITIONAL_NONE: dict[str, Callable[..., Any]] = {  # called with (None,) or without
+    "poisson": lambda *g: torch.poisson(torch.full((5,), 4.0), *g),
+    "binomial": lambda *g: torch.binomial(torch.full((5,), 9.0), torch.full((5,), 0.5), *g),
+    "_standard_gamma": lambda *g: torch._standard_gamma(torch.full((5,), 2.0), *g),
+    "_sample_dirichlet": lambda *g: torch._sample_dirichlet(torch.full((5,), 2.0), *g),
+    "rrelu": lambda *g: torch.rrelu(torch.full((5,), -1.0), 0.1, 0.3, True, *g),
+    "init.uniform_": lambda *g: nn.init.uniform_(torch.empty(5), 0.0, 1.0, *g),
+    "init.kaiming_uniform_": lambda *g: nn.init.kaiming_uniform_(
+        torch.empty(3, 5), 0.0, "fan_in", "leaky_relu", *g
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POSITIONAL_NONE))
+def test_rng_a_generator_of_none_given_positionally_draws_from_the_cell(name: str) -> None:
+    # A layer's optional generator (None by default) passed on positionally: the cell
+    # added its own by keyword as well, and the call raised "multiple values".
+    call = POSITIONAL_NONE[name]
+    positional, replayed = _twice(lambda: call(None))
+    assert torch.equal(positional, replayed)
+    left_out, _ = _twice(lambda: call())  # the same seed: the cell's numbers, as without
+    assert torch.equal(positional, left_out)
+    other, _ = _twice(lambda: call(None), seed=12)
+    assert not torch.equal(positional, other)
+
+
 class OwnGenerator(nn.Module):
     """Drops what its own generator says (a layer seeded apart from the process)."""
 

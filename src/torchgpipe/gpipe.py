@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -269,10 +270,9 @@ class GPipe(PlacedModule, StageHolder):
     def __getitem__(self, index: slice) -> nn.Sequential: ...
 
     def __getitem__(self, index: int | slice) -> nn.Module:
-        layers = list(self._modules.values())
-        if isinstance(index, slice):
-            return nn.Sequential(*layers[index])  # type: ignore[arg-type]
-        layer = layers[index]
+        if isinstance(index, slice):  # under the layers' names, as a Sequential's slice
+            return nn.Sequential(OrderedDict(list(self._modules.items())[index]))  # type: ignore[arg-type]
+        layer = list(self._modules.values())[index]
         assert layer is not None  # add_module was never given None
         return layer
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-__all__ = ["HANDLERS", "NAMES", "Draws", "Handler", "native_dropout"]
+__all__ = ["GENERATOR_AT", "HANDLERS", "NAMES", "Draws", "Handler", "native_dropout"]
 
 
 class Draws(Protocol):
@@ -453,3 +453,34 @@ HANDLERS: dict[Any, Handler] = {func: handler for func, (_, handler) in _TABLE.i
 
 NAMES: tuple[str, ...] = tuple(sorted(name for name, _ in _TABLE.values()))
 """The names of the functions handled, as users write them."""
+
+# torch's samplers that take their generator as their last positional argument, where:
+# builtins, whose signatures Python cannot read.
+_BUILTIN_GENERATOR_AT = {
+    "poisson": 1,
+    "binomial": 2,
+    "_standard_gamma": 1,
+    "_sample_dirichlet": 1,
+    "rrelu": 4,
+    "rrelu_": 4,
+}
+
+
+def _generator_at(func: Any) -> int | None:
+    if func is getattr(torch, getattr(func, "__name__", ""), None):
+        return _BUILTIN_GENERATOR_AT.get(func.__name__)
+    try:
+        names = [
+            name
+            for name, p in inspect.signature(func).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a method of Tensor: its generator is keyword-only
+        return None
+    return names.index("generator") if names[-1:] == ["generator"] else None
+
+
+GENERATOR_AT: dict[Any, int] = {
+    func: at for func in _TABLE if (at := _generator_at(func)) is not None
+}
+"""Where a function handled may take its generator positionally (its last argument)."""

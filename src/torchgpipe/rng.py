@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchgpipe.random_functions import HANDLERS, NAMES, native_dropout
+from torchgpipe.random_functions import GENERATOR_AT, HANDLERS, NAMES, native_dropout
 
 __all__ = ["CellRandomness", "cell_seed", "draw_seed", "own_generators", "random_functions"]
 
@@ -162,6 +162,9 @@ class _CellGenerators(TorchFunctionMode):
             return self._given(func, args, kwargs)
         if "generator" in kwargs:  # generator=None, as torch.nn.init passes it on
             kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+        at = GENERATOR_AT.get(func)
+        if at is not None and len(args) == at + 1 and args[at] is None:  # poisson(x, None)
+            args = args[:at]  # the handler gives the cell's generator, by keyword
         return handler(self, func, args, kwargs)
 
     def _check_call(self, call: _Call, forward: list[_Call]) -> None:

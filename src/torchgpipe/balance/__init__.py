@@ -19,14 +19,16 @@ import numbers
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from torchgpipe.balance.blockpartition import check_partitions, solve
 from torchgpipe.balance.profile import layerwise_size, layerwise_time
 from torchgpipe.devices import as_device
 from torchgpipe.gpipe import check_chunks
 from torchgpipe.materialize import on_meta
+from torchgpipe.microbatch import flatten
 from torchgpipe.skip.layout import verify_skippables
+from torchgpipe.tied import check_layers
 
 __all__ = ["balance_by_size", "balance_by_time"]
 
@@ -62,13 +64,14 @@ def balance_by_time(
 
     Raises:
         TypeError: ``partitions`` is not an integer, ``module`` is not an
-            ``nn.Sequential``, or its skips do not match.
+            ``nn.Sequential`` (or has a ``forward`` of its own), or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, a
-            ``timeout`` that is not a finite positive number, a model on the meta
-            device, a ``device`` that is not available or is ``'meta'``, or a
-            ``sample`` that the pipeline would refuse (an empty batch).
+            ``timeout`` that is not a finite positive number, a model or ``sample`` on
+            the meta device, a layer listed twice, a ``device`` that is not available
+            or is ``'meta'``, or a ``sample`` that the pipeline would refuse (an empty
+            batch).
     """
-    partitions = _check(partitions, module)
+    partitions = _check(partitions, module, sample)
     if not _real(timeout) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a finite positive number of seconds, got {timeout!r}")
     times = layerwise_time(module, sample, timeout=timeout, device=_device(device))
@@ -107,13 +110,14 @@ def balance_by_size(
     Raises:
         TypeError: ``partitions`` is not an integer, ``chunks`` is not one (a float
             with no fraction, ``4.0``, counts as one, as in :class:`~torchgpipe.GPipe`),
-            ``module`` is not an ``nn.Sequential``, or its skips do not match.
+            ``module`` is not an ``nn.Sequential`` (or has a ``forward`` of its own),
+            or its skips do not match.
         ValueError: ``partitions`` not positive or more than the layers, ``chunks``
             not positive, a ``param_scale`` that is not a finite non-negative number,
-            a model on the meta device, or a ``device`` that is not available or is
-            ``'meta'``.
+            a model or ``input`` on the meta device, a layer listed twice, or a
+            ``device`` that is not available or is ``'meta'``.
     """
-    partitions = _check(partitions, module)
+    partitions = _check(partitions, module, input)
     chunks = check_chunks(chunks)  # as GPipe checks it
     if not _real(param_scale) or not 0 <= param_scale < math.inf:
         raise ValueError(f"param_scale must be a finite non-negative number, got {param_scale!r}")
@@ -123,7 +127,7 @@ def balance_by_size(
     return solve(sizes, partitions)
 
 
-def _check(partitions: int, module: nn.Sequential) -> int:
+def _check(partitions: int, module: nn.Sequential, sample: Any) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"balancing takes an nn.Sequential, got {type(module).__name__}")
     if on_meta(module):
@@ -133,7 +137,13 @@ def _check(partitions: int, module: nn.Sequential) -> int:
             "name: at=[...]), or balance a copy of the model built with values (a "
             "smaller one of the same layers, for a model too large for one process)"
         )
+    if any(isinstance(x, Tensor) and x.is_meta for x in flatten(sample)[0]):
+        raise ValueError(
+            "balancing times and measures the layers on the sample, which is on the meta "
+            "device, where nothing runs: give a sample with values (of the same shapes)"
+        )
     partitions = check_partitions(len(module), partitions)  # before the slow profiling
+    check_layers(module)  # what GPipe would refuse (a forward of its own): no use to balance
     verify_skippables(module)
     return partitions
 

@@ -82,7 +82,7 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
     partitions = check_partitions(len(costs), partitions)
     try:
         values = [float(c) for c in costs]  # numpy scalars and 0-dim tensors included
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(f"costs must be numbers, got {list(costs)[:5]}...: {error}") from None
     bad = [(i, c) for i, c in enumerate(values) if not (math.isfinite(c) and c >= 0)]
     if bad:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import flatten, map_tensors, scatter
@@ -77,10 +78,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+def _copies(
+    module: nn.Sequential, device: torch.device, warmed: dict[int, nn.Module] | None = None
+) -> Iterator[nn.Module]:
     # Each layer is copied on its own; a stashing layer's copy and the popping layer's
-    # copy still name their skip alike, since a copy of a Namespace equals it.
+    # copy still name their skip alike, since a copy of a Namespace equals it. A lazy
+    # layer is copied from its copy in ``warmed``, which has made its parameters.
     for j, layer in enumerate(module):
+        if warmed is not None and j in warmed:
+            yield copy.deepcopy(warmed[j])
+            continue
         try:
             made = copy.deepcopy(layer).to(device).train()
         except Exception as error:
@@ -127,12 +134,15 @@ def layerwise_time(
     """
     scatter(sample, 1)  # refuses what the pipeline would (an empty batch), as by size
     totals = [0.0] * len(module)
+    # A lazy layer's copy made its parameters in the warm-up: a copy of that one then
+    # times the layer as training runs it, not its initialization at every pass.
+    warmed: dict[int, nn.Module] = {}
     with _profiling() as tracker:
-        _time_pass(module, sample, device, totals, tracker)  # a warm-up, not counted
+        _time_pass(module, sample, device, totals, tracker, warmed)  # a warm-up, not counted
         totals = [0.0] * len(module)
         start = time.perf_counter()
         while True:
-            _time_pass(module, sample, device, totals, tracker)
+            _time_pass(module, sample, device, totals, tracker, warmed)
             if time.perf_counter() - start >= timeout:
                 return totals
 
@@ -143,14 +153,18 @@ def _time_pass(
     device: torch.device,
     totals: list[float],
     tracker: _DetachingTracker,
+    warmed: dict[int, nn.Module],
 ) -> None:
     """One pass over the layers, adding each one's forward and backward time to totals.
 
     Each layer is copied to the device for its turn only: the model as a whole need not
-    fit there (that is what the pipeline is for).
+    fit there (that is what the pipeline is for); a lazy one's first copy that made its
+    parameters is kept in ``warmed`` (the first pass fills it).
     """
     value = map_tensors(lambda x: x.to(device), sample)
-    for j, layer in enumerate(_copies(module, device)):
+    first = not warmed
+    for j, layer in enumerate(_copies(module, device, warmed)):
+        lazy = first and _is_lazy(layer)
         value = _fresh_input(value)
         _synchronize(device)
         begin = time.perf_counter()
@@ -159,9 +173,11 @@ def _time_pass(
             outputs = [y for y in flatten(output)[0] if isinstance(y, Tensor) and y.requires_grad]
             outputs += [y for y in tracker.stashed if y.requires_grad]  # their backward too
             if outputs:
-                torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
+                torch.autograd.backward(outputs, [_ones(y) for y in outputs])
         _synchronize(device)
         totals[j] += time.perf_counter() - begin
+        if lazy:
+            warmed[j] = layer
         tracker.stashed.clear()  # only sizes want them: kept, every pass's would pile up
         value = map_tensors(_leaf, output)
 
@@ -184,11 +200,11 @@ def layerwise_size(
     with _profiling() as tracker:
         for j, layer in enumerate(_copies(module, device)):
             value = _fresh_input(value)
-            known = {_storage(x) for x in _tensors(value)}
+            known = {key for x in _tensors(value) for key in _storages(x)}
             saved: dict[tuple[int, str], int] = {}
 
             def pack(x: Tensor, saved: dict[tuple[int, str], int] = saved) -> Tensor:
-                saved[_storage(x)] = x.untyped_storage().nbytes()
+                saved.update(_storages(x))
                 return x
 
             with (
@@ -197,10 +213,10 @@ def layerwise_size(
             ):
                 output = layer(value)
             # After the call: a lazy layer makes its parameters there.
-            known |= {_storage(p) for p in layer.parameters()}
+            known |= {key for p in layer.parameters() for key in _storages(p)}
             # Its outputs, and its skips: kept until a later layer pops them.
             for y in [*_tensors(output), *tracker.stashed]:
-                saved[_storage(y)] = y.untyped_storage().nbytes()
+                saved.update(_storages(y))
             tracker.stashed.clear()
             activations = sum(size for key, size in saved.items() if key not in known)
             trained = sum(_bytes(p) for p in layer.parameters() if p.requires_grad)
@@ -218,5 +234,32 @@ def _tensors(value: Any) -> list[Tensor]:
     return [x for x in flatten(value)[0] if isinstance(x, Tensor)]
 
 
-def _storage(x: Tensor) -> tuple[int, str]:
-    return (x.untyped_storage().data_ptr(), str(x.device))
+def _storages(x: Tensor) -> dict[tuple[int, str], int]:
+    """The storages of ``x`` (a sparse tensor's indices and values), each one's bytes."""
+    if x.layout == torch.sparse_coo:
+        parts = [x._indices(), x._values()]
+    elif x.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [x.crow_indices(), x.col_indices(), x.values()]
+    elif x.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [x.ccol_indices(), x.row_indices(), x.values()]
+    else:
+        parts = [x]
+    sizes = {}
+    for part in parts:
+        storage = part.untyped_storage()
+        sizes[(storage.data_ptr(), str(part.device))] = storage.nbytes()
+    return sizes
+
+
+def _ones(y: Tensor) -> Tensor:
+    """A gradient of ones for ``y``: dense for a sparse one, which autograd accepts."""
+    if y.layout == torch.strided:
+        return torch.ones_like(y)
+    return torch.ones(y.shape, dtype=y.dtype, device=y.device)
+
+
+def _is_lazy(layer: nn.Module) -> bool:
+    """Whether a module of ``layer`` makes its parameters at its first call."""
+    return any(
+        isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in layer.modules()
+    )
