@@ -341,10 +341,10 @@ class GPipe(PlacedModule, StageHolder):
         """
         with self.workers.exclusive():
             self._ties.begin()
-            # The parameters' own hooks run once, after the ties are summed (grad_hooks.py).
-            with hooks_once(self.parameters(), self._ties.groups):
+            # The parameters' own hooks run once, after the ties are summed (grad_hooks.py):
+            # the tied weights' copies get the sum of their gradients as the step ends.
+            with hooks_once(self.parameters(), self._ties.groups), self._ties.summing():
                 result = pipeline.step(self, steps, input, target)
-                self._ties.reduce()  # the tied weights' copies get the sum of their gradients
         return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:

@@ -467,8 +467,9 @@ _BUILTIN_GENERATOR_AT = {
 
 
 def _generator_at(func: Any) -> int | None:
-    if func is getattr(torch, getattr(func, "__name__", ""), None):
-        return _BUILTIN_GENERATOR_AT.get(func.__name__)
+    name = getattr(func, "__name__", "")
+    if func is getattr(torch, name, None):
+        return _BUILTIN_GENERATOR_AT.get(name)
     try:
         names = [
             name

@@ -36,16 +36,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from torchgpipe.grad_hooks import SUMS_SHARES, dense, summed
+from torchgpipe.grad_hooks import dense, summed
 from torchgpipe.materialize import every_name_fits, loaded_value, state_names, tied_state_dict
 from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.tied_sums import Record, ReduceAtEnd
 
 __all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
 
@@ -123,6 +125,7 @@ class Ties:
         self._flags = [True] * len(slots)  # per group: requires_grad, as last made equal
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], Tensor] = {}
+        self._in_flight = 0  # backward passes and steps under way (tied_sums.py)
         self._handles: list[RemovableHandle] = []
         # What _hook() hooked: (group, copy, parameter, its __dict__ then).
         self._hooked: list[tuple[int, int, Tensor, dict[str, Any]]] = []
@@ -219,14 +222,13 @@ class Ties:
         self.begin()  # every copy frozen where one is, and watched
 
     def begin(self) -> None:
-        """Get ready for a forward: forget what an earlier backward left unreduced.
+        """Get ready for a forward or a step: every copy frozen where one is, and watched.
 
-        Freezing or unfreezing any name of a tied weight does it to the weight, as with
+        What backwards under way noted is kept (see ``tied_sums.py``). Freezing or
+        unfreezing any name of a tied weight does it to the weight, as with
         the plain model's single tensor: where a copy's ``requires_grad`` differs from
         what the group had, every copy takes the new value (and the hooks follow).
         """
-        with self._lock:
-            self._pending.clear()
         for g, group in enumerate(self.groups):
             last = self._flags[g]
             flag = next((p.requires_grad for p in group if p.requires_grad != last), last)
@@ -240,6 +242,34 @@ class Ties:
             for a, b in zip(wanted, self._hooked, strict=False)
         ):
             self._hook()
+
+    def passing(self) -> None:
+        """A backward pass or a step begins; :meth:`passed` says when it is over."""
+        with self._lock:
+            self._in_flight += 1
+
+    def passed(self, ran: bool) -> None:
+        """A backward pass or step is over: summed (``ran``), or failed.
+
+        A failed one's shares are dropped once no other is under way (which would sum
+        them): a sum after a failure takes no part of the failed backward.
+        """
+        with self._lock:
+            self._in_flight -= 1
+            if not ran and not self._in_flight:
+                self._pending.clear()
+
+    @contextmanager
+    def summing(self) -> Iterator[None]:
+        """Around a step: its shares summed at its end (:meth:`reduce`)."""
+        self.passing()
+        ran = False
+        try:
+            yield
+            self.reduce()
+            ran = True
+        finally:
+            self.passed(ran)
 
     def reduce(self, across: Across | None = None) -> None:
         """Give every copy the sum of the gradients all its group's uses added since.
@@ -323,7 +353,7 @@ class Ties:
         wanting = [x for leaves, _ in flat for x in leaves if _wants_grad(x)]
         if not wanting:
             return outputs
-        views = iter(_ReduceAtEnd.apply(self, *wanting))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
+        views = iter(ReduceAtEnd.apply(self, *wanting))  # type: ignore[no-untyped-call]  # Function.apply is unannotated
         return [
             unflatten([next(views) if _wants_grad(x) else x for x in leaves], spec)
             for leaves, spec in flat
@@ -359,7 +389,7 @@ class Ties:
         for handle in self._handles:
             handle.remove()
         wanted = self._wanted()
-        self._handles = [p.register_hook(_Record(self, (g, c))) for g, c, p in wanted]
+        self._handles = [p.register_hook(Record(self, (g, c))) for g, c, p in wanted]
         for (_, _, p), handle in zip(wanted, self._handles, strict=True):
             # First among the parameter's hooks, hooked anew or not: the share recorded
             # for the sum is the engine's, whatever a user's hook returns.
@@ -440,44 +470,10 @@ def tie_groups(params: Iterable[Tensor]) -> list[tuple[Tensor, ...]]:
     groups: dict[tuple[int, int], tuple[Tensor, ...]] = {}
     for p in params:
         for hook in (getattr(p, "_backward_hooks", None) or {}).values():
-            if isinstance(hook, _Record):
+            if isinstance(hook, Record):
                 g = hook.key[0]
                 groups[(id(hook.ties), g)] = tuple(hook.ties.groups[g])
     return list(groups.values())
-
-
-class _Record:
-    """A tensor hook: passes the gradient on, and tells the ties about it.
-
-    It only adds up what it is told, so it may see a gradient in shares
-    (``grad_hooks.hooks_once``).
-    """
-
-    def __init__(self, ties: Ties, key: tuple[int, int]) -> None:
-        self.ties, self.key = ties, key
-
-    def __call__(self, grad: Tensor) -> None:
-        self.ties.record(self.key, grad)
-
-
-class _ReduceAtEnd(torch.autograd.Function):
-    """Identity in forward; in backward, queues the ties' reduction for the engine's end."""
-
-    @staticmethod
-    def forward(ctx: Any, ties: Ties, *xs: Tensor) -> tuple[Tensor, ...]:
-        ctx.ties = ties
-        # detach(), not the tensor itself: a custom Function's view of its input could
-        # not be modified in place afterwards.
-        return tuple(x.detach() for x in xs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(ctx.ties.reduce)
-        return (None, *grads)
-
-
-setattr(_Record, SUMS_SHARES, True)  # it may see a gradient in shares: see its docstring
 
 
 def _wants_grad(x: Any) -> bool:

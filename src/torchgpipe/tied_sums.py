@@ -1,0 +1,87 @@
+"""When the shares of a tied weight's gradient are summed, and when they are dropped.
+
+Each copy of a tied weight notes what a backward adds to it (:class:`Record`, a tensor
+hook); the shares are summed when the library knows the backward is over
+(``Ties.reduce``): at the end of a schedule's step (``Ties.summing``), and for
+``model(x)`` at the end of the engine's backward pass, through the callback that the
+outputs' node queues (:class:`ReduceAtEnd`, :class:`PassEnd`).
+
+Shares are forgotten only when the pass or step that noted them failed and no other one
+is still under way: a forward of another thread (an evaluation thread beside the
+training one) must not drop what a backward in progress has noted, or its sum would miss
+them. A failed pass is seen as the engine drops its callback unrun.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from torchgpipe.grad_hooks import SUMS_SHARES
+
+if TYPE_CHECKING:
+    from torchgpipe.tied import Ties
+
+__all__ = ["PassEnd", "Record", "ReduceAtEnd"]
+
+
+class Record:
+    """A tensor hook: passes the gradient on, and tells the ties about it.
+
+    It only adds up what it is told, so it may see a gradient in shares
+    (``grad_hooks.hooks_once``).
+    """
+
+    def __init__(self, ties: Ties, key: tuple[int, int]) -> None:
+        self.ties, self.key = ties, key
+
+    def __call__(self, grad: Tensor) -> None:
+        """Note ``grad``, the share of this copy."""
+        self.ties.record(self.key, grad)
+
+
+setattr(Record, SUMS_SHARES, True)  # it may see a gradient in shares: see its docstring
+
+
+class PassEnd:
+    """The engine's callback at the end of a backward pass through the ties' outputs.
+
+    Run, it sums the shares; dropped unrun (the pass failed), it only says the pass is
+    over. Either way once.
+    """
+
+    def __init__(self, ties: Ties) -> None:
+        self._ties = ties
+        self._dropped = weakref.finalize(self, ties.passed, False)
+
+    def __call__(self) -> None:
+        """Sum the shares: the pass ended well."""
+        self._dropped.detach()
+        ran = False
+        try:
+            self._ties.reduce()
+            ran = True
+        finally:
+            self._ties.passed(ran)
+
+
+class ReduceAtEnd(torch.autograd.Function):
+    """Identity in forward; in backward, a pass begins: its sum comes at the engine's end."""
+
+    @staticmethod
+    def forward(ctx: Any, ties: Ties, *xs: Tensor) -> tuple[Tensor, ...]:
+        """The outputs as they are."""
+        ctx.ties = ties
+        # detach(), not the tensor itself: a custom Function's view of its input could
+        # not be modified in place afterwards.
+        return tuple(x.detach() for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        """The gradients as they are; the sum queued for the engine's end."""
+        ctx.ties.passing()
+        torch.autograd.Variable._execution_engine.queue_callback(PassEnd(ctx.ties))
+        return (None, *grads)
