@@ -380,6 +380,27 @@ def test_inference_mode_reaches_every_partition() -> None:
         torch.testing.assert_close(out, plain(x))
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_inference_mode_with_grad_enabled_records_nothing_as_the_plain_model(
+    training: bool, checkpoint: str
+) -> None:
+    # Regression: enable_grad() inside inference_mode() made the pipeline build a graph
+    # per stage, and partition 1 tried to save partition 0's inference tensors for a
+    # backward ("Inference tensors cannot be saved for backward"); the plain model runs.
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    plain = copy.deepcopy(layers).train(training)
+    model = GPipe(layers, [2, 1], chunks=2, checkpoint=checkpoint).train(training)  # type: ignore[arg-type]
+    x = torch.randn(4, 4)
+    with torch.inference_mode(), torch.enable_grad():
+        expected, out = plain(x), model(x)
+    assert out.is_inference()
+    assert not out.requires_grad
+    assert expected.is_inference()
+    assert not expected.requires_grad
+    torch.testing.assert_close(out, expected)
+
+
 class WhereAmI(nn.Module):
     def __init__(self, seen: dict[int, str], j: int) -> None:
         super().__init__()

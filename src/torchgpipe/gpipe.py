@@ -296,7 +296,7 @@ class GPipe(PlacedModule, StageHolder):
         self.workers.check_caller()  # before the deferred batch norms and ties change
         batches = scatter(input, self.chunks)
         m = len(batches)
-        training = self.training and torch.is_grad_enabled()
+        training = self.training and pipeline.records()
         stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
         if self._ties:
             self._ties.begin()

@@ -66,7 +66,15 @@ from torchgpipe.worker import Workers
 if TYPE_CHECKING:
     from torchgpipe.gpipe import GPipe
 
-__all__ = ["check_table", "clock_cycles", "forward_only", "run", "step", "workers_run_backward"]
+__all__ = [
+    "check_table",
+    "clock_cycles",
+    "forward_only",
+    "records",
+    "run",
+    "step",
+    "workers_run_backward",
+]
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
@@ -76,6 +84,15 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
     """
     for k in range(m + n - 1):
         yield [(k - j, j) for j in range(max(0, k - m + 1), min(k + 1, n))]
+
+
+def records() -> bool:
+    """Whether autograd records a graph on this thread: grad mode on, inference mode off.
+
+    Under ``inference_mode()`` even ``enable_grad()`` records none, and the cells make
+    inference tensors, which no graph may save.
+    """
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 def workers_run_backward(devices: Sequence[torch.device]) -> bool:
@@ -107,7 +124,7 @@ def run(
     def describe(action: Action) -> str:
         return f"partition {action.stage} on {devices[action.stage]}"
 
-    grad = torch.is_grad_enabled()
+    grad = records()
     upstream = [
         [x for x in flatten(batch)[0] if isinstance(x, Tensor) and x.requires_grad]
         for batch in (batches if grad else ())
