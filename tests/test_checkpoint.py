@@ -1,3 +1,4 @@
+import copy
 import gc
 import itertools
 import weakref
@@ -7,7 +8,7 @@ import torch
 from helpers import Recorder, indexed_input
 from torch import Tensor, nn
 
-from torchgpipe import GPipe, is_checkpointing, is_recomputing
+from torchgpipe import GPipe, is_checkpointing, is_recomputing, pipeline
 
 
 class Flags(nn.Module):
@@ -174,3 +175,50 @@ def test_checkpointing_advances_the_global_generator() -> None:
     model = GPipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], chunks=2)
     x = torch.ones(4, 64, requires_grad=True)
     assert not torch.equal(model(x), model(x))  # each step draws new masks
+
+
+class _Mode(nn.Module):
+    """Records the training flag each call of its forward saw."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(self.training)
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("backward_by", ["stages", "engine"])
+def test_eval_between_the_forward_and_its_backward_recomputes_in_training_mode(
+    checkpoint: str, backward_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a model switched to eval() between the forward and the backward (a
+    # validation pass in between) recomputed its checkpointed cells in eval mode: batch
+    # norm normalized by its running statistics and Dropout dropped nothing, so the
+    # gradients were not the plain model's (which backward through the training graph).
+    if backward_by == "engine":
+        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), _Mode([]), nn.Dropout(0.5), nn.Linear(4, 4)]
+    plain = nn.Sequential(*layers).double()
+    model = GPipe(copy.deepcopy(plain), [3, 2], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    seen = model[2].seen
+    torch.manual_seed(1)
+    out = model(x)
+    never = GPipe(copy.deepcopy(plain), [3, 2], chunks=2, checkpoint="never")
+    torch.manual_seed(1)
+    expected = never(x)
+    model.eval()
+    never.eval()
+    seen.clear()
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert seen  # recomputed, in training mode
+    assert all(seen)
+    assert not model.training
+    assert all(not m.training for m in model.modules())  # eval() again afterwards
+    for ours, theirs in zip(model.parameters(), never.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)

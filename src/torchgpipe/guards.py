@@ -15,6 +15,10 @@ state the forward computed from:
   the statistics in training is what its forward read (a batch renormalization, the
   fused convolution and batch norm of quantization-aware training), and the buffer
   ends as in the plain model.
+- The modules' training flags: those of the run's forward. A model switched to
+  ``eval()`` between the forward and the backward (a validation pass in between)
+  recomputes in training mode, as the plain model's saved graph was made, and is back
+  in ``eval()`` after each recomputation.
 - Deferred batch norm's running statistics change once per step, in the last
   micro-batch's deferred forward, so every cell's forward started from their values
   before the step: each recomputation gets copies of those, kept when the run first
@@ -97,7 +101,9 @@ class RunGuard:
         # training without counting a version (the running statistics).
         self.buffers: list[tuple[nn.Module, str, bool]] = []
         self.parameters: list[tuple[nn.Module, str]] = []
+        self.modes: list[tuple[nn.Module, bool]] = []  # each module's training flag
         for module in guard.partition.modules():
+            self.modes.append((module, module.training))
             self.parameters += [(module, n) for n, p in module._parameters.items() if p is not None]
             stats = isinstance(module, _BatchNorm) and module.track_running_stats
             deferred = stats and isinstance(module, DeferredBatchNorm)
@@ -193,20 +199,25 @@ class RunGuard:
         swaps: Swaps = [(m._buffers, name, b.clone()) for m, name, b in restore]
         if self.swaps:
             swaps += self.swaps
-        if not swaps:  # the common case, once per recomputed cell
+        flips = [(module, mode) for module, mode in self.modes if module.training != mode]
+        if not swaps and not flips:  # the common case, once per recomputed cell
             return nullcontext()
-        return self._swapped(swaps)
+        return self._swapped(swaps, flips)
 
     @contextmanager
-    def _swapped(self, swaps: Swaps) -> Iterator[None]:
+    def _swapped(self, swaps: Swaps, flips: list[tuple[nn.Module, bool]]) -> Iterator[None]:
         now = [(slots, name, slots.get(name)) for slots, name, _ in swaps]
         for slots, name, before in swaps:
             slots[name] = before
+        for module, mode in flips:
+            module.training = mode
         try:
             yield
         finally:
             for slots, name, value in now:
                 slots[name] = value
+            for module, mode in flips:
+                module.training = not mode
 
     def _parameters_used(self) -> Swaps:
         """The parameters the forwards used where the modules now hold others."""
