@@ -425,6 +425,25 @@ def test_a_backward_failure_reaches_the_caller(schedule: str) -> None:
     assert any("1B" in note for note in getattr(info.value, "__notes__", []))
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_failing_loss_fn_is_named_even_when_computed_in_the_recomputation(
+    checkpoint: Checkpoint,
+) -> None:
+    # A checkpointed last stage computes its loss in its recomputation: the note named
+    # only the B action, as if the backward had failed.
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        raise ValueError("a bad target")
+
+    model = GPipe(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2, checkpoint=checkpoint
+    )
+    with pytest.raises(ValueError, match="a bad target") as info:
+        SCHEDULES["1f1b"](model, loss_fn).step(torch.randn(4, 2), torch.randn(4, 2))
+    notes = info.value.__notes__
+    assert any(note.startswith("torchgpipe: raised in loss_fn") for note in notes), notes
+    assert any("recomputation" in note for note in notes) == (checkpoint != "never"), notes
+
+
 def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
     model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)
 

@@ -21,6 +21,7 @@ from torchgpipe.checkpoint import checkpoint, checkpoint_flags, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.grad_hooks import hooked
 from torchgpipe.guards import Restore
+from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import Spec, flatten, map_tensors, per_tensor, unflatten
 from torchgpipe.rng import CellRandomness, cell_seed
 from torchgpipe.skip.skippable import SkipKey
@@ -31,9 +32,11 @@ from torchgpipe.trace import BackwardSpan
 
 if TYPE_CHECKING:
     from torchgpipe.executor import StepRun
+    from torchgpipe.steps import LossFn
 
 __all__ = [
     "StageCell",
+    "call_loss",
     "call_stage",
     "checkpoints",
     "connected_forward",
@@ -296,6 +299,20 @@ def _params(run: StepRun, s: int) -> list[Tensor]:
         withheld = any(hooked(p) or is_lazy(p) for p in params)
         params = run.params[s] = [] if withheld else params
     return params
+
+
+def call_loss(loss_fn: LossFn, output: Any, target: Any, *, recomputing: bool = False) -> Any:
+    """``loss_fn(output, target)``, part of the last stage's cell; notes what it raises.
+
+    A checkpointed last stage computes its loss in its recomputation, a ``B`` action,
+    whose note alone would send the reader to the backward.
+    """
+    try:
+        return loss_fn(output, target)
+    except Exception as error:
+        where = " (a checkpointed last stage computes it in its recomputation)"
+        add_note(error, f"torchgpipe: raised in loss_fn{where if recomputing else ''}")
+        raise
 
 
 def checkpoints(run: StepRun, s: int, i: int, tensors: Iterable[Tensor]) -> bool:

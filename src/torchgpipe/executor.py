@@ -30,6 +30,7 @@ from torch import Tensor
 from torchgpipe.cell import (
     SkipVersions,
     StageCell,
+    call_loss,
     call_stage,
     checkpoints,
     connected_forward,
@@ -283,7 +284,7 @@ class StepRun:
                 # a checkpointed cell's is computed once, in its recomputation (B).
                 target = self._target(s, i, cell)
                 with cell.randomness.forward():
-                    loss = self.loss_fn(result[0], target)
+                    loss = call_loss(self.loss_fn, result[0], target)
         step.cells[(s, i)] = cell
         step.hold(s, 1)
         output, outbound = result
@@ -436,7 +437,7 @@ class StepRun:
             cell.inputs = [x for x in leaves if isinstance(x, Tensor)]
             result = self._call(s, unflatten(aliased, cell.spec))
             if loss_fn is not None:
-                loss = loss_fn(result[0], target)
+                loss = call_loss(loss_fn, result[0], target, recomputing=True)
         if loss_fn is not None:
             self._record_loss(i, cell, loss)
         else:
