@@ -744,6 +744,38 @@ def _one_step_grads(models: list[nn.Sequential]) -> list[Any]:
     return run_threads(rank, 2, timeout=20.0)
 
 
+def test_a_failed_step_across_processes_leaves_no_share_to_the_next_sum() -> None:
+    # The last rank's copy of the head noted its share of micro-batch 0, then rank 0
+    # failed in its backward: the share stayed, and the next step's sum (after
+    # zero_grad) added it to every copy (wrong by 0.07).
+    models = [_language_model() for _ in range(2)]
+    plain = _language_model()
+    ids, target = _data(7)
+    F.cross_entropy(plain(ids), target).backward()
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("a failing hook")
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 3], transport=transport, chunks=4)
+        driver = Schedule1F1B(stage, F.cross_entropy)
+        inputs = (ids if stage.is_first else None, target if stage.is_last else None)
+        if stage.is_first:  # Mean: its backward comes after the head's, micro-batch 0's
+            handle = stage.partitions[0][1].register_full_backward_hook(fail)
+        with pytest.raises((RuntimeError, RemoteError)):
+            driver.step(*inputs)
+        if stage.is_first:
+            handle.remove()
+        stage.zero_grad()
+        driver.step(*inputs)
+        return [p.grad for p in stage.tie_groups[0]]
+
+    for grads in run_threads(rank, 2, timeout=30.0):
+        assert not isinstance(grads, BaseException), grads
+        for grad in grads:
+            torch.testing.assert_close(grad, plain[0].weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_rank_that_froze_a_tied_weight_alone_leaves_no_rank_waiting() -> None:
     models = [_language_model() for _ in range(2)]
     models[0][0].weight.requires_grad_(False)  # on rank 0 only: a mistake, not a hang

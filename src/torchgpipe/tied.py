@@ -260,13 +260,17 @@ class Ties:
                 self._pending.clear()
 
     @contextmanager
-    def summing(self) -> Iterator[None]:
-        """Around a step: its shares summed at its end (:meth:`reduce`)."""
+    def summing(self, reduce: bool = True) -> Iterator[None]:
+        """Around a step: its shares summed at its end (:meth:`reduce`), a failed one's dropped.
+
+        Without ``reduce`` the step sums them itself (across processes, :meth:`prepare`).
+        """
         self.passing()
         ran = False
         try:
             yield
-            self.reduce()
+            if reduce:
+                self.reduce()
             ran = True
         finally:
             self.passed(ran)

@@ -321,7 +321,8 @@ class PipelineStage(PlacedModule, StageHolder):
         from torchgpipe.distributed.schedule import run_step  # it builds on this module
 
         self._ties.begin()
-        return run_step(self, steps, input, target)
+        with self._ties.summing(reduce=False):  # run_step sums them; a failed one's dropped
+            return run_step(self, steps, input, target)
 
     @property
     def tie_groups(self) -> list[list[Tensor]]:
