@@ -592,6 +592,51 @@ def test_split_refuses_a_random_draw_on_no_input() -> None:
     assert not torch.equal(stages(x), ours)  # a new draw at each call
 
 
+class _Counter(nn.Module):
+    """Counts its calls in a buffer changed in place, read after ``b`` (``late``) or before."""
+
+    def __init__(self, late: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(()))
+        self.late = late
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.step.add_(1)
+        if self.late:
+            return self.b(self.a(x)) * self.step
+        return self.b(self.a(x) * self.step)
+
+
+def test_split_refuses_a_buffer_changed_in_one_stage_and_read_in_another() -> None:
+    # Each partition that reads a buffer holds its own copy: stage 1's step stayed at
+    # 0 while stage 0's counted, and GPipe's outputs drifted from the model's, silently.
+    model, x = _Counter(late=True), torch.randn(3, 4)
+    with pytest.raises(
+        SplitError,
+        match=r"'step' is changed in place by add_ in stage 0 \(.*\) and read in stage\(s\) \[1\]",
+    ):
+        split(model, x, at=["b"])
+    model = _Counter(late=False)  # read and changed in stage 0 alone: fine
+    plain, pipe = copy.deepcopy(model), GPipe(split(model, x, at=["b"]), [1, 1])
+    for _ in range(3):
+        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=0)
+
+
+def test_split_says_to_give_a_factory_its_sizes_as_one_tuple() -> None:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            n = x.size(0)
+            return self.b(self.a(x)) + torch.ones(n, 4, device=x.device)
+
+    with pytest.raises(SplitError, match=r"sizes one by one.*torch.ones\(\(T, T\), \.\.\.\)"):
+        split(Masked(), torch.randn(3, 4), at=["b"])
+
+
 def test_split_refuses_a_value_changed_in_place_by_a_later_stage() -> None:
     class Doubles(nn.Module):
         def __init__(self) -> None:

@@ -18,7 +18,7 @@ from test_nccl_transport import SCHEDULES
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
+from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble, pipeline
 from torchgpipe.distributed import PipelineStage, RemoteError, Transport
 from torchgpipe.tied import loaded_value, tied_state_dict
 
@@ -133,6 +133,61 @@ def test_a_forward_of_another_thread_during_a_backward_keeps_the_tied_sum() -> N
     F.cross_entropy(pipe(ids), target).backward()
     F.cross_entropy(plain(ids), target).backward()
     _close_to_plain(pipe, plain)
+
+
+def test_a_share_no_backward_through_the_pipeline_summed_is_forgotten_at_the_next_forward() -> None:
+    # A backward that reaches a copy alone (a regularizer of the head's weight) notes a
+    # share that no sum takes: after zero_grad(), the next backward's sum added it.
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
+    ids, target = _data(1)
+    pipe[4].weight.square().sum().backward()
+    pipe.zero_grad()
+    F.cross_entropy(pipe(ids), target).backward()
+    F.cross_entropy(plain(ids), target).backward()
+    _close_to_plain(pipe, plain)
+
+
+@pytest.mark.parametrize("backward_by", ["stages", "engine"])
+def test_two_threads_training_one_model_with_tied_weights_sum_both(
+    backward_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two threads each ran a forward and a backward: one's sum rewrote the .grad that
+    # the other's stages were filling (or had set aside), counting one thread's
+    # gradient twice and losing the other's share, in about half the runs.
+    if backward_by == "engine":
+        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    for _ in range(4):
+        plain = _language_model()
+        pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
+        both = threading.Barrier(2)
+        failures: list[BaseException] = []
+
+        def train(
+            seed: int,
+            pipe: GPipe = pipe,
+            both: threading.Barrier = both,
+            failures: list[BaseException] = failures,
+        ) -> None:
+            try:
+                ids, target = _data(seed)
+                output = pipe(ids)
+                both.wait(timeout=20)  # both forwards done: the backwards overlap
+                F.cross_entropy(output, target).backward()
+            except BaseException as error:
+                failures.append(error)
+
+        threads = [threading.Thread(target=train, args=(seed,)) for seed in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not failures, failures
+        for seed in (1, 2):
+            ids, target = _data(seed)
+            F.cross_entropy(plain(ids), target).backward()
+        _close_to_plain(pipe, plain)
+        torch.testing.assert_close(pipe[2].weight.grad, plain[2].weight.grad)
 
 
 @pytest.mark.parametrize("by", ["model(x)", "step"])

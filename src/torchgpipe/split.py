@@ -420,10 +420,23 @@ def _check_in_place(
     fine (the value's one use): the pipeline gives a stage inputs it may change, as it
     does for a partition that starts with ``nn.ReLU(inplace=True)``.
     """
-    problems = []
+    problems, shared = [], []
+    readers: dict[str, set[int]] = {}  # per parameter or buffer: the stages that read it
+    for node in compute:
+        for used in node.all_input_nodes:
+            if used.op == "get_attr":
+                readers.setdefault(str(used.target), set()).add(stage_of[node])
     for node in compute:
         value = changed_in_place(module, node)
-        if value is None or value.op == "get_attr":
+        if value is not None and value.op == "get_attr":
+            elsewhere = sorted(readers.get(str(value.target), set()) - {stage_of[node]})
+            if elsewhere:
+                shared.append(
+                    f"{value.target!r} is changed in place by {_name(node)} in stage "
+                    f"{stage_of[node]}{where_made(node)} and read in stage(s) {elsewhere}"
+                )
+            continue
+        if value is None:
             continue
         # Seen elsewhere: a value of an earlier stage read again, or memory an earlier
         # stage made that another value still to be read holds (a view, detach()).
@@ -438,8 +451,15 @@ def _check_in_place(
         value = first if stage_of.get(first, 0) < stage_of[value] else value
         problems.append(
             f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
-            f"changed in place by {getattr(node.target, '__name__', node.target)} in stage "
-            f"{stage_of[node]}{where_made(node)}"
+            f"changed in place by {_name(node)} in stage {stage_of[node]}{where_made(node)}"
+        )
+    if shared:
+        raise SplitError(
+            f"cannot split {type(module).__name__}: {'; '.join(shared)}. In a pipeline each "
+            f"partition that reads a buffer (or parameter) holds its own copy, so the "
+            f"change would not reach the others (nor the state dict, which holds the first "
+            f"one's); move the split points so that it is read and changed in one stage, "
+            f"or make it a submodule's, called in one stage"
         )
     if problems:
         raise SplitError(
@@ -449,3 +469,7 @@ def _check_in_place(
             f"(h = h * 2 for h.mul_(2)), or move the split points so that the value is "
             f"made and changed in one stage"
         )
+
+
+def _name(node: fx.Node) -> str:
+    return str(getattr(node.target, "__name__", node.target))

@@ -247,6 +247,12 @@ def _trace_failure(module: nn.Module, error: Exception) -> str:
             "example_input, which split traces: a flag given there is traced too; leave "
             "it out so that it keeps its default, or fix it in a wrapper module)"
         )
+    elif "positional argument" in str(error):  # ones() takes 1 positional argument but 2...
+        cause = (
+            "The likely cause: a factory (torch.ones, zeros, empty, rand, ...) given its "
+            "sizes one by one, one of them from a tensor (x.size(1)), which fx captures "
+            "only as one tuple: write torch.ones((T, T), ...) for torch.ones(T, T, ...)"
+        )
     else:
         cause = "The likely cause: code that needs a real value where fx has a proxy"
     return (

@@ -224,11 +224,14 @@ class Ties:
     def begin(self) -> None:
         """Get ready for a forward or a step: every copy frozen where one is, and watched.
 
-        What backwards under way noted is kept (see ``tied_sums.py``). Freezing or
-        unfreezing any name of a tied weight does it to the weight, as with
-        the plain model's single tensor: where a copy's ``requires_grad`` differs from
-        what the group had, every copy takes the new value (and the hooks follow).
+        Shares no sum took are forgotten unless a backward or step is under way
+        (``tied_sums.py``). Freezing or unfreezing any name of a tied weight does it to
+        the weight, as with the plain model's single tensor: where a copy's
+        ``requires_grad`` differs from what the group had, every copy takes it.
         """
+        with self._lock:
+            if not self._in_flight:
+                self._pending.clear()
         for g, group in enumerate(self.groups):
             last = self._flags[g]
             flag = next((p.requires_grad for p in group if p.requires_grad != last), last)
@@ -249,11 +252,7 @@ class Ties:
             self._in_flight += 1
 
     def passed(self, ran: bool) -> None:
-        """A backward pass or step is over: summed (``ran``), or failed.
-
-        A failed one's shares are dropped once no other is under way (which would sum
-        them): a sum after a failure takes no part of the failed backward.
-        """
+        """A pass or step is over: summed (``ran``), or failed: its shares go if none is on."""
         with self._lock:
             self._in_flight -= 1
             if not ran and not self._in_flight:
@@ -261,10 +260,7 @@ class Ties:
 
     @contextmanager
     def summing(self, reduce: bool = True) -> Iterator[None]:
-        """Around a step: its shares summed at its end (:meth:`reduce`), a failed one's dropped.
-
-        Without ``reduce`` the step sums them itself (across processes, :meth:`prepare`).
-        """
+        """Around a step: summed at its end (but for ``reduce=False``); a failed one's dropped."""
         self.passing()
         ran = False
         try:

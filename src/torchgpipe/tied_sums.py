@@ -6,10 +6,14 @@ hook); the shares are summed when the library knows the backward is over
 ``model(x)`` at the end of the engine's backward pass, through the callback that the
 outputs' node queues (:class:`ReduceAtEnd`, :class:`PassEnd`).
 
-Shares are forgotten only when the pass or step that noted them failed and no other one
-is still under way: a forward of another thread (an evaluation thread beside the
-training one) must not drop what a backward in progress has noted, or its sum would miss
-them. A failed pass is seen as the engine drops its callback unrun.
+Shares are forgotten when the pass or step that noted them failed, or at a forward or
+step (``Ties.begin``: a backward that reached a copy alone, a regularizer of the weight,
+left one that no sum took), but only while no pass or step is under way: a forward of
+another thread (an evaluation thread beside the training one) must not drop what a
+backward in progress has noted, or its sum would miss them. A failed pass is seen as the
+engine drops its callback unrun. The sum holds every pipeline (``worker.hold_pipelines``,
+as a backward through the stages and a step do): the ``.grad`` it writes may be another
+thread's backward's to fill.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor
 
 from torchgpipe.grad_hooks import SUMS_SHARES
+from torchgpipe.worker import hold_pipelines
 
 if TYPE_CHECKING:
     from torchgpipe.tied import Ties
@@ -61,10 +66,14 @@ class PassEnd:
         """Sum the shares: the pass ended well."""
         self._dropped.detach()
         ran = False
+        # Held: another thread's backward may be adding to these ``.grad`` meanwhile (or
+        # have set them aside), and would add to the sum, or lose its part.
+        hold = hold_pipelines()
         try:
             self._ties.reduce()
             ran = True
         finally:
+            hold.release()
             self._ties.passed(ran)
 
 
