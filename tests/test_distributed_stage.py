@@ -864,6 +864,32 @@ def test_forward_only_gives_the_output_on_the_last_rank_and_keeps_nothing(
     assert all(g is None for g in [*grads0, *grads1])
 
 
+def test_interleaved_forward_only_takes_a_batch_of_micro_batches_not_in_groups() -> None:
+    # The short last batch of a validation set (3 micro-batches where interleaving takes
+    # groups of 2) was refused across processes, and taken in one (model(x)); a step
+    # still refuses it (its table needs the groups).
+    rules = NCCLRules(2)
+    x, y = _batch(3, 3, 4), _batch(4, 3, 4)
+    plain = mlp().eval()
+
+    models = [mlp() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 2, 2, 2], transport=transport, chunks=4)
+        stage.eval()
+        schedule = ScheduleInterleaved1F1B(stage, _mse)
+        out = schedule.forward_only(x if stage.is_first else None)
+        stage.train()
+        with pytest.raises((ValueError, RemoteError), match="groups of n = 2"):
+            schedule.step(x if stage.is_first else None, y if stage.is_last else None)
+        return out
+
+    first, last = run_threads(rank, 2, timeout=30.0, observe=rules.group)
+    assert first is None
+    torch.testing.assert_close(last, plain(x))
+    rules.check()
+
+
 def test_forward_only_in_one_process_is_the_models_forward_without_grad() -> None:
     from torchgpipe import GPipe
 

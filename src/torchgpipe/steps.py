@@ -12,9 +12,7 @@ from torch.nn.utils import parametrize
 
 from torchgpipe.mailbox import add_note
 from torchgpipe.microbatch import flatten
-from torchgpipe.schedules import (
-    Schedule,
-)
+from torchgpipe.schedules import Action, Schedule
 
 __all__ = [
     "LossFn",
@@ -72,6 +70,7 @@ class TableSteps:
         self.reduction = reduction
         self._table = table
         self._checked: dict[int, Schedule] = {}  # per m: the table, once checked
+        self._forward: dict[int, Schedule] = {}  # per m: a forward-only step's own table
         if isinstance(table, Schedule):
             self._check_table(table, table.micro_batches)
             self._checked[table.micro_batches] = table
@@ -103,6 +102,32 @@ class TableSteps:
             self._check_table(table, m)
             self._checked[m] = table
         return table
+
+    def forward_table(self, m: int, stages: int, ranks: int) -> Schedule:
+        """The table of a forward-only step of ``m`` micro-batches on ``ranks`` ranks.
+
+        :meth:`table`'s, or where the schedule makes none for ``m`` (interleaving takes
+        micro-batches in groups of the ranks: the short last batch of a validation set),
+        each rank's forwards one stage after the other, stage ``s`` on rank ``s % ranks``
+        as in every schedule across processes (and the backwards, which it skips).
+
+        Raises:
+            ValueError: the table does not fit the stages or ``m``.
+        """
+        try:
+            return self.table(m)
+        except ValueError:
+            table = self._forward.get(m)
+            if table is None:
+                mine = [range(r, stages, ranks) for r in range(ranks)]
+                table = Schedule(stages, m, tuple(
+                    tuple(Action(s, "F", i) for s in own for i in range(m))
+                    + tuple(Action(s, "B", i) for s in reversed(own) for i in reversed(range(m)))
+                    for own in mine
+                ))  # fmt: skip
+                self._check_table(table, m)  # which refuses what the stages refuse
+                self._forward[m] = table
+            return table
 
     def _check_table(self, table: Schedule, m: int) -> None:
         raise NotImplementedError

@@ -318,10 +318,10 @@ def _start(
 ) -> tuple[int, list[int], Schedule, list[Any], list[Any], int]:
     """Agree on the step's micro-batches, table and seed; split the input and target.
 
-    As soon as this rank knows rank 0's table, its exchange follows the table's plan of
-    transfers, so that it issues its share of them even if it then fails.
+    Knowing rank 0's table, this rank issues its share of the plan's transfers, failing or not.
     """
     batches: list[Any] = []
+    n, ranks = len(stage.balance), stage.world_size  # a forward-only table's (steps.py)
     if stage.is_first:
         if input is None:
             call = "forward_only(input)" if forward_only else "step(input, target)"
@@ -330,7 +330,7 @@ def _start(
             )
         batches = scatter(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
-        table = steps.table(m)
+        table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
         key = b""
         if stage.static_shapes or exchange.transport.reads_marks:
             signature = _signature(table, forward_only, stage.training, batches)
@@ -365,7 +365,7 @@ def _start(
         _follow(stage, exchange, start, shapes)
         if exchange.halted:
             raise Stopped
-        table = steps.table(m)
+        table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
         mine = (forward_only, table.text(), steps.reduction)
         agree_with_start(stage.rank, m, (first_forward_only, text, reduction), mine)
     if not forward_only:
