@@ -222,3 +222,31 @@ def test_eval_between_the_forward_and_its_backward_recomputes_in_training_mode(
     assert all(not m.training for m in model.modules())  # eval() again afterwards
     for ours, theirs in zip(model.parameters(), never.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+class _WiderWhenRecomputed(nn.Module):
+    """Returns one more column when recomputed: computes otherwise than its forward."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x[:, : 2 if is_recomputing() else 1]
+
+
+class _Joins(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return pair[0] + pair[1].sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("backward_by", ["stages", "engine"])
+def test_a_recomputation_that_makes_other_shapes_is_named_as_such(
+    backward_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's own check of the gradients' shapes failed on itself ("Boolean value of
+    # Tensor with more than one value is ambiguous") or named sizes of nothing known.
+    if backward_by == "engine":
+        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    layers = nn.Sequential(nn.Linear(4, 4), _WiderWhenRecomputed(), _Joins(), nn.Linear(4, 4))
+    model = GPipe(layers, [2, 2], chunks=2, checkpoint="always")
+    out = model(torch.randn(4, 4))
+    shapes = r"made outputs of shapes \[\(2, 4\), \(2, 2\)\].*\[\(2, 4\), \(2, 1\)\]"
+    with pytest.raises(RuntimeError, match=shapes):
+        out.sum().backward()

@@ -39,6 +39,7 @@ __all__ = [
     "fresh_leaves",
     "is_checkpointing",
     "is_recomputing",
+    "output_pairs",
     "recomputing",
 ]
 
@@ -232,9 +233,7 @@ def _recompute_backward(
             output = cell.call(tuple(aliased))
         recomputed = time.perf_counter()
         outputs = distinct_tensors(flatten(output)[0])[0]
-        pairs = [
-            (y, g) for y, g in zip(outputs, grads, strict=True) if g is not None and y.requires_grad
-        ]
+        pairs = output_pairs(outputs, grads)
         ys, gs = [y for y, _ in pairs], [g for _, g in pairs]
         wanted = [x for x, need in zip(inputs, needs, strict=True) if need]
         if plain:
@@ -252,6 +251,31 @@ def _recompute_backward(
     got = iter(found)
     grads_in = [next(got) if need else None for need in needs]
     return (None, None, *grads_in, *got)
+
+
+def output_pairs(
+    outputs: Sequence[Tensor], grads: Sequence[Tensor | None]
+) -> list[tuple[Tensor, Tensor]]:
+    """The ``outputs`` of a cell that want a gradient, each with its gradient in ``grads``.
+
+    Raises:
+        RuntimeError: a recomputation made outputs other than its forward's (more or
+            fewer, or of other shapes than their gradients, which are the forward's).
+    """
+    if len(outputs) == len(grads):
+        pairs = [
+            (y, g) for y, g in zip(outputs, grads, strict=True) if y.requires_grad and g is not None
+        ]
+        if all(y.shape == g.shape for y, g in pairs):
+            return pairs
+    made = [tuple(y.shape) for y in outputs]
+    wanted = [None if g is None else tuple(g.shape) for g in grads]
+    raise RuntimeError(
+        f"torchgpipe: a checkpointed cell's recomputation made outputs of shapes {made}, "
+        f"where its forward's have gradients of shapes {wanted}: a layer computes "
+        f"otherwise when recomputed (under is_recomputing(), from a count of its calls, "
+        f"from Python's random); make it compute alike, or use checkpoint='never'"
+    )
 
 
 def fresh_leaves(values: Sequence[Any], needs: Sequence[bool]) -> tuple[list[Any], list[Any]]:

@@ -45,7 +45,7 @@ from torchgpipe.cell import (
     wanted,
     wanting,
 )
-from torchgpipe.checkpoint import aliases, checkpoint_flags, fresh_leaves, recomputing
+from torchgpipe.checkpoint import aliases, checkpoint_flags, fresh_leaves, output_pairs, recomputing
 from torchgpipe.copy import move
 from torchgpipe.guards import RunGuards
 from torchgpipe.mailbox import Mailbox
@@ -382,11 +382,7 @@ class StepRun:
             with self._span(s, i, "backward"):
                 if grads is None:  # the loss's gradient: its weight in the batch's loss
                     grads = [torch.full_like(y, self.weights[i]) for y in cell.outputs]
-                pairs = [
-                    (y, g)
-                    for y, g in zip(cell.outputs, grads, strict=True)
-                    if y.requires_grad and g is not None
-                ]
+                pairs = output_pairs(cell.outputs, grads)
                 # Not an input a layer made want one in place (x.mul_(w)): no leaf.
                 wanted = [x for x in cell.inputs if x.requires_grad and x.is_leaf]
                 wanted += [leaf for _, leaf in cell.targets]
