@@ -204,6 +204,20 @@ def test_backward_inputs_reaching_a_checkpointed_cell_with_hooked_parameters_is_
         run()
 
 
+def test_backward_inputs_naming_an_unhooked_parameter_beside_a_hooked_one_is_refused(
+    engine_backward: None,
+) -> None:
+    # The cell kept every parameter out of its node where one had a hook: a backward
+    # naming another parameter of it never reached the cell, and left its .grad None,
+    # silently. The unhooked ones are inputs of the node now: it is reached, and refused.
+    model = GPipe(_layers(), [2, 3], chunks=3, checkpoint="always")
+    hooked, other = [p for p in model.partitions[1].parameters()][:2]
+    hooked.register_hook(lambda grad: grad)
+    loss = model(torch.randn(6, 4)).square().sum()
+    with pytest.raises(RuntimeError, match=r"reached the checkpointed cell 1B2.*hooks"):
+        loss.backward(inputs=[other])
+
+
 class _Scaled(nn.Module):
     """A linear map times a tensor that is not a registered parameter (kept in a list)."""
 

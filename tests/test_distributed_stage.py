@@ -975,7 +975,10 @@ def test_a_call_refused_at_rank_0s_start_draws_no_seed_anywhere(case: str) -> No
 
     def body(stage: PipelineStage) -> Any:
         schedule = (ScheduleInterleaved1F1B if interleaved else Schedule1F1B)(stage, _mse)
-        return _outcome(lambda: schedule.forward_only(inputs[case] if stage.is_first else None))
+        x = inputs[case] if stage.is_first else None
+        if interleaved:  # a step: forward_only takes any number of micro-batches
+            return _outcome(lambda: schedule.step(x, torch.zeros(3, 4) if stage.is_last else None))
+        return _outcome(lambda: schedule.forward_only(x))
 
     refused = _on_ranks(2, balance, body, models=models, chunks=4)
     assert isinstance(refused[0], ValueError), refused

@@ -285,20 +285,21 @@ def call_stage(
         leave_cell(outer)
 
 
-def _params(run: StepRun, s: int) -> list[Tensor]:
+def _params(run: StepRun, s: int) -> tuple[list[Tensor], bool]:
     """Stage ``s``'s parameters that want a gradient, once per run (``checkpoint``'s).
 
-    None of them where one has a hook (a checkpointed cell's plain backward accumulates
-    into ``.grad`` itself and gives the engine None for them, which it would hand the
-    hooks), or is a lazy module's not made yet (its first forward makes it, changing its
-    shape).
+    And whether some were left out: one that has a hook (a checkpointed cell's plain
+    backward accumulates into ``.grad`` itself and gives the engine None for them,
+    which it would hand the hooks), or is a lazy module's not made yet (its first
+    forward makes it, changing its shape). The others stay inputs of the cell's node,
+    so that ``backward(inputs=...)`` naming one reaches the cell (refused there).
     """
-    params = run.params.get(s)
-    if params is None:
+    found = run.params.get(s)
+    if found is None:
         params = trainable_params([run.partitions[s]])
-        withheld = any(hooked(p) or is_lazy(p) for p in params)
-        params = run.params[s] = [] if withheld else params
-    return params
+        kept = [p for p in params if not (hooked(p) or is_lazy(p))]
+        found = run.params[s] = (kept, len(kept) < len(params))
+    return found
 
 
 def call_loss(loss_fn: LossFn, output: Any, target: Any, *, recomputing: bool = False) -> Any:
@@ -342,6 +343,7 @@ def connected_forward(
     phony = run.phony.pop(s, None)
     tensors = [x for x in flatten(packed)[0] if isinstance(x, Tensor)]
     if checkpoints(run, s, i, tensors):
+        params, withheld = _params(run, s)
         result, run.phony[s] = checkpoint(
             function,
             packed,
@@ -354,7 +356,8 @@ def connected_forward(
             record=None if run.trace is None else partial(run.trace.record, s, i),
             name=f"{s}B{i}",
             trainable=run.trainable(s),
-            params=_params(run, s),
+            params=params,
+            withheld=withheld,
         )
         return result, True
     if s == 0 and grad:

@@ -375,6 +375,7 @@ def checkpoint(
     name: str = "B",
     trainable: bool = True,
     params: Sequence[Tensor] = (),
+    withheld: bool = False,
 ) -> tuple[Any, Tensor | None]:
     """Run ``function(value)`` checkpointed: keep ``value``, recompute in backward.
 
@@ -391,10 +392,10 @@ def checkpoint(
     ``record``, when given, is told the spans of the recomputation and the backward;
     ``name`` names the recomputation and backward in ``torch.profiler`` traces.
     ``trainable`` says whether a parameter of ``function`` wants a gradient, and
-    ``params`` lists those parameters (leaves, unhooked: all or none): inputs of the
-    cell's autograd node, so that ``backward(inputs=...)`` and ``torch.autograd.grad``
-    reach the cell and get their gradients (see :func:`_recompute_backward`); where
-    some are left out, those backward passes are refused at the cell.
+    ``params`` lists those parameters (leaves, unhooked): inputs of the cell's autograd
+    node, so that ``backward(inputs=...)`` and ``torch.autograd.grad`` reach the cell
+    and get their gradients (see :func:`_recompute_backward`); where some are left out
+    (``withheld``), those backward passes are refused at the cell.
     """
     leaves, spec = flatten(value)
     shell, distinct = _without_tensors(leaves)
@@ -404,7 +405,7 @@ def checkpoint(
     cell.record = record
     cell.name = name
     cell.params = list(params)
-    cell.withheld = trainable and not cell.params
+    cell.withheld = withheld or (trainable and not cell.params)
     tensors = tuple(distinct)
     # The phony makes the outputs want a gradient when a parameter does and none is given
     # in ``params``. With nothing to train and no input wanting a gradient, the outputs

@@ -162,7 +162,7 @@ class StepRun:
         self._home = next(iter(self.compute.values()))
         self._cpu = layout.cpu
         self.phony: dict[int, Tensor | None] = {}  # connected: per stage, the last cell's
-        self.params: dict[int, list[Tensor]] = {}  # connected: per stage (cell._params)
+        self.params: dict[int, tuple[list[Tensor], bool]] = {}  # connected (cell._params)
         self.skips = SkipVersions(len(step.outputs), batches)
 
     # The rank's loop.
