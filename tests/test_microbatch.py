@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 
 from torchgpipe import GPipe
 from torchgpipe.microbatch import flatten, gather, leaf_paths, map_tensors, scatter, unflatten
@@ -287,17 +287,64 @@ def test_gather_rejects_non_tensor_leaves_that_differ() -> None:
 
 def test_gather_keeps_equal_non_tensor_leaves_nan_and_arrays_included() -> None:
     np = pytest.importorskip("numpy")
-    x = torch.ones(1, 2)
-    outputs = [(x, float("nan"), np.ones(3), np.array([np.nan, 1.0])) for _ in range(3)]
+    x = torch.ones
+    outputs = [(x(1, 2), float("nan"), np.ones(3), np.array([np.nan, 1.0])) for _ in range(3)]
     gathered = gather(outputs)
     assert gathered[1] != gathered[1]  # NaN, kept
     assert (gathered[2] == np.ones(3)).all()
     with pytest.raises(ValueError, match=r"output\[2\] is array"):
-        gather([(x, 0.0, np.ones(3)), (x, 0.0, np.zeros(3))])
+        gather([(x(1, 2), 0.0, np.ones(3)), (x(1, 2), 0.0, np.zeros(3))])
     with pytest.raises(ValueError, match=r"output\[1\] is nan in micro-batch 0 but 1.0"):
-        gather([(x, float("nan")), (x, 1.0)])
+        gather([(x(1, 2), float("nan")), (x(1, 2), 1.0)])
     with pytest.raises(ValueError, match=r"output\[1\] is array"):
-        gather([(x, np.ones(3)), (x, np.ones(4))])
+        gather([(x(1, 2), np.ones(3)), (x(1, 2), np.ones(4))])
+
+
+def test_gather_refuses_one_tensor_returned_by_every_micro_batch() -> None:
+    # A layer returning a parameter as it is (h, self.weight): joined along the batch it
+    # came out m times (and its gradient counted m times), where the plain model's once.
+    weight = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"output\[1\] is one tensor in every micro-batch"):
+        gather([(torch.ones(2, 4), weight) for _ in range(3)])
+    with pytest.raises(ValueError, match=r"output\[1\] is one tensor in every micro-batch"):
+        gather([(torch.ones(2, 4), weight.detach()[:2]) for _ in range(3)])  # one memory
+    # A constant expanded along the batch is per-sample values: joined as it is.
+    row = torch.arange(4.0)
+    joined = gather([row.expand(2, 4), row.expand(3, 4)])
+    assert torch.equal(joined, row.expand(5, 4))
+
+
+def test_gather_refuses_sparse_outputs_that_want_a_gradient() -> None:
+    # torch.cat of sparse tensors has no backward: the backward failed with a raw
+    # NotImplementedError. Without a gradient they are joined.
+    parts = [torch.randn(2, 3).to_sparse() for _ in range(2)]
+    assert torch.equal(gather(parts).to_dense(), torch.cat([p.to_dense() for p in parts]))
+    wanting = [p.requires_grad_() for p in parts]
+    with pytest.raises(TypeError, match=r"output is a torch.sparse_coo tensor.*to_dense"):
+        gather(wanting)
+
+
+def test_a_dataclass_field_left_unset_is_not_part_of_the_value() -> None:
+    @dataclass
+    class Unset:
+        x: Tensor
+        y: Tensor = field(init=False)
+
+    value = Unset(torch.arange(6.0).reshape(6, 1))
+    pieces = scatter(value, 3)
+    assert [p.x.shape[0] for p in pieces] == [2, 2, 2]
+    assert not hasattr(pieces[0], "y")
+    joined = gather(pieces)
+    assert torch.equal(joined.x, value.x)
+    assert not hasattr(joined, "y")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_a_nested_tensor_input_is_refused_with_what_to_do() -> None:
+    # Of the strided layout: tensor_split failed on it with torch's bare message.
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)])
+    with pytest.raises(TypeError, match=r"input \(nested\).*to_padded_tensor"):
+        scatter(nested, 2)
 
 
 def test_gather_rejects_object_output_instead_of_keeping_the_first() -> None:

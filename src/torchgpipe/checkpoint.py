@@ -266,7 +266,8 @@ def output_pairs(
         pairs = [
             (y, g) for y, g in zip(outputs, grads, strict=True) if y.requires_grad and g is not None
         ]
-        if all(y.shape == g.shape for y, g in pairs):
+        # A jagged dimension is a new symbol in every tensor: those are torch's to check.
+        if all(y.shape == g.shape or y.is_nested or g.is_nested for y, g in pairs):
             return pairs
     made = [tuple(y.shape) for y in outputs]
     wanted = [None if g is None else tuple(g.shape) for g in grads]

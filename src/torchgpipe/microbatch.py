@@ -110,7 +110,8 @@ def _flatten_into(value: Any, leaves: list[Any]) -> Spec:
         children = tuple(_flatten_into(value[key], leaves) for key in keys)
         return Spec("dict", type(value), keys, children, _template(value, dict))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(f.name for f in dataclasses.fields(value))
+        # A field left unset (init=False, never assigned) is not part of the value.
+        names = tuple(f.name for f in dataclasses.fields(value) if hasattr(value, f.name))
         template = _dataclass_template(value, names)
         children = tuple(_flatten_into(getattr(value, name), leaves) for name in names)
         return Spec("dataclass", type(value), names, children, template)
@@ -329,12 +330,16 @@ def _batch_size(tensors: list[tuple[str, Tensor]], name: Batched) -> int:
             f"{name} a batch dimension (shape [batch, ...]; x.expand(batch_size) repeats "
             f"a 0-dim x), or {_SHARED_ADVICE[name]}"
         )
-    odd = [f"{path} ({x.layout})" for path, x in tensors if x.layout != torch.strided]
+    odd = [
+        f"{path} ({'nested' if x.is_nested else x.layout})"
+        for path, x in tensors
+        if x.layout != torch.strided or x.is_nested
+    ]
     if odd:  # tensor_split cannot cut them (sparse ones give no gradient back through it)
         raise TypeError(
             f"the {name} holds tensors that cannot be split into micro-batches: "
-            f"{', '.join(odd)}; pass them dense (x.to_dense()), and make them sparse in "
-            f"the first layer if it wants them so"
+            f"{', '.join(odd)}; pass them dense (x.to_dense(), a nested tensor padded: "
+            f"x.to_padded_tensor(0)), and make them so in the first layer if it wants them"
         )
     first_path, first = tensors[0]
     size = first.size(0)
@@ -438,6 +443,22 @@ def _gather_leaf(path: str, column: tuple[Any, ...], stack_scalars: bool) -> Any
         )
     if len(column) == 1:
         return column[0]
+    first = column[0]
+    if first.layout != torch.strided and any(x.requires_grad for x in column):
+        raise TypeError(
+            f"{path} is a {first.layout} tensor, which torch joins along the batch with no "
+            f"gradient back through the join; return it dense (x.to_dense()) from the last "
+            f"layer, and make it sparse after the pipeline"
+        )
+    # One memory in every micro-batch, not a constant expanded along the batch (stride 0).
+    one = first.layout == torch.strided and first.numel() and first.data_ptr() and first.stride(0)
+    if one and all(x.data_ptr() == first.data_ptr() and x.shape == first.shape for x in column):
+        raise ValueError(
+            f"{path} is one tensor in every micro-batch (a parameter or a constant "
+            f"returned as it is): joined along the batch it would repeat "
+            f"{len(column)} times, where the plain model returns it once; return it "
+            f"from outside the pipeline, or per-sample values"
+        )
     shapes = {tuple(x.shape[1:]) for x in column}
     if len(shapes) > 1:
         raise ValueError(
