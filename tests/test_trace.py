@@ -346,6 +346,10 @@ def test_timeline_picture(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "timeline.png"
     trace.draw(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A folder was drawn beside, as <folder>.png, with no word.
+    with pytest.raises(ValueError, match="is a folder: name a file in it"):
+        trace.draw(tmp_path)
+    assert sorted(p.name for p in tmp_path.parent.iterdir() if p.suffix == ".png") == []
 
 
 def test_timeline_picture_leaves_the_backend_and_pyplot_alone(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -291,14 +291,18 @@ class Trace:
 
         Forward spans are solid, recomputation hatched, backward lighter, copies thin.
 
+        ``path`` without a suffix gets ``.png``, as matplotlib names it.
+
         Raises:
             ImportError: matplotlib is not installed (``pip install matplotlib``).
-            ValueError: nothing was recorded.
+            ValueError: nothing was recorded, or ``path`` is a folder.
         """
         from torchgpipe._timeline import draw_timeline
 
         if not self.events:
             raise ValueError("the trace is empty: run the model while the trace is on")
+        if Path(path).is_dir():  # matplotlib wrote a file beside it, named <path>.png
+            raise ValueError(f"{str(path)!r} is a folder: name a file in it (timeline.png)")
         draw_timeline(self, Path(path), title=title)
 
 
