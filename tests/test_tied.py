@@ -190,6 +190,39 @@ def test_two_threads_training_one_model_with_tied_weights_sum_both(
         torch.testing.assert_close(pipe[2].weight.grad, plain[2].weight.grad)
 
 
+def test_the_tied_sum_at_a_backwards_end_waits_on_no_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU the engine's device thread runs the sum at a backward's end: had it waited
+    # for the pipelines' hold, a thread holding it while it waits for that backward (a
+    # step whose input comes from this model) would never be let go. Here another
+    # thread holds it all along, and the backward (the engine's way) ends all the same.
+    monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
+    ids, target = _data(1)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pipe.workers.exclusive():
+            held.set()
+            done.wait(timeout=30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(timeout=10)
+        backward = threading.Thread(
+            target=lambda: F.cross_entropy(pipe(ids), target).backward(), daemon=True
+        )
+        backward.start()
+        backward.join(timeout=20)
+        assert not backward.is_alive(), "the backward waited for the hold"
+    finally:
+        done.set()
+        holder.join(timeout=10)
+    F.cross_entropy(plain(ids), target).backward()
+    _close_to_plain(pipe, plain)
+
+
 @pytest.mark.parametrize("by", ["model(x)", "step"])
 def test_a_failed_backward_leaves_no_share_to_the_next_sum(by: str) -> None:
     # The copies' shares of a backward that failed (after the head's copy noted its

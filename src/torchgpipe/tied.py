@@ -120,10 +120,9 @@ class Ties:
         self.slots = slots
         self.buffers = buffers if buffers is not None else []
         self.ranks = ranks  # per group: the processes that hold it, or None: this one only
-        # Per group: every name the weight has in the whole model's state dict.
-        self.names = names if names is not None else [[] for _ in slots]
+        self.names = names if names is not None else [[] for _ in slots]  # in the state dict
         self._flags = [True] * len(slots)  # per group: requires_grad, as last made equal
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._in_flight = 0  # backward passes and steps under way (tied_sums.py)
         self._handles: list[RemovableHandle] = []
@@ -247,16 +246,20 @@ class Ties:
             self._hook()
 
     def passing(self) -> None:
-        """A backward pass or a step begins; :meth:`passed` says when it is over."""
+        """A backward pass or step begins (after a sum under way: ``tied_sums.py``)."""
         with self._lock:
             self._in_flight += 1
 
-    def passed(self, ran: bool) -> None:
-        """A pass or step is over: summed (``ran``), or failed: its shares go if none is on."""
-        with self._lock:
-            self._in_flight -= 1
-            if not ran and not self._in_flight:
-                self._pending.clear()
+    def passed(self, ran: bool, *, summed: bool = False) -> None:
+        """Over: well (``ran``; the last under way sums, unless ``summed``), or failed."""
+        with self._lock:  # reentrant: reduce() takes it too, and passing() waits
+            try:
+                if ran and not summed and self._in_flight == 1:
+                    self.reduce()
+            finally:
+                self._in_flight -= 1
+                if not ran and not self._in_flight:
+                    self._pending.clear()
 
     @contextmanager
     def summing(self, reduce: bool = True) -> Iterator[None]:
@@ -269,16 +272,17 @@ class Ties:
                 self.reduce()
             ran = True
         finally:
-            self.passed(ran)
+            self.passed(ran, summed=True)
 
     def reduce(self, across: Across | None = None) -> None:
         """Give every copy the sum of the gradients all its group's uses added since.
 
         ``across`` sums over the other processes that hold a group (every process of
         the group calls this, ``across`` included, for each such group in order). The
-        same as :meth:`finish` of :meth:`prepare`.
+        same as :meth:`finish` of :meth:`prepare`; a pass or step that begins waits.
         """
-        self.finish(self.prepare(across))
+        with self._lock:
+            self.finish(self.prepare(across))
 
     def prepare(self, across: Across | None = None) -> list[_Sum]:
         """Everything :meth:`reduce` computes alone: the sums here, the tensors it fills.

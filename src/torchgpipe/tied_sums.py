@@ -11,9 +11,15 @@ step (``Ties.begin``: a backward that reached a copy alone, a regularizer of the
 left one that no sum took), but only while no pass or step is under way: a forward of
 another thread (an evaluation thread beside the training one) must not drop what a
 backward in progress has noted, or its sum would miss them. A failed pass is seen as the
-engine drops its callback unrun. The sum holds every pipeline (``worker.hold_pipelines``,
-as a backward through the stages and a step do): the ``.grad`` it writes may be another
-thread's backward's to fill.
+engine drops its callback unrun.
+
+Of passes under way at once (two threads training one model), only the last to end sums
+(``Ties.passed``): the others' stages may still be adding to the ``.grad`` it would
+write, or have set them aside; the last one sums what all of them noted. A step sums at
+its end, under the pipelines' hold, which a pass's stages take too. A pass's sum takes no
+hold: at the end of a backward on a GPU, the engine's device thread runs it, and the
+thread holding the pipelines may be waiting for that backward. A pass or step that
+begins while a sum runs waits for it (``Ties.passing``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import torch
 from torch import Tensor
 
 from torchgpipe.grad_hooks import SUMS_SHARES
-from torchgpipe.worker import hold_pipelines
 
 if TYPE_CHECKING:
     from torchgpipe.tied import Ties
@@ -63,18 +68,9 @@ class PassEnd:
         self._dropped = weakref.finalize(self, ties.passed, False)
 
     def __call__(self) -> None:
-        """Sum the shares: the pass ended well."""
+        """The pass ended well: the last one under way sums the shares."""
         self._dropped.detach()
-        ran = False
-        # Held: another thread's backward may be adding to these ``.grad`` meanwhile (or
-        # have set them aside), and would add to the sum, or lose its part.
-        hold = hold_pipelines()
-        try:
-            self._ties.reduce()
-            ran = True
-        finally:
-            hold.release()
-            self._ties.passed(ran)
+        self._ties.passed(True)
 
 
 class ReduceAtEnd(torch.autograd.Function):

@@ -45,7 +45,7 @@ from torchgpipe.schedules import Action
 if TYPE_CHECKING:
     from torchgpipe.executor import StepRun
 
-__all__ = ["Hold", "Phase", "ThreadState", "WorkerPool", "Workers", "hold_pipelines"]
+__all__ = ["Hold", "Phase", "ThreadState", "WorkerPool", "Workers"]
 
 Phase = Literal["all", "forward", "backward"]
 """Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
@@ -176,19 +176,6 @@ class Hold:
             let_go, self._let_go = self._let_go, None
         if let_go is not None:
             let_go()
-
-
-def hold_pipelines() -> Hold:
-    """Take the hold of every pipeline (:class:`_Holds`; ``tied_sums.py`` takes it too)."""
-    me = threading.get_ident()
-    with _HOLD.changed:
-        # A thread that works for the holder (a worker of its run) may enter too.
-        while _HOLD.count and _HOLD.holder != me and not _within.held:
-            _HOLD.changed.wait()
-        if not _HOLD.count:
-            _HOLD.holder = me
-        _HOLD.count += 1
-    return Hold(_HOLD.let_go)
 
 
 Job = Callable[[], None]
@@ -323,7 +310,15 @@ class Workers:
                 (:meth:`check_caller`).
         """
         self.check_caller()
-        hold = hold_pipelines()
+        me = threading.get_ident()
+        with _HOLD.changed:
+            # A thread that works for the holder (a worker of its run) may enter too.
+            while _HOLD.count and _HOLD.holder != me and not _within.held:
+                _HOLD.changed.wait()
+            if not _HOLD.count:
+                _HOLD.holder = me
+            _HOLD.count += 1
+        hold = Hold(_HOLD.let_go)
         try:
             with _working_for(_within.runs, (*_within.held, self)):
                 yield hold
