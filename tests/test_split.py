@@ -637,6 +637,51 @@ def test_split_says_to_give_a_factory_its_sizes_as_one_tuple() -> None:
         split(Masked(), torch.randn(3, 4), at=["b"])
 
 
+def test_a_constant_changed_in_place_by_a_method_is_one_tensor_for_its_uses() -> None:
+    # fx reads the constant anew at each use; each got a copy of its own, so the read
+    # after acc.add_(...) saw zeros (wrong by 1.2, with one stage too).
+    class Adds(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            acc = torch.zeros(4)
+            acc.add_(x.sum(0))
+            return self.b(self.a(x) + acc)
+
+    model, x = Adds(), torch.randn(3, 4)
+    for at in (["b"], []):
+        stages = split(model, x, at=at)
+        for _ in range(2):
+            torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
+
+
+class _Viewed(nn.Module):
+    """A buffer changed through a view (``how``) before ``b``, read after it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("buf", torch.zeros(4))
+        self.how = how
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.how == "slice":
+            self.buf[:2].add_(1)
+        elif self.how == "view":
+            self.buf.view(2, 2).add_(1)
+        elif self.how == "data":
+            self.buf.data.add_(1)
+        else:  # a buffer of a submodule split calls whole, in stage 1
+            self.bn.running_mean.mul_(0.5)
+        return self.bn(self.b(self.a(x)) + self.buf)
+
+
+@pytest.mark.parametrize("how", ["slice", "view", "data", "submodule"])
+def test_split_refuses_a_buffer_changed_through_a_view_or_read_by_a_submodule(how: str) -> None:
+    target = "bn.running_mean" if how == "submodule" else "buf"
+    with pytest.raises(SplitError, match=rf"'{target}' is changed in place .* in stage 0"):
+        split(_Viewed(how).eval(), torch.randn(3, 4), at=["b"])
+
+
 def test_split_refuses_a_value_changed_in_place_by_a_later_stage() -> None:
     class Doubles(nn.Module):
         def __init__(self) -> None:

@@ -231,15 +231,19 @@ def _fresh_constants(graph: fx.Graph, run: ExampleRun) -> dict[fx.Node, Kind]:
     """Give each call a copy of the constants the graph changes in place.
 
     fx makes ``torch.zeros(4)`` once, at trace time, and keeps it: changed in place
-    (``acc += ...``), it would carry each call's changes to the next.
+    (``acc += ...``), it would carry each call's changes to the next. One copy for all
+    the uses of one constant (fx reads it anew at each): the change reaches them all.
     """
     kinds = dict(run.kinds)
+    fresh: dict[str, fx.Node] = {}  # one copy per constant, which all its uses read
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.target in run.changed:
-            with graph.inserting_after(node):
-                fresh = graph.call_method("clone", (node,))
-            node.replace_all_uses_with(fresh, delete_user_cb=partial(operator.is_not, fresh))
-            kinds[fresh] = kinds[node]
+            copy = fresh.get(str(node.target))
+            if copy is None:
+                with graph.inserting_after(node):
+                    copy = fresh[str(node.target)] = graph.call_method("clone", (node,))
+                kinds[copy] = kinds[node]
+            node.replace_all_uses_with(copy, delete_user_cb=partial(operator.is_not, copy))
     return kinds
 
 
@@ -421,22 +425,29 @@ def _check_in_place(
     does for a partition that starts with ``nn.ReLU(inplace=True)``.
     """
     problems, shared = [], []
-    readers: dict[str, set[int]] = {}  # per parameter or buffer: the stages that read it
+    readers: dict[str, set[int]] = {}  # per parameter, buffer or module: the stages reading it
     for node in compute:
+        if node.op == "call_module":  # its own parameters and buffers
+            readers.setdefault(f"{node.target}.", set()).add(stage_of[node])
         for used in node.all_input_nodes:
             if used.op == "get_attr":
                 readers.setdefault(str(used.target), set()).add(stage_of[node])
     for node in compute:
         value = changed_in_place(module, node)
-        if value is not None and value.op == "get_attr":
-            elsewhere = sorted(readers.get(str(value.target), set()) - {stage_of[node]})
-            if elsewhere:
+        if value is None:
+            continue
+        # A buffer, or a view of one (buf[:2].add_, buf.data), as the example run saw.
+        held = value if value.op == "get_attr" else aliased.get(node, (value,))[0]
+        if held.op == "get_attr":
+            target = str(held.target)
+            stages = {k for name, ks in readers.items() if _reads(name, target) for k in ks}
+            elsewhere = sorted(stages - {stage_of[node]})
+            # A constant fx kept is made anew at each call (_fresh_constants): no buffer.
+            if elsewhere and not target.startswith("_tensor_constant"):
                 shared.append(
-                    f"{value.target!r} is changed in place by {_name(node)} in stage "
+                    f"{target!r} is changed in place by {_name(node)} in stage "
                     f"{stage_of[node]}{where_made(node)} and read in stage(s) {elsewhere}"
                 )
-            continue
-        if value is None:
             continue
         # Seen elsewhere: a value of an earlier stage read again, or memory an earlier
         # stage made that another value still to be read holds (a view, detach()).
@@ -473,3 +484,8 @@ def _check_in_place(
 
 def _name(node: fx.Node) -> str:
     return str(getattr(node.target, "__name__", node.target))
+
+
+def _reads(name: str, target: str) -> bool:
+    """Whether a read of ``name`` (a tensor, or a module: ``"bn."``) reads ``target``."""
+    return name == target or (name.endswith(".") and target.startswith(name))
