@@ -308,10 +308,14 @@ def test_gather_refuses_one_tensor_returned_by_every_micro_batch() -> None:
         gather([(torch.ones(2, 4), weight) for _ in range(3)])
     with pytest.raises(ValueError, match=r"output\[1\] is one tensor in every micro-batch"):
         gather([(torch.ones(2, 4), weight.detach()[:2]) for _ in range(3)])  # one memory
-    # A constant expanded along the batch is per-sample values: joined as it is.
+    # A constant expanded along the batch is per-sample values: joined as it is, one
+    # sample each too (expand(1, ...) of a cls token leaves it as it is).
     row = torch.arange(4.0)
     joined = gather([row.expand(2, 4), row.expand(3, 4)])
     assert torch.equal(joined, row.expand(5, 4))
+    token = torch.randn(1, 1, 4)
+    joined = gather([token.expand(1, -1, -1) for _ in range(3)])
+    assert torch.equal(joined, token.expand(3, -1, -1))
 
 
 def test_gather_refuses_sparse_outputs_that_want_a_gradient() -> None:

@@ -223,6 +223,62 @@ def test_the_tied_sum_at_a_backwards_end_waits_on_no_hold(monkeypatch: pytest.Mo
     _close_to_plain(pipe, plain)
 
 
+class _FailsOnThree(torch.autograd.Function):
+    """Identity; its backward of a batch of 3 says it began, waits for ``go``, and fails."""
+
+    began = threading.Event()
+    go = threading.Event()
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.fail = x.shape[0] == 3
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if ctx.fail:
+            _FailsOnThree.began.set()
+            assert _FailsOnThree.go.wait(timeout=20)
+            raise RuntimeError("the second backward fails")
+        return grad
+
+
+class _FailsOnThreeLayer(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _FailsOnThree.apply(x)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def test_a_backward_that_ended_well_is_summed_when_the_last_one_under_way_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Of two backwards under way, the first to end left the sum to the last, which
+    # failed and dropped every share: the first one's sum was lost (copies unequal).
+    monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
+    _FailsOnThree.began.clear()
+    _FailsOnThree.go.clear()
+    plain = _language_model()
+    pipe = GPipe(nn.Sequential(*copy.deepcopy(plain), _FailsOnThreeLayer()), [2, 4], chunks=2)
+    (ids, target), (other, wrong) = _data(1), _data(2)
+    failed: list[BaseException] = []
+
+    def second() -> None:  # under way first, fails last
+        try:
+            F.cross_entropy(pipe(other[:6]), wrong[:6]).backward()
+        except RuntimeError as error:
+            failed.append(error)
+
+    output = pipe(ids)
+    thread = threading.Thread(target=second)
+    thread.start()
+    assert _FailsOnThree.began.wait(timeout=20)
+    F.cross_entropy(output, target).backward()  # ends well while the other is under way
+    _FailsOnThree.go.set()
+    thread.join(timeout=30)
+    assert len(failed) == 1
+    F.cross_entropy(plain(ids), target).backward()
+    _close_to_plain(pipe, plain)
+
+
 @pytest.mark.parametrize("by", ["model(x)", "step"])
 def test_a_failed_backward_leaves_no_share_to_the_next_sum(by: str) -> None:
     # The copies' shares of a backward that failed (after the head's copy noted its

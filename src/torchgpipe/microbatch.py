@@ -450,8 +450,10 @@ def _gather_leaf(path: str, column: tuple[Any, ...], stack_scalars: bool) -> Any
             f"gradient back through the join; return it dense (x.to_dense()) from the last "
             f"layer, and make it sparse after the pipeline"
         )
-    # One memory in every micro-batch, not a constant expanded along the batch (stride 0).
-    one = first.layout == torch.strided and first.numel() and first.data_ptr() and first.stride(0)
+    # One memory in every micro-batch, not a constant expanded along the batch (stride 0,
+    # or of one sample, which expand(1, ...) leaves as it is: a cls token's).
+    one = first.layout == torch.strided and first.numel() and first.data_ptr()
+    one = one and first.stride(0) and first.size(0) > 1
     if one and all(x.data_ptr() == first.data_ptr() and x.shape == first.shape for x in column):
         raise ValueError(
             f"{path} is one tensor in every micro-batch (a parameter or a constant "

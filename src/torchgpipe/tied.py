@@ -124,7 +124,7 @@ class Ties:
         self._flags = [True] * len(slots)  # per group: requires_grad, as last made equal
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], Tensor] = {}
-        self._in_flight = 0  # backward passes and steps under way (tied_sums.py)
+        self._in_flight, self._owed = 0, False  # passes and steps under way, a sum left
         self._handles: list[RemovableHandle] = []
         # What _hook() hooked: (group, copy, parameter, its __dict__ then).
         self._hooked: list[tuple[int, int, Tensor, dict[str, Any]]] = []
@@ -205,9 +205,8 @@ class Ties:
     def align(self) -> None:
         """Make every copy equal to its owner, and watch their gradients.
 
-        Called once the owners hold their values (a meta model's are filled by then).
-        A shared buffer's copies take its owner's values here, once: they are not kept
-        equal afterwards (see the module docstring).
+        Called once the owners hold their values (a meta model's are filled by then). A
+        shared buffer's copies take its owner's values here, once (see the module's doc).
         """
         with torch.no_grad():
             for owner, *copies in self.groups:
@@ -223,10 +222,9 @@ class Ties:
     def begin(self) -> None:
         """Get ready for a forward or a step: every copy frozen where one is, and watched.
 
-        Shares no sum took are forgotten unless a backward or step is under way
-        (``tied_sums.py``). Freezing or unfreezing any name of a tied weight does it to
-        the weight, as with the plain model's single tensor: where a copy's
-        ``requires_grad`` differs from what the group had, every copy takes it.
+        Shares no sum took are forgotten unless a pass or step is under way (see
+        ``tied_sums.py``). Freezing or unfreezing a tied weight's name does it to the
+        weight: where a copy's ``requires_grad`` differs from the group's, all take it.
         """
         with self._lock:
             if not self._in_flight:
@@ -251,15 +249,17 @@ class Ties:
             self._in_flight += 1
 
     def passed(self, ran: bool, *, summed: bool = False) -> None:
-        """Over: well (``ran``; the last under way sums, unless ``summed``), or failed."""
+        """Over: well (``ran``, ``summed`` or not) or failed; see ``tied_sums.py``."""
         with self._lock:  # reentrant: reduce() takes it too, and passing() waits
             try:
-                if ran and not summed and self._in_flight == 1:
+                self._owed |= ran and not summed  # a pass that ended well left its sum
+                if self._in_flight == 1 and self._owed:
+                    self._owed = False
                     self.reduce()
+                elif self._in_flight == 1 and not ran:
+                    self._pending.clear()
             finally:
                 self._in_flight -= 1
-                if not ran and not self._in_flight:
-                    self._pending.clear()
 
     @contextmanager
     def summing(self, reduce: bool = True) -> Iterator[None]:
