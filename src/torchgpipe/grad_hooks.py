@@ -41,8 +41,19 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["SUMS_SHARES", "Aside", "Fate", "dense", "hooked", "hooks_once", "summed", "when_taken"]
+__all__ = [
+    "SUMS_SHARES",
+    "Aside",
+    "Fate",
+    "dense",
+    "fate",
+    "hooked",
+    "hooks_once",
+    "summed",
+    "when_taken",
+]
 
 _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
@@ -51,6 +62,15 @@ SUMS_SHARES = "torchgpipe_sums_shares"
 
 Fate = Literal["accumulate", "capture", "drop"]
 """What the engine's backward under way does with a gradient for a parameter."""
+
+
+def fate(p: Tensor) -> Fate:
+    """What the engine's backward under way does with a gradient for parameter ``p``."""
+    node = get_gradient_edge(p).node
+    try:
+        return "accumulate" if torch._C._will_engine_execute_node(node) else "drop"
+    except RuntimeError:  # torch refuses to tell of a leaf that autograd.grad captures
+        return "capture"
 
 
 def hooked(p: Tensor, users_only: bool = False) -> bool:

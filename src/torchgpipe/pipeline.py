@@ -45,10 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from torchgpipe.executor import Step, StepRun
-from torchgpipe.grad_hooks import Aside, Fate, hooked, when_taken
+from torchgpipe.grad_hooks import Aside, Fate, fate, hooked, when_taken
 from torchgpipe.microbatch import distinct_tensors, flatten, gather, scatter, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages, trainable_params
@@ -61,6 +60,7 @@ from torchgpipe.steps import (
     weighted,
 )
 from torchgpipe.tied import tie_groups
+from torchgpipe.tied_sums import refuse_ties_named_apart
 from torchgpipe.worker import Workers
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ class _Backward:
         # second node of this backward (the model called twice) sets aside the same, and
         # a failure later in the backward leaves them as they were.
         aside.put_back()
-        handed = [(p, _fate(p)) for p, g in zip(self.params, new, strict=True) if g is not None]
+        handed = [(p, fate(p)) for p, g in zip(self.params, new, strict=True) if g is not None]
         return new + got, handed
 
     def _check_computed(self) -> None:
@@ -368,23 +368,7 @@ class _Backward:
         Raises:
             RuntimeError: nothing has changed yet.
         """
-        fates = {id(p): _fate(p) for p in self.params}
-        wrong = [
-            group
-            for group in tie_groups(self.params)
-            if len({fates.get(id(p)) for p in group}) > 1
-            or any(fates.get(id(p)) == "capture" for p in group)
-        ]
-        if wrong:
-            raise RuntimeError(
-                f"torchgpipe: this backward names some copies of a tied weight "
-                f"({self._names([p for group in wrong for p in group])}), or asks "
-                f"torch.autograd.grad for one; each partition that uses a tied weight "
-                f"holds a copy of it, and the copies' gradients are summed into their "
-                f".grad at the end of the backward. Name every copy (all of "
-                f"model.parameters(), say) or none in backward(inputs=...), and read .grad "
-                f"rather than calling torch.autograd.grad of a tied weight"
-            )
+        refuse_ties_named_apart(tie_groups(self.params), self._names)
 
     def _stages(
         self, run: StepRun, grads: Sequence[Tensor | None], aside: Aside | None
@@ -422,15 +406,6 @@ class _Backward:
             for name, p in partition.named_parameters()
             if id(p) in ids
         )
-
-
-def _fate(p: Tensor) -> Fate:
-    """What the engine's backward under way does with a gradient for parameter ``p``."""
-    node = get_gradient_edge(p).node
-    try:
-        return "accumulate" if torch._C._will_engine_execute_node(node) else "drop"
-    except RuntimeError:  # torch refuses to tell of a leaf that autograd.grad captures
-        return "capture"
 
 
 class _StageGraphs(torch.autograd.Function):

@@ -27,17 +27,19 @@ begins while a sum runs waits for it (``Ties.passing``).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from torchgpipe.grad_hooks import SUMS_SHARES
+from torchgpipe.grad_hooks import SUMS_SHARES, fate
 
 if TYPE_CHECKING:
     from torchgpipe.tied import Ties
 
-__all__ = ["PassEnd", "Record", "ReduceAtEnd"]
+__all__ = ["PassEnd", "Record", "ReduceAtEnd", "refuse_ties_named_apart"]
 
 
 class Record:
@@ -88,7 +90,58 @@ class ReduceAtEnd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        """The gradients as they are; the sum queued for the engine's end."""
+        """The gradients as they are; the sum queued for the engine's end.
+
+        Raises:
+            RuntimeError: the backward names some copies of a tied weight, or asks
+                ``torch.autograd.grad`` for one (as the stages' node refuses it).
+        """
+        if not torch.autograd._is_checkpoint_valid():  # backward(inputs=...), or .grad
+            # Captured only: a copy that a checkpointed cell keeps out of its node (it has
+            # a hook, Record) is not reached by name, so naming some copies is not seen.
+            refuse_ties_named_apart(ctx.ties.groups, partial(_names, ctx.ties), captured=True)
         ctx.ties.passing()
         torch.autograd.Variable._execution_engine.queue_callback(PassEnd(ctx.ties))
         return (None, *grads)
+
+
+def refuse_ties_named_apart(
+    groups: Sequence[Sequence[Tensor]],
+    names: Callable[[list[Tensor]], str],
+    *,
+    captured: bool = False,
+) -> None:
+    """Refuse a backward that names some copies of a tied weight, or captures one.
+
+    Each copy's gradient holds its partition's uses only until the sum at the end of the
+    backward, which adds into every copy's ``.grad``. Called where the backward begins:
+    nothing has changed yet. ``names`` names the copies for the message; with
+    ``captured``, only a capture is refused.
+
+    Raises:
+        RuntimeError: a copy named apart from the others of its weight, or captured.
+    """
+    wrong = []
+    for group in groups:
+        fates = {fate(p) for p in group}
+        if (len(fates) > 1 and not captured) or "capture" in fates:
+            wrong += list(group)
+    if wrong:
+        raise RuntimeError(
+            f"torchgpipe: this backward names some copies of a tied weight "
+            f"({names(wrong)}), or asks torch.autograd.grad for one; each partition that "
+            f"uses a tied weight holds a copy of it, and the copies' gradients are summed "
+            f"into their .grad at the end of the backward. Name every copy (all of "
+            f"model.parameters(), say) or none in backward(inputs=...), and read .grad "
+            f"rather than calling torch.autograd.grad of a tied weight"
+        )
+
+
+def _names(ties: Ties, params: list[Tensor]) -> str:
+    """The names of the weights ``params`` are copies of (``'0.weight = 4.weight'``)."""
+    mine = {id(p) for p in params}
+    return ", ".join(
+        " = ".join(ties.names[g]) or f"tied weight {g}"
+        for g, group in enumerate(ties.groups)
+        if any(id(p) in mine for p in group)
+    )
