@@ -383,6 +383,19 @@ def test_backward_inputs_autograd_grad_of_a_tied_weight_is_refused(backward_by: 
     _assert_same(_grads(pipe), before)
 
 
+def test_backward_inputs_with_a_frozen_tied_weight(backward_by: str) -> None:
+    # The check of the named copies asked a frozen weight's gradient edge, which torch
+    # refuses ("does not require gradients"): every backward(inputs=...) failed.
+    plain, pipe, ids, target = _tied()
+    for model in (plain, pipe):
+        model[0].weight.requires_grad_(False)
+        model.zero_grad()
+    _loss(pipe, ids, target).backward(inputs=[_p(pipe, 2)])
+    _loss(plain, ids, target).backward(inputs=[plain[2].weight])
+    torch.testing.assert_close(_p(pipe, 2).grad, plain[2].weight.grad)
+    assert pipe[0].weight.grad is None
+
+
 def test_backward_inputs_a_failing_backward_gives_every_grad_and_hook_back() -> None:
     model = GPipe(nn.Sequential(nn.Linear(4, 4), FailsBackward(), nn.Linear(4, 2)), [2, 1])
     weight = _p(model, 2)

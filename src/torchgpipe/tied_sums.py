@@ -16,8 +16,9 @@ engine drops its callback unrun.
 Of passes under way at once (two threads training one model), only the last to end sums
 (``Ties.passed``): the others' stages may still be adding to the ``.grad`` it would
 write, or have set them aside; the last one sums what all of them noted, and does so
-even where it failed itself, if one before it ended well (with its own shares noted so
-far, as a failed backward leaves what it accumulated in the plain model's ``.grad``). A step sums at
+even where it failed itself, if one before it ended well. The sum then holds what the
+failed one noted before it failed (the shares are not told apart by pass), where the
+plain model's weight, accumulated once after all its uses, gets none of it. A step sums at
 its end, under the pipelines' hold, which a pass's stages take too. A pass's sum takes no
 hold: at the end of a backward on a GPU, the engine's device thread runs it, and the
 thread holding the pipelines may be waiting for that backward. A pass or step that
@@ -123,6 +124,8 @@ def refuse_ties_named_apart(
     """
     wrong = []
     for group in groups:
+        if not all(p.requires_grad for p in group):  # frozen: no gradient to name
+            continue
         fates = {fate(p) for p in group}
         if (len(fates) > 1 and not captured) or "capture" in fates:
             wrong += list(group)
