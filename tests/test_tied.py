@@ -279,6 +279,34 @@ def test_a_backward_that_ended_well_is_summed_when_the_last_one_under_way_fails(
     _close_to_plain(pipe, plain)
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_a_gpipe_with_tied_weights_nested_in_a_partition_sums_them(
+    checkpoint: str, backward_by: str
+) -> None:
+    # The outer GPipe's node set the inner copies' gradients aside and handed them on
+    # after the inner GPipe had summed its ties (at the end of the partition's
+    # backward): the head copy's share came too late, and was dropped (CPU partitions).
+    def tied() -> nn.Sequential:
+        first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+        last.weight = first.weight
+        return nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), last)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), tied(), nn.Linear(4, 4))
+    layers = copy.deepcopy(plain)
+    inner = GPipe(layers[1], [2, 3], chunks=2)
+    outer = GPipe(
+        nn.Sequential(layers[0], inner, layers[2]), [2, 1], chunks=2, checkpoint=checkpoint
+    )  # type: ignore[arg-type]
+    x = torch.randn(4, 4)
+    outer(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    expected = plain[1][0].weight.grad
+    assert expected is not None
+    for copy_ in (inner[0].weight, inner[4].weight):
+        torch.testing.assert_close(copy_.grad, expected)
+
+
 @pytest.mark.parametrize("by", ["model(x)", "step"])
 def test_a_failed_backward_leaves_no_share_to_the_next_sum(by: str) -> None:
     # The copies' shares of a backward that failed (after the head's copy noted its

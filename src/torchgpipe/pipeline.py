@@ -315,9 +315,11 @@ class _Backward:
         """:meth:`__call__` once every check has passed; the gradients handed, set aside."""
         if plain:
             # The workers accumulate into .grad, and the engine gets None for the
-            # parameters, but for hooked ones: it would call their hooks with None (see
-            # Aside).
-            with_hooks = [p for p in self.params if hooked(p)]
+            # parameters, but for those with hooks of the user's: it would call them with
+            # None (see Aside). The library's own (a tied copy's, tied_sums.Record) see
+            # each share as it comes, in this backward: a GPipe nested in a partition sums
+            # its ties at the end of the partition's backward, not after this node.
+            with_hooks = [p for p in self.params if hooked(p, users_only=True)]
             if not with_hooks:
                 return [None] * len(self.params) + self._stages(run, grads, None), []
             aside = Aside(with_hooks)

@@ -53,9 +53,10 @@ class Record:
     def __init__(self, ties: Ties, key: tuple[int, int]) -> None:
         self.ties, self.key = ties, key
 
-    def __call__(self, grad: Tensor) -> None:
-        """Note ``grad``, the share of this copy."""
-        self.ties.record(self.key, grad)
+    def __call__(self, grad: Tensor | None) -> None:
+        """Note ``grad``, the share of this copy (None: none, from a node that gave none)."""
+        if grad is not None:
+            self.ties.record(self.key, grad)
 
 
 setattr(Record, SUMS_SHARES, True)  # it may see a gradient in shares: see its docstring
