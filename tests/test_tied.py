@@ -295,9 +295,8 @@ def test_a_gpipe_with_tied_weights_nested_in_a_partition_sums_them(
     plain = nn.Sequential(nn.Linear(4, 4), tied(), nn.Linear(4, 4))
     layers = copy.deepcopy(plain)
     inner = GPipe(layers[1], [2, 3], chunks=2)
-    outer = GPipe(
-        nn.Sequential(layers[0], inner, layers[2]), [2, 1], chunks=2, checkpoint=checkpoint
-    )  # type: ignore[arg-type]
+    wrapped = nn.Sequential(layers[0], inner, layers[2])
+    outer = GPipe(wrapped, [2, 1], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
     x = torch.randn(4, 4)
     outer(x).square().sum().backward()
     plain(x).square().sum().backward()
