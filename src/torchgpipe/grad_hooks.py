@@ -12,9 +12,11 @@ then accumulated, as the unwrapped model's backward would.
 ``model(x)`` does it in the backward of the node between the caller's graph and the
 stages' (``pipeline.py``), handing the gradient to the engine; a schedule's step around
 the whole step (:func:`hooks_once`), calling the hooks in the engine's order itself.
-The library's own hooks that only add up what they see (``tied.py`` notes each copy's
-share of a tied weight's gradient, marked :data:`SUMS_SHARES`) stay on through a
-step: the ties are summed before the user's hooks run, which then see the whole
+The library's own hooks that only add up what they see (``tied_sums.py`` notes each
+copy's share of a tied weight's gradient, marked :data:`SUMS_SHARES`) stay on through a
+step, and through ``model(x)``'s node where the copy has no hook of the user's (a GPipe
+nested in a partition sums its ties within the partition's backward): the ties are
+summed before the user's hooks run, which then see the whole
 gradient of the weight, as the unwrapped model's single tensor's hooks do; each copy
 runs its own hooks, and the copies must come out equal (a hook on every copy, or on
 none).
