@@ -233,7 +233,7 @@ def test_balance_of_wrong_type_rejected(balance: object) -> None:
 
 
 def test_too_few_devices_rejected() -> None:
-    with pytest.raises(IndexError, match=r"3 partitions but only 2 devices"):
+    with pytest.raises(IndexError, match=r"3 partitions but only 2 device\(s\)"):
         GPipe(_mlp(), [1, 1, 2], devices=["cpu", "cpu"])
 
 

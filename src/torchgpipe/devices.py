@@ -37,7 +37,7 @@ def check_devices(devices: Sequence[Device] | None, n: int) -> list[torch.device
         found = [as_device(d) for d in devices]
     if len(found) < n:
         raise IndexError(
-            f"there are {n} partitions but only {len(found)} devices ({found}); pass at "
+            f"there are {n} partitions but only {len(found)} device(s) ({found}); pass at "
             f"least {n} devices (a device may repeat, as in devices=['cpu'] * {n}), or "
             f"fewer partitions in balance"
         )
