@@ -8,7 +8,7 @@ import torch
 from helpers import Recorder, indexed_input
 from torch import Tensor, nn
 
-from torchgpipe import GPipe, is_checkpointing, is_recomputing, pipeline
+from torchgpipe import GPipe, is_checkpointing, is_recomputing
 
 
 class Flags(nn.Module):
@@ -190,16 +190,13 @@ class _Mode(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-@pytest.mark.parametrize("backward_by", ["stages", "engine"])
 def test_eval_between_the_forward_and_its_backward_recomputes_in_training_mode(
-    checkpoint: str, backward_by: str, monkeypatch: pytest.MonkeyPatch
+    checkpoint: str, backward_by: str
 ) -> None:
     # Regression: a model switched to eval() between the forward and the backward (a
     # validation pass in between) recomputed its checkpointed cells in eval mode: batch
     # norm normalized by its running statistics and Dropout dropped nothing, so the
     # gradients were not the plain model's (which backward through the training graph).
-    if backward_by == "engine":
-        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
     x = torch.randn(8, 4, dtype=torch.float64)
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), _Mode([]), nn.Dropout(0.5), nn.Linear(4, 4)]
@@ -236,14 +233,9 @@ class _Joins(nn.Module):
         return pair[0] + pair[1].sum(1, keepdim=True)
 
 
-@pytest.mark.parametrize("backward_by", ["stages", "engine"])
-def test_a_recomputation_that_makes_other_shapes_is_named_as_such(
-    backward_by: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_recomputation_that_makes_other_shapes_is_named_as_such(backward_by: str) -> None:
     # torch's own check of the gradients' shapes failed on itself ("Boolean value of
     # Tensor with more than one value is ambiguous") or named sizes of nothing known.
-    if backward_by == "engine":
-        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
     layers = nn.Sequential(nn.Linear(4, 4), _WiderWhenRecomputed(), _Joins(), nn.Linear(4, 4))
     model = GPipe(layers, [2, 2], chunks=2, checkpoint="always")
     out = model(torch.randn(4, 4))

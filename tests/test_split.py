@@ -592,12 +592,11 @@ def test_split_refuses_a_random_draw_on_no_input() -> None:
     assert not torch.equal(stages(x), ours)  # a new draw at each call
 
 
-class _Counter(nn.Module):
+class _Counter(_Pair):
     """Counts its calls in a buffer changed in place, read after ``b`` (``late``) or before."""
 
     def __init__(self, late: bool) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
         self.register_buffer("step", torch.zeros(()))
         self.late = late
 
@@ -624,11 +623,7 @@ def test_split_refuses_a_buffer_changed_in_one_stage_and_read_in_another() -> No
 
 
 def test_split_says_to_give_a_factory_its_sizes_as_one_tuple() -> None:
-    class Masked(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
+    class Masked(_Pair):
         def forward(self, x: Tensor) -> Tensor:
             n = x.size(0)
             return self.b(self.a(x)) + torch.ones(n, 4, device=x.device)
@@ -653,12 +648,11 @@ def test_a_constant_changed_in_place_by_a_method_is_one_tensor_for_its_uses() ->
             torch.testing.assert_close(stages(x), model(x), rtol=0, atol=0)
 
 
-class _Viewed(nn.Module):
+class _Viewed(_Pair):
     """A buffer changed through a view (``how``) before ``b``, read after it."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
         self.bn = nn.BatchNorm1d(4)
         self.register_buffer("buf", torch.zeros(4))
         self.how = how

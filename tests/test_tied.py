@@ -18,7 +18,7 @@ from test_nccl_transport import SCHEDULES
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble, pipeline
+from torchgpipe import GPipe, Schedule1F1B, ScheduleZeroBubble
 from torchgpipe.distributed import PipelineStage, RemoteError, Transport
 from torchgpipe.tied import loaded_value, tied_state_dict
 
@@ -148,15 +148,10 @@ def test_a_share_no_backward_through_the_pipeline_summed_is_forgotten_at_the_nex
     _close_to_plain(pipe, plain)
 
 
-@pytest.mark.parametrize("backward_by", ["stages", "engine"])
-def test_two_threads_training_one_model_with_tied_weights_sum_both(
-    backward_by: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_two_threads_training_one_model_with_tied_weights_sum_both(backward_by: str) -> None:
     # Two threads each ran a forward and a backward: one's sum rewrote the .grad that
     # the other's stages were filling (or had set aside), counting one thread's
     # gradient twice and losing the other's share, in about half the runs.
-    if backward_by == "engine":
-        monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
     for _ in range(4):
         plain = _language_model()
         pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
@@ -190,12 +185,11 @@ def test_two_threads_training_one_model_with_tied_weights_sum_both(
         torch.testing.assert_close(pipe[2].weight.grad, plain[2].weight.grad)
 
 
-def test_the_tied_sum_at_a_backwards_end_waits_on_no_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tied_sum_at_a_backwards_end_waits_on_no_hold(engine_backward: None) -> None:
     # On a GPU the engine's device thread runs the sum at a backward's end: had it waited
     # for the pipelines' hold, a thread holding it while it waits for that backward (a
     # step whose input comes from this model) would never be let go. Here another
     # thread holds it all along, and the backward (the engine's way) ends all the same.
-    monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
     plain = _language_model()
     pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4)
     ids, target = _data(1)
@@ -249,11 +243,10 @@ class _FailsOnThreeLayer(nn.Module):
 
 
 def test_a_backward_that_ended_well_is_summed_when_the_last_one_under_way_fails(
-    monkeypatch: pytest.MonkeyPatch,
+    engine_backward: None,
 ) -> None:
     # Of two backwards under way, the first to end left the sum to the last, which
     # failed and dropped every share: the first one's sum was lost (copies unequal).
-    monkeypatch.setattr(pipeline, "workers_run_backward", lambda devices: False)
     _FailsOnThree.began.clear()
     _FailsOnThree.go.clear()
     plain = _language_model()
