@@ -258,6 +258,59 @@ def test_the_weight_gradient_does_not_run_the_input_gradient_again() -> None:
     _assert_same_grads(model, plain, exact=False)
 
 
+class _SharedScale(nn.Module):
+    """Two branches side by side use one weight's exp: W walks that node from each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.randn(2, dtype=torch.float64))
+
+    def forward(self, h: Tensor) -> Tensor:
+        scale = self.log_scale.exp()
+        return h[:, :2] * scale + h[:, 2:] * scale
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_w_walks_a_node_two_weight_branches_share(checkpoint: Checkpoint) -> None:
+    # Each W call freed the graph it walked: the second found exp's saved result gone.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), _SharedScale(), nn.Linear(2, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1], chunks=2, checkpoint=checkpoint)
+    x, target = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    ScheduleZeroBubble(model, _mse).step(x, target)
+    _mse(plain(x), target).backward()
+    _assert_same_grads(model, plain, exact=False)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("wants", ["input", "target"])
+def test_a_step_under_no_grad_reaches_an_input_or_target_that_wants_a_gradient(
+    schedule: str, wants: str
+) -> None:
+    # The micro-batches were cut under no_grad: views wanting a gradient with no graph,
+    # so the backward into the caller's graph failed after the stages had run.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    before = nn.Linear(4, 4 if wants == "input" else 2).double()
+    raw, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+
+    def data() -> tuple[Tensor, Tensor]:  # the graph before anew: a backward frees it
+        return (before(raw), y) if wants == "input" else (raw, before(raw))
+
+    x, target = data()
+    with torch.no_grad():
+        SCHEDULES[schedule](model, _mse).step(x, target)
+    grads = [p.grad for p in before.parameters()]
+    before.zero_grad(set_to_none=True)
+    x, target = data()
+    _mse(plain(x), target).backward()
+    for got, expected in zip(grads, before.parameters(), strict=True):
+        assert got is not None
+        torch.testing.assert_close(got, expected.grad)
+    _assert_same_grads(model, plain, exact=False)
+
+
 class _PythonLinear(torch.autograd.Function):
     """A linear map written in Python: one call gives both gradients, and frees its context."""
 

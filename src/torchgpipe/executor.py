@@ -490,7 +490,10 @@ class StepRun:
         """Action ``sWi``: the weight gradients that ``sBi`` left to do."""
         cell = self.step.cells[(s, i)]
         with self._span(s, i, "weight"):
-            for roots, leaves in cell.plan:  # leaves None: every leaf the roots reach
+            last = len(cell.plan) - 1
+            for k, (roots, leaves) in enumerate(cell.plan):  # leaves None: all they reach
                 ys, grads = [y for y, _ in roots], [g for _, g in roots]
-                torch.autograd.backward(ys, grads, inputs=leaves or None)
+                # Two branches may share a node below them (exp(w) used twice): kept for
+                # the next call, which walks it again; the graph goes with the cell.
+                torch.autograd.backward(ys, grads, inputs=leaves or None, retain_graph=k < last)
         self._release(s, i)

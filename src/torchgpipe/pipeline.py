@@ -48,7 +48,7 @@ from torch import Tensor
 
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.grad_hooks import Aside, Fate, fate, hooked, when_taken
-from torchgpipe.microbatch import distinct_tensors, flatten, gather, scatter, unflatten
+from torchgpipe.microbatch import distinct_tensors, flatten, gather, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages, trainable_params
 from torchgpipe.steps import (
@@ -56,6 +56,7 @@ from torchgpipe.steps import (
     TableSteps,
     batch_size,
     loss_weights,
+    micro_batches,
     refuse_inference_mode,
     weighted,
 )
@@ -192,9 +193,9 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
             "here, the first takes the input and the last the target"
         )
     refuse_inference_mode("schedule.step()")
-    batches = scatter(input, model.chunks)
+    batches = micro_batches(input, model.chunks)
     m = len(batches)
-    targets = scatter(target, m, name="target")
+    targets = micro_batches(target, m, "target")
     sizes = [batch_size(b) for b in batches]
     target_sizes = [batch_size(t) for t in targets]
     if target_sizes != sizes:

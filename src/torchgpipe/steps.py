@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from torchgpipe.mailbox import add_note
-from torchgpipe.microbatch import flatten
+from torchgpipe.microbatch import Batched, flatten, scatter
 from torchgpipe.schedules import Action, Schedule
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "TableSteps",
     "batch_size",
     "loss_weights",
+    "micro_batches",
     "one_number",
     "refuse_cached_parametrizations",
     "untrained",
@@ -254,3 +255,14 @@ def refuse_cached_parametrizations(partitions: Iterable[nn.Module], graphs: bool
             "graph where a cell is checkpointed (gradients lost). Leave cached() for the "
             "pipeline's training calls and steps (inference under no_grad may keep it)"
         )
+
+
+def micro_batches(value: Any, chunks: int, name: Batched = "input") -> list[Any]:
+    """A step's input or target split into micro-batches, in grad mode.
+
+    A step records gradients even under ``torch.no_grad()``: the micro-batches of an
+    input or a target that wants a gradient (an adversarial input, a teacher's output)
+    stay in the caller's graph, which the step's backward reaches.
+    """
+    with torch.enable_grad():
+        return scatter(value, chunks, name=name)

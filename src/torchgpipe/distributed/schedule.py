@@ -33,10 +33,9 @@ otherwise fails its action (static shapes) or moves to the side channel
 rank's end says how many it moved): the next step on it sends metadata, so a value
 that changes at every step costs one move every other step.
 
-``seed`` is the step's seed, which rank 0 draws from its default generator
-(:func:`torchgpipe.rng.draw_seed`) as one process's step does: every rank's cells draw
-from it (dropout). Every other rank draws one too, and drops it: the default generators
-move on alike, and data shuffled on each rank under one seed stays in step.
+``seed`` is the step's, which rank 0 draws from its default generator (``draw_seed``)
+as one process's step does: every rank's cells draw from it (dropout). Every other rank
+draws one too, and drops it: the default generators move on alike.
 
 A process that makes another call meanwhile (``stage.clip_grad_norm_()``: ``collect.py``)
 opens it with a value of another tag (``exchange.py``): a rank waiting for the start
@@ -67,7 +66,7 @@ from torchgpipe.distributed.transport import TransportError
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.grad_hooks import hooked, hooks_once
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
-from torchgpipe.microbatch import flatten, gather, scatter
+from torchgpipe.microbatch import flatten, gather
 from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Action, Schedule
 from torchgpipe.steps import (
@@ -75,6 +74,7 @@ from torchgpipe.steps import (
     TableSteps,
     batch_size,
     loss_weights,
+    micro_batches,
     refuse_inference_mode,
     weighted,
 )
@@ -328,7 +328,7 @@ def _start(
             raise ValueError(
                 f"rank {stage.rank} runs stage 0 and needs the input: pass it as schedule.{call}"
             )
-        batches = scatter(input, stage.chunks)
+        batches = micro_batches(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
         table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
         key = b""
@@ -377,7 +377,7 @@ def _start(
                 f"rank {stage.rank} runs the last stage and needs the target: pass it "
                 f"as schedule.step(input, target)"
             )
-        targets = scatter(target, m, name="target")
+        targets = micro_batches(target, m, "target")
         target_sizes = [batch_size(t) for t in targets]
         if target_sizes != sizes:
             raise ValueError(
