@@ -166,6 +166,18 @@ def test_parse_refuses_text_without_actions() -> None:
             Schedule.parse(text)
 
 
+def test_parse_reads_back_a_placement_of_its_own() -> None:
+    # Stages 0 and 1 on rank 0, 2 and 3 on rank 1: parse placed stage s on rank s % 2,
+    # and validate() then refused the table that text() had written.
+    text = "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1\n2F0 3F0 2F1 3F1 3B0 2B0 3B1 2B1"
+    table = Schedule.parse(text)
+    assert table.placement == (0, 0, 1, 1)
+    table.validate()
+    assert Schedule.parse(table.text()) == table
+    # A stage no line holds (stages= beyond the actions) keeps the default s % ranks.
+    assert Schedule.parse("0F0 0B0\n1F0 1B0", stages=3).placement == (0, 1, 0)
+
+
 def test_schedule_refuses_a_placement_that_is_not_one_rank_per_stage() -> None:
     ranks = ((Action(0, "F", 0), Action(0, "B", 0)), (Action(1, "F", 0), Action(1, "B", 0)))
     # Too short: validate() used to raise a bare IndexError.

@@ -13,10 +13,9 @@ and with interleaving a rank runs several (virtual) stages::
 
 Dependencies: ``F(s, i)`` after ``F(s - 1, i)``; ``B(s, i)`` after ``F(s, i)`` and
 ``B(s + 1, i)``; ``W(s, i)`` after ``B(s, i)``. :meth:`Schedule.validate` checks that
-every action is there once, on the rank of its stage, and that a dry run finishes; it
-names the step and the ranks where a bad table stalls. :func:`simulate` gives the
-makespan, the bubble fraction and the most micro-batches whose activations each stage
-holds at once, for given costs per kind of action. It knows nothing of torch.
+every action is there once, on its stage's rank, and that a dry run finishes (else
+where it stalls). :func:`simulate` gives the makespan, the bubble fraction and the most
+micro-batches each stage holds at once, for costs per kind of action. No torch here.
 """
 
 from __future__ import annotations
@@ -162,7 +161,9 @@ class Schedule:
     ) -> Schedule:
         """The schedule written ``text`` (one line of actions per rank).
 
-        ``stages`` and ``micro_batches`` default to what the actions mention.
+        ``stages`` and ``micro_batches`` default to what the actions mention; each stage
+        is placed on the rank whose line first holds one of its actions (one no line
+        holds: stage ``s`` on rank ``s % ranks``).
 
         Raises:
             ValueError: a word is not an action, or ``text`` holds none.
@@ -180,7 +181,11 @@ class Schedule:
             )
         stages = 1 + max(a.stage for a in actions) if stages is None else stages
         m = 1 + max(a.i for a in actions) if micro_batches is None else micro_batches
-        return cls(stages, m, ranks)
+        where: dict[int, int] = {}
+        for r, rank in enumerate(ranks):
+            for action in rank:
+                where.setdefault(action.stage, r)
+        return cls(stages, m, ranks, tuple(where.get(s, s % len(ranks)) for s in range(stages)))
 
     def grid(self, *, steps: Sequence[Sequence[Action | None]] | None = None) -> str:
         """The table as text, a rank per row; with ``steps``, aligned by step (``.`` idle)."""
@@ -198,15 +203,11 @@ class Schedule:
         return "\n".join([header, *lines])
 
     def validate(self) -> list[list[Action | None]]:
-        """Check the table; return its dry run, each step's action per rank (None: idle).
-
-        The dry run advances every rank whose next action has all it needs, one action
-        per rank per step.
+        """Check the table; return its :meth:`dry_run`.
 
         Raises:
-            ScheduleError: an action is missing, repeated, on the wrong rank, or the
-                dry run stalls (the message names the step, the waiting actions and what
-                they wait for, and shows the steps so far).
+            ScheduleError: an action is missing, repeated or on the wrong rank, or the
+                dry run stalls (the message says where, as :meth:`dry_run`'s does).
         """
         problems = self._membership_problems()
         if problems:
