@@ -386,6 +386,9 @@ def test_dtype_changes_work() -> None:
     assert model.partitions[1][0].weight.dtype == torch.float16
     model.to(dtype=torch.float32)
     assert model[3].weight.dtype == torch.float32
+    # to(dtype, non_blocking): the bool was taken for a device index, and refused.
+    assert model.to(torch.float64, True) is model
+    assert model[0].weight.dtype == torch.float64
 
 
 def test_deepcopy_gives_an_independent_working_model() -> None:

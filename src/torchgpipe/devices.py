@@ -137,4 +137,6 @@ class PlacedModule(nn.Module):
 def _names_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if kwargs.get("device") is not None or kwargs.get("tensor") is not None:
         return True
-    return any(isinstance(arg, torch.device | str | int | Tensor) for arg in args)
+    # Only the first positional argument can be one: to(dtype, non_blocking) passes a bool.
+    first = args[0] if args else None
+    return isinstance(first, torch.device | str | int | Tensor) and not isinstance(first, bool)
