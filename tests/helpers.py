@@ -206,3 +206,26 @@ class EmptyWeight(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.empty.sum()
+
+
+class Routed(nn.Module):
+    """A batch norm run on the samples routed to it: a micro-batch may route none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        routed = x[:, 0] > 0
+        if not bool(routed.any()):
+            return x
+        return x.masked_scatter(routed[:, None], self.bn(x[routed]))
+
+
+def routed_batch(unrouted: list[int]) -> Tensor:
+    """16 samples in 4 micro-batches of 4; those of ``unrouted`` routed nowhere."""
+    x = torch.randn(16, 4, dtype=torch.float64)
+    x[:, 0] = x[:, 0].abs() + 0.1
+    for i in unrouted:
+        x[4 * i : 4 * i + 4, 0] = -1.0
+    return x

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_grads
+from helpers import Routed, assert_same_grads, routed_batch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -515,6 +515,30 @@ def test_a_schedules_step_tracks_each_call_of_a_layer(schedule: type) -> None:
         driver.step(x, t)
         plain(x)
     _assert_same_running_stats(model, plain)
+
+
+@pytest.mark.parametrize("unrouted", [[3], [0], [1, 3]])
+@pytest.mark.parametrize("how", ["model(x)", "1f1b", "zero-bubble"])
+def test_a_micro_batch_that_does_not_call_a_layer_still_ends_the_mini_batch(
+    unrouted: list[int], how: str
+) -> None:
+    # The update waited for a chunks-th micro-batch to call the layer: with one that
+    # routed nothing, the statistics never changed, silently.
+    plain = nn.Sequential(nn.Linear(4, 4), Routed(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        plain[0].weight.copy_(torch.eye(4))
+        plain[0].bias.zero_()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=4, deferred_batch_norm=True)
+    for _ in range(2):
+        x = routed_batch(unrouted)
+        if how == "model(x)":
+            model(x)
+        else:
+            schedule = {"1f1b": Schedule1F1B, "zero-bubble": ScheduleZeroBubble}[how]
+            schedule(model, lambda y, t: (y - t).square().mean()).step(x, torch.zeros(16, 2))
+        plain(x)
+    _assert_same_running_stats(model, plain)
+    assert int(plain[1].bn.num_batches_tracked) == 2
 
 
 def test_a_layer_on_its_own_counts_each_call_as_a_micro_batch() -> None:

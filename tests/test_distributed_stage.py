@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import lose_in_tie_sum, mlp, run_threads, skip_net, spawn
+from helpers import Routed, routed_batch
 from nccl_rules import NCCLRules
 from torch import Tensor, nn
 
@@ -432,6 +433,23 @@ def test_a_layer_failing_on_one_rank_fails_every_rank_and_the_next_step_works() 
     _assert_grads(_merged([o[2] for o in out]), grads)
     for o in out:
         torch.testing.assert_close(o[1].loss, loss)
+
+
+def test_deferred_batch_norm_ends_the_mini_batch_where_a_micro_batch_skips_the_layer() -> None:
+    # The update waited for a fourth micro-batch to call the layer: never, here.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Identity(), Routed(), nn.Linear(4, 2)).double()
+    x = routed_batch([3])
+
+    def body(stage: PipelineStage) -> Any:
+        _step(Schedule1F1B(stage, _mse), x, torch.zeros(16, 2, dtype=torch.float64))
+        return stage.state_dict()
+
+    models = [copy.deepcopy(plain) for _ in range(2)]
+    out = _on_ranks(2, [2, 1], body, models=models, chunks=4, deferred_batch_norm=True)
+    plain(x)
+    for key in ("1.bn.running_mean", "1.bn.running_var", "1.bn.num_batches_tracked"):
+        torch.testing.assert_close(out[0][key], plain.state_dict()[key], msg=key)
 
 
 def test_a_rank_that_closes_its_transport_mid_step_is_named_by_the_others() -> None:

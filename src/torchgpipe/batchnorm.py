@@ -28,16 +28,18 @@ timm's ``BatchNormAct2d``) where a training call changed the running statistics
 
 A layer called several times per micro-batch (a block applied twice, a layer under two
 names) updates, as plain ``BatchNorm`` does, once per call, from that call's input over
-the mini-batch: it merges its j-th calls apart from its others. The pipeline marks
-where a micro-batch starts: every call of a partition in a cell runs inside
-:func:`enter_cell`, which gives the thread a new token::
+the mini-batch: it merges its j-th calls apart from its others (the tally of a
+mini-batch: ``batchnorm_tally.py``). The pipeline marks where a micro-batch starts:
+every call of a partition in a cell runs inside ``enter_cell``, which gives the thread
+a new token::
 
     cell (0, s):  enter_cell  bn(x) bn(y)   j = 0, 1
     cell (1, s):  enter_cell  bn(x) bn(y)   j = 0, 1, the last: update from the merged
                                            j = 0, then from the merged j = 1
 
 Outside a pipeline (on its own, as in torchgpipe 0.0.7) each call is a micro-batch.
-Where micro-batches call a layer unequally often, the last one's calls update. Where a
+In a pipeline, what the last micro-batch's calls did not take (a layer it does not
+call, or calls less often than another) updates once the pipeline's forwards are done. Where a
 call's input depends on an earlier normalization, it differs from the plain model's as
 that normalization does (per micro-batch).
 """
@@ -45,10 +47,9 @@ that normalization does (per micro-batch).
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, SupportsIndex, TypeVar, cast, overload
 
 import torch
@@ -58,27 +59,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
+from torchgpipe.batchnorm_tally import Tally, finish, merge
 from torchgpipe.checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "expect_micro_batches"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
-
-# What a layer has merged of its j-th calls: samples per channel, mean, and the sum of
-# squared deviations from the mean.
-Moments = tuple[Tensor, Tensor, Tensor]
-
-
-@dataclass
-class _Tally:
-    """Where a deferred layer is in its mini-batch: one attribute, beside a subclass's."""
-
-    chunks: int = 1  # the micro-batches of the mini-batch
-    cell: object | None = None  # the enter_cell() token of the latest call
-    begun: int = 0  # the micro-batches of the mini-batch begun
-    calls: int = 0  # the calls in the current one
-    moments: dict[int, Moments] = field(default_factory=dict)  # the j-th calls', by j
-    forwards: int = 0  # the deferred forward's runs: a subclass's forward reached it
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -109,7 +95,7 @@ class DeferredBatchNorm(_BatchNorm):
         ValueError: ``chunks`` is not positive.
     """
 
-    _deferred_tally: _Tally
+    _deferred_tally: Tally
 
     @property
     def chunks(self) -> int:
@@ -171,7 +157,7 @@ class DeferredBatchNorm(_BatchNorm):
             )
         output = batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         if self.track_running_stats and not is_recomputing():
-            _merge(self, input.detach())  # once batch_norm took it: a refused call counts not
+            merge(self, input.detach())  # once batch_norm took it: a refused call counts not
         return output
 
     @overload
@@ -232,97 +218,18 @@ def expect_micro_batches(layer: DeferredBatchNorm, chunks: int) -> None:
         TypeError: ``chunks`` is not an int.
         ValueError: ``chunks`` is not positive.
     """
-    layer._deferred_tally = _Tally(chunks=_check_chunks(chunks))
+    layer._deferred_tally = Tally(chunks=_check_chunks(chunks))
 
 
-def _merge(layer: DeferredBatchNorm, x: Tensor) -> None:
-    # Functions, not methods: a converted layer's class may have methods of any name.
-    tally = layer._deferred_tally
-    cell = getattr(_cells, "token", None)
-    if cell is None or cell is not tally.cell:  # a micro-batch begins
-        tally.cell = cell
-        if tally.begun >= tally.chunks:  # on its own: no expect() between mini-batches
-            tally.begun, tally.moments = 0, {}
-        tally.begun += 1
-        tally.calls = 0
-    j = tally.calls
-    tally.calls += 1
-    moments = _merged(tally.moments.pop(j, None), x)
-    if tally.begun == tally.chunks:  # the last micro-batch: the j-th calls are complete
-        _commit(layer, moments)
-    elif moments is not None:
-        tally.moments[j] = moments
+def start_mini_batch(layers: list[DeferredBatchNorm], m: int) -> Callable[[], None]:
+    """Each of ``layers`` expects ``m`` micro-batches; return what ends the mini-batch.
 
-
-def _commit(layer: _BatchNorm, moments: Moments | None) -> None:
-    """Track the mini-batch's statistics as ``BatchNorm`` tracks a batch's.
-
-    What is None is skipped, as ``BatchNorm`` skips it (without ``num_batches_tracked``,
-    ``momentum=None`` averages with a factor of 0). An empty mini-batch (no moments)
-    counts, and changes no statistics.
+    A pipeline calls what this returns once its forwards of the mini-batch all ended
+    well (:func:`torchgpipe.batchnorm_tally.finish`).
     """
-    factor = 0.0 if layer.momentum is None else layer.momentum
-    with torch.no_grad():
-        if layer.num_batches_tracked is not None:
-            layer.num_batches_tracked.add_(1)
-            if layer.momentum is None:  # a cumulative average over the mini-batches
-                factor = 1.0 / float(layer.num_batches_tracked)
-        if moments is None:
-            return
-        count, mean, m2 = moments
-        variance = torch.where(count > 1, m2 / (count - 1), m2 / count)  # no sync
-        for running, value in ((layer.running_mean, mean), (layer.running_var, variance)):
-            if running is not None:
-                # Blended in float64, cast after: a float16 variance over 65504 is inf,
-                # its blend with the running value may be finite (BatchNorm's is).
-                running.copy_(running.to(torch.float64).lerp(value, factor))
-
-
-def _merged(moments: Moments | None, x: Tensor) -> Moments | None:
-    """``moments`` with ``x``'s merged in (Chan et al.'s pairwise merge); none if empty."""
-    samples = x.size(0) * math.prod(x.shape[2:])
-    if samples == 0:
-        return moments
-    dims = [0, *range(2, x.dim())]
-    # In float64 whatever the input: a float32 mean of data around 1e4 is off by 1e-3.
-    # Two passes (the mean, then the norm of the deviations) rather than var(): on data
-    # around 1e6 spread by 1e-3, var() was off by 8e-8, two passes by 7e-14 (relative),
-    # in 0.7x to 1.4x var()'s time, a float64 input copied once (CPU, torch 2.13).
-    stats = x.to(torch.float64)
-    count = torch.full((), float(samples), dtype=stats.dtype, device=x.device)  # no sync
-    mean = stats.mean(dims)
-    shape = [1, -1, *[1] * (x.dim() - 2)]
-    deviations = stats.sub_(mean.view(shape)) if stats is not x else stats - mean.view(shape)
-    m2 = torch.linalg.vector_norm(deviations, 2, dims).square()
-    if moments is None:
-        return count, mean, m2
-    count_before, mean_before, m2_before = moments
-    total = count_before + count
-    delta = mean - mean_before
-    return (
-        total,
-        mean_before + delta * (count / total),
-        m2_before + m2 + delta.square() * (count_before * count / total),
-    )
-
-
-# Per thread: the token of the cell whose partition runs (enter_cell), if any.
-_cells = threading.local()
-
-
-def enter_cell() -> object | None:
-    """Before a partition's call in a cell: one micro-batch's calls of deferred layers.
-
-    Returns what :func:`leave_cell` takes (two plain calls: this runs once per cell).
-    """
-    outer = getattr(_cells, "token", None)
-    _cells.token = object()
-    return outer
-
-
-def leave_cell(outer: object | None) -> None:
-    """After a partition's call in a cell (it may have raised)."""
-    _cells.token = outer
+    for layer in layers:
+        expect_micro_batches(layer, m)
+    return functools.partial(finish, layers)
 
 
 def _check_chunks(chunks: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from torchgpipe.batchnorm import enter_cell, leave_cell
+from torchgpipe.batchnorm_tally import enter_cell, leave_cell
 from torchgpipe.checkpoint import checkpoint, checkpoint_flags, differentiable
 from torchgpipe.dependency import fork, join
 from torchgpipe.grad_hooks import hooked

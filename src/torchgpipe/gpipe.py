@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal, TypeAlias, get_args, overload
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import pipeline
-from torchgpipe.batchnorm import convert_deferred_batch_norm, expect_micro_batches
+from torchgpipe.batchnorm import convert_deferred_batch_norm, start_mini_batch
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
@@ -351,11 +351,9 @@ class GPipe(PlacedModule, StageHolder):
         """``self(input)`` under ``no_grad``: GPipe's own forward is the forward-only one."""
         return pipeline.forward_only(self, input)
 
-    def expect_micro_batches(self, m: int) -> None:
-        """Tell deferred batch norm layers that the next mini-batch comes in ``m`` pieces."""
-        # A function, not layer.expect(m): a layer's class may have an expect of its own.
-        for layer in self._deferred:
-            expect_micro_batches(layer, m)
+    def expect_micro_batches(self, m: int) -> Callable[[], None]:
+        """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
+        return start_mini_batch(self._deferred, m)
 
     def stages_for(self, m: int) -> Stages:
         """The partitions as the stages of a training step of ``m`` micro-batches.

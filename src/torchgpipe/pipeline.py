@@ -62,7 +62,7 @@ from torchgpipe.steps import (
 )
 from torchgpipe.tied import tie_groups
 from torchgpipe.tied_sums import refuse_ties_named_apart
-from torchgpipe.worker import Workers
+from torchgpipe.worker import Before, Workers
 
 if TYPE_CHECKING:
     from torchgpipe.gpipe import GPipe
@@ -109,11 +109,12 @@ def run(
     stages: Stages,
     workers: Workers,
     batches: list[Any],
-    before: Callable[[], None] | None = None,
+    before: Before | None = None,
 ) -> list[Any]:
     """Run every micro-batch through every stage; return the outputs in order.
 
-    ``before`` is called once the workers are this run's (``Workers.run``).
+    ``before`` is called once the workers are this run's, what it returns once the
+    forwards all ended well (``Workers.run``).
 
     Raises:
         BaseException: the first exception that a cell raised, with a note naming the

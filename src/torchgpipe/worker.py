@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
@@ -45,9 +45,11 @@ from torchgpipe.schedules import Action
 if TYPE_CHECKING:
     from torchgpipe.executor import StepRun
 
-__all__ = ["Hold", "Phase", "ThreadState", "WorkerPool", "Workers"]
+__all__ = ["Before", "Hold", "Phase", "ThreadState", "WorkerPool", "Workers"]
 
 Phase = Literal["all", "forward", "backward"]
+# What readies a run's shared state; it may return what ends it, once every action did well.
+Before: TypeAlias = Callable[[], Callable[[], None] | None]
 """Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
@@ -339,13 +341,14 @@ class Workers:
         run: StepRun,
         phase: Phase,
         describe: Callable[[Action], str],
-        before: Callable[[], None] | None = None,
+        before: Before | None = None,
     ) -> None:
         """Run each rank's actions of ``phase``; return when all are done.
 
         ``before``, when given, is called once these workers are the caller's, before
         any action: what gets a run's shared state ready (deferred batch norm's count of
-        micro-batches) must not reset another thread's run under way.
+        micro-batches) must not reset another thread's run under way. What it returns,
+        if anything, is called after every action ended well, the workers still held.
 
         Raises:
             BaseException: the first failure of an action, with a note saying where
@@ -365,7 +368,7 @@ class Workers:
         run: StepRun,
         phase: Phase,
         describe: Callable[[Action], str],
-        before: Callable[[], None] | None,
+        before: Before | None,
     ) -> None:
         step, ranks = run.step, len(run.table.ranks)
         if ranks > self.n:  # before any job goes out: the others would wait for its rank
@@ -376,8 +379,7 @@ class Workers:
         inline = _plain_thread()
         runs, held = (*_within.runs, self), _within.held
         with self._lock, _working_for(runs, held):
-            if before is not None:
-                before()
+            after = before() if before is not None else None
             pool = self.pool
             if pool is None or pool.pid != os.getpid():
                 pool = self.pool = WorkerPool(self.n)
@@ -405,6 +407,8 @@ class Workers:
                 # forever. Leave those threads, and start fresh ones next time.
                 pool.close()
                 self.pool = None
+            elif after is not None and not real_failures(step):
+                after()
         # Raised with no name bound to it here, and no record of it left in the step:
         # the frames of its traceback hold the step (and its tensors), which a reference
         # back to the error would keep in a cycle that only the collector frees.

@@ -91,8 +91,7 @@ def run_step(stage: PipelineStage, steps: TableSteps, input: Any, target: Any) -
         ValueError: rank 0 got no input or the last rank no target, or they do not
             split into the same micro-batches.
         BaseException: on the rank where a layer, ``loss_fn``, a parameter's hook or the
-            backward into the caller's graph raised, that exception, with a note naming
-            where.
+            backward into the caller's graph raised, that exception, with a note.
         RemoteError: on the other ranks, the failure of the rank where it started, or
             the loss of a process.
     """
@@ -221,7 +220,7 @@ def _run(
         m, sizes, table, batches, targets, seed = _start(
             stage, steps, exchange, input, target, forward_only=forward_only, shapes=shapes
         )
-        stage.expect_micro_batches(m)
+        finish = stage.expect_micro_batches(m)
         step = Step(len(stage.balance), m)
         stages = stage.stages_for(m)
         if forward_only:  # a plain call per cell: no graph, nothing to recompute
@@ -249,6 +248,7 @@ def _run(
             failure = real[0]
         elif not exchange.halted:
             ran_here = run
+            finish()  # deferred batch norm: what the last micro-batch did not take
             if stage.is_last:
                 output = gather(step.outputs, stack_scalars=not forward_only)
             if not forward_only:  # memory short for the ties' sum fails the step here

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torchgpipe.batchnorm import convert_deferred_batch_norm, expect_micro_batches
+from torchgpipe.batchnorm import convert_deferred_batch_norm, start_mini_batch
 from torchgpipe.devices import Device, PlacedModule, as_device
 from torchgpipe.distributed.checks import (
     check_placement,
@@ -432,10 +432,9 @@ class PipelineStage(PlacedModule, StageHolder):
             tracer=self._tracer,
         )
 
-    def expect_micro_batches(self, m: int) -> None:
-        """Tell this process's deferred batch norm layers the next step's ``m``."""
-        for layer in self._deferred:  # not layer.expect: its class may have its own
-            expect_micro_batches(layer, m)
+    def expect_micro_batches(self, m: int) -> Callable[[], None]:
+        """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
+        return start_mini_batch(self._deferred, m)
 
     def exchange(self) -> Exchange:
         """A new exchange for one step (or the start), listening to every peer.
