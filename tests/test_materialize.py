@@ -1282,21 +1282,30 @@ def test_a_state_dict_without_a_modules_extra_state_is_refused() -> None:
     assert on_meta(layers)
 
 
+@pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("version", [2, 1])
-def test_a_state_dict_loads_with_the_versions_its_metadata_records(version: int) -> None:
+def test_a_state_dict_loads_with_the_versions_its_metadata_records(
+    version: int, nested: bool
+) -> None:
     # The metadata was dropped: a current checkpoint was converted as an old one.
-    plain = nn.Sequential(nn.Identity(), Versioned())
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Identity(), nn.Sequential(Versioned()) if nested else Versioned())
+
+    plain = build()
+    versioned = plain[1][0] if nested else plain[1]
     with torch.no_grad():
-        plain[1].g.fill_(5.0)
+        versioned.g.fill_(5.0)
     saved = plain.state_dict()
-    saved._metadata["1"]["version"] = version  # type: ignore[attr-defined]  # torch's own
-    loaded = nn.Sequential(nn.Identity(), Versioned())
+    path = "1.0" if nested else "1"
+    saved._metadata[path]["version"] = version  # type: ignore[attr-defined]  # torch's own
+    loaded = build()
     loaded.load_state_dict(saved)
     with torch.device("meta"):
-        layers = nn.Sequential(nn.Identity(), Versioned())
+        layers = build()
     model = GPipe(layers, [1, 1], state_dict=saved)
-    torch.testing.assert_close(model[1].g, loaded[1].g, rtol=0, atol=0)
-    torch.testing.assert_close(model[1].g.detach(), torch.full((4,), 5.0 * (3 - version)))
+    torch.testing.assert_close(model[1].state_dict(), loaded[1].state_dict(), rtol=0, atol=0)
+    expected = torch.full((4,), 5.0 * (3 - version))
+    torch.testing.assert_close(model.state_dict()[f"{path}.g"], expected)
 
 
 def test_an_init_that_leaves_a_buffer_unfilled_is_refused() -> None:
