@@ -776,6 +776,18 @@ def test_a_refusal_once_building_began_puts_the_model_back_as_it_was() -> None:
     torch.testing.assert_close(model[1].running_var, torch.ones(4))
 
 
+def test_a_refusal_puts_an_rnns_flat_weights_back_with_its_parameters() -> None:
+    # The parameters went back to meta, the flat weights an LSTM computes from stayed
+    # on the CPU: memory held until the model was given again.
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.LSTM(4, 4), _ScaledLinear())
+    with pytest.raises(ValueError, match=r"left 1\.scale as allocated"):
+        GPipe(layers, [1, 1])
+    lstm = layers[0]
+    assert all(w.is_meta for w in lstm._flat_weights)
+    assert all(w is p for w, p in zip(lstm._flat_weights, lstm.parameters(), strict=True))
+
+
 def _fills_every_tensor(value: float) -> Callable[[nn.Module], None]:
     def init(layer: nn.Module) -> None:
         for tensor in [*layer.parameters(), *layer.buffers()]:

@@ -61,6 +61,8 @@ class Undo:
                 parameter = parameters[name]
                 assert parameter is not None  # only those were kept
                 parameter.data = value  # where .to(device) moved it, back
+            if isinstance(module, nn.RNNBase):  # its flat weights: those put back, not kept
+                module._init_flat_weights()
         with torch.no_grad():
             for tensor, value in self._values:
                 tensor.copy_(value)
