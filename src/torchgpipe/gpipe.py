@@ -19,6 +19,7 @@ from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
+from torchgpipe.legacy import from_0_0_7
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.rng import draw_seed
@@ -220,7 +221,8 @@ class GPipe(PlacedModule, StageHolder):
         self.workers = Workers(n)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """As ``nn.Module``'s; the state dict's ``_metadata`` left as it came, if it raised."""
+        """As ``nn.Module``'s, 0.0.7's keys too (``legacy.py``); ``_metadata`` kept if it raised."""
+        state_dict = from_0_0_7(state_dict, self)
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         finally:

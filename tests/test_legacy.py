@@ -1,0 +1,100 @@
+"""Checkpoints of torchgpipe 0.0.7 load into a GPipe of this library."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.skip import pop, skippable, stash
+
+
+@skippable(stash=["a"])
+class _Stash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x: Tensor) -> Any:
+        yield stash("a", x)
+        return self.conv(x)
+
+
+@skippable(pop=["a"])
+class _Pop(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        a = yield pop("a")
+        return x + a
+
+
+def _model() -> GPipe:
+    layers = nn.Sequential(_Stash(), nn.BatchNorm2d(3), _Pop())
+    return GPipe(layers, [2, 1], chunks=2, deferred_batch_norm=True)
+
+
+def _saved_by_0_0_7() -> OrderedDict[str, Tensor]:
+    """What 0.0.7's ``GPipe.state_dict()`` gave for ``_model()`` (keys, versions)."""
+    torch.manual_seed(1)
+    saved: OrderedDict[str, Tensor] = OrderedDict(
+        [
+            ("partitions.0.0.module.conv.weight", torch.randn(3, 3, 1, 1)),
+            ("partitions.0.0.module.conv.bias", torch.randn(3)),
+            ("partitions.0.1.weight", torch.randn(3)),
+            ("partitions.0.1.bias", torch.randn(3)),
+            ("partitions.0.1.running_mean", torch.randn(3)),
+            ("partitions.0.1.running_var", torch.rand(3)),
+            ("partitions.0.1.num_batches_tracked", torch.tensor(7)),
+            ("partitions.0.1.sum", torch.randn(1, 3, 1, 1)),
+            ("partitions.0.1.sum_squares", torch.randn(1, 3, 1, 1)),
+        ]
+    )
+    paths = ["", "partitions", "partitions.0", "partitions.0.0", "partitions.0.0.module"]
+    paths += ["partitions.0.0.module.conv", "partitions.0.1", "partitions.1", "partitions.1.2"]
+    paths += ["partitions.1.2.module"]
+    saved._metadata = OrderedDict(  # type: ignore[attr-defined]  # torch's own attribute
+        (path, {"version": 2 if path == "partitions.0.1" else 1}) for path in paths
+    )
+    return saved
+
+
+def test_a_checkpoint_of_0_0_7_loads_under_this_librarys_keys() -> None:
+    # It was refused: every key missing, every one of 0.0.7's unexpected.
+    saved = _saved_by_0_0_7()
+    model = _model()
+    model.load_state_dict(saved)
+    state = model.state_dict()
+    assert list(state) == [
+        "0.conv.weight",
+        "0.conv.bias",
+        "1.weight",
+        "1.bias",
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    ]
+    for key, value in state.items():
+        old = key.replace("0.conv", "0.module.conv")
+        torch.testing.assert_close(value, saved[f"partitions.0.{old}"], rtol=0, atol=0)
+    assert all(key.startswith("partitions.") for key in saved)  # the caller's, as it was
+
+
+def test_a_checkpoint_of_0_0_7_with_a_key_the_model_lacks_is_refused_by_its_name() -> None:
+    saved = _saved_by_0_0_7()
+    saved["partitions.1.2.module.extra"] = torch.zeros(1)
+    unexpected = r'Unexpected key\(s\) in state_dict: "2\.module\.extra"'
+    with pytest.raises(RuntimeError, match=unexpected):
+        _model().load_state_dict(saved)
+
+
+def test_a_state_dict_of_this_library_is_loaded_as_it_is() -> None:
+    model, other = _model(), _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    model.load_state_dict(other.state_dict())
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
