@@ -59,6 +59,53 @@ class Moves:
         return sum(s for name, s, _ in self.calls if name == thread)
 
 
+@skippable(stash=["identity"])
+class _Keep(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("identity", x)
+        return x
+
+
+@skippable(pop=["identity"])
+class _AddKept(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        identity = yield pop("identity")
+        return x + identity
+
+
+def _residual_block() -> nn.Sequential:
+    return nn.Sequential(_Keep(), nn.Linear(4, 4), nn.Tanh(), _AddKept())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("how", ["model(x)", "1f1b"])
+def test_a_block_that_stashes_and_pops_one_name_may_be_used_again(
+    checkpoint: str, how: str
+) -> None:
+    # Refused: "'identity' is stashed by layer 0.0 and 1.0"; torchgpipe 0.0.7 ran it.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_residual_block(), _residual_block(), _residual_block(), nn.Linear(4, 2))
+    plain = plain.double()
+    model = GPipe(copy.deepcopy(plain), [1, 2, 1], chunks=2, checkpoint=checkpoint)
+    assert all(not route.crosses for route in model.skip_layout.routes)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    if how == "model(x)":
+        output = model(x)
+        output.square().mean().backward()
+        torch.testing.assert_close(output, plain(x))
+    else:
+        Schedule1F1B(model, lambda y, t: y.square().mean()).step(x, torch.zeros(4, 2))
+    plain(x).square().mean().backward()
+    assert_same_grads(model, plain)
+
+
+def test_a_name_stashed_in_one_layer_and_popped_in_the_next_is_still_refused_twice() -> None:
+    # The pairs must stay inside their layers: here the skip would cross partitions.
+    layers = [_Keep(), _AddKept(), _Keep(), _AddKept()]
+    with pytest.raises(TypeError, match=r"'identity' is stashed by layer 0 \(_Keep\) and layer 2"):
+        GPipe(nn.Sequential(*layers), [2, 2])
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_skip_is_copied_once_straight_to_the_popping_partition(
     monkeypatch: pytest.MonkeyPatch, checkpoint: str

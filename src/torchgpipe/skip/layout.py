@@ -2,7 +2,8 @@
 
 :func:`verify_skippables` reads the skippable modules of a Sequential (its layers and
 the modules inside them) and checks that every skip is stashed once, popped once, and
-stashed before it is popped. :func:`skip_layout` then says, for a balance, which
+stashed before it is popped (or, inside each layer that uses it, stashed and popped in
+turn: a block used again). :func:`skip_layout` then says, for a balance, which
 partition stashes and which pops each skip: GPipe copies a skip once, from the one to
 the other, and the partitions between them never see it.
 """
@@ -153,6 +154,8 @@ def verify_skippables(module: nn.Sequential) -> None:
     problems = []
     for key in [*stashes, *(k for k in pops if k not in stashes)]:
         stashed, popped = stashes.get(key, []), pops.get(key, [])
+        if len(stashed) > 1 and _pairs_within_layers(stashed, popped):
+            continue  # a block that stashes and pops it, used again: its skip stays inside
         if len(stashed) > 1:
             problems.append(f"{key} is stashed by {_list(stashed)}")
         if len(popped) > 1:
@@ -175,6 +178,23 @@ def verify_skippables(module: nn.Sequential) -> None:
             "one skippable class more than once, give each use a Namespace of its own "
             "with module.isolate(Namespace())"
         )
+
+
+def _pairs_within_layers(stashed: list[_Use], popped: list[_Use]) -> bool:
+    """Whether each layer that uses the skip stashes it, then pops it, and so on, in pairs.
+
+    As a residual block made of skippable modules, used at several depths without
+    ``isolate``: each stash is popped before the next, inside the one layer (so inside
+    one partition), as torchgpipe 0.0.7 ran them (it looked at the layers alone).
+    """
+    uses = sorted([(u.order, "stash") for u in stashed] + [(u.order, "pop") for u in popped])
+    layers = {order[0] for order, _ in uses}
+    for layer in layers:
+        kinds = [kind for order, kind in uses if order[0] == layer]
+        if kinds != ["stash", "pop"] * (len(kinds) // 2) or len(kinds) % 2:
+            return False
+    orders = [order for order, _ in uses]
+    return len(set(orders)) == len(orders)  # each use in a place of its own
 
 
 def _list(uses: list[_Use]) -> str:
