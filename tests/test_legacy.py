@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Versioned
 from torch import Tensor, nn
 
 from torchgpipe import GPipe
@@ -31,9 +32,9 @@ class _Pop(nn.Module):
         return x + a
 
 
-def _model() -> GPipe:
+def _model(deferred: bool = True) -> GPipe:
     layers = nn.Sequential(_Stash(), nn.BatchNorm2d(3), _Pop())
-    return GPipe(layers, [2, 1], chunks=2, deferred_batch_norm=True)
+    return GPipe(layers, [2, 1], chunks=2, deferred_batch_norm=deferred)
 
 
 def _saved_by_0_0_7() -> OrderedDict[str, Tensor]:
@@ -61,11 +62,15 @@ def _saved_by_0_0_7() -> OrderedDict[str, Tensor]:
     return saved
 
 
-def test_a_checkpoint_of_0_0_7_loads_under_this_librarys_keys() -> None:
-    # It was refused: every key missing, every one of 0.0.7's unexpected.
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_checkpoint_of_0_0_7_loads_under_this_librarys_keys(deferred: bool) -> None:
+    # It was refused: every key missing, every one of 0.0.7's unexpected. A batch norm
+    # not deferred here had its 0.0.7 sums refused as unexpected.
     saved = _saved_by_0_0_7()
-    model = _model()
+    versions = dict(saved._metadata)  # type: ignore[attr-defined]  # torch's own
+    model = _model(deferred)
     model.load_state_dict(saved)
+    assert saved._metadata == versions  # type: ignore[attr-defined]  # left as it came
     state = model.state_dict()
     assert list(state) == [
         "0.conv.weight",
@@ -98,3 +103,66 @@ def test_a_state_dict_of_this_library_is_loaded_as_it_is() -> None:
     model.load_state_dict(other.state_dict())
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipe = _model()
+
+
+def test_a_checkpoint_of_0_0_7_loads_into_a_gpipe_inside_a_model() -> None:
+    # Torch loads a child without calling its load_state_dict: the keys, under the
+    # child's path, were not read.
+    saved = OrderedDict((f"pipe.{key}", value) for key, value in _saved_by_0_0_7().items())
+    holder = _Holder()
+    holder.load_state_dict(saved)
+    torch.testing.assert_close(
+        holder.pipe[0].conv.weight, saved["pipe.partitions.0.0.module.conv.weight"]
+    )
+
+
+@skippable(stash=["a"])
+class _HoldsModule(nn.Module):
+    """A skippable class with a child named ``module`` and a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 2)
+        self.weight = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: Tensor) -> Any:
+        yield stash("a", x)
+        return self.module(x) + self.weight
+
+
+def test_a_skippable_layer_with_a_child_named_module_is_read_by_0_0_7s_wrapping() -> None:
+    # 0.0.7's partitions.0.0.module.weight is the layer's own weight (the wrapper's
+    # module. first), not its child's: the two were taken for each other.
+    layers = nn.Sequential(_HoldsModule(), _Pop())
+    model = GPipe(layers, [1, 1])
+    saved = OrderedDict(
+        [
+            ("partitions.0.0.module.module.weight", torch.full((2, 2), 1.0)),
+            ("partitions.0.0.module.module.bias", torch.full((2,), 2.0)),
+            ("partitions.0.0.module.weight", torch.full((2,), 3.0)),
+        ]
+    )
+    model.load_state_dict(saved)
+    torch.testing.assert_close(model[0].weight.detach(), torch.full((2,), 3.0))
+    torch.testing.assert_close(model[0].module.bias.detach(), torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_of_0_0_7_is_read_with_the_versions_it_recorded(version: int) -> None:
+    # A version 1 layer converts its values as it loads: it must find its version under
+    # its path here (the converted one), and find 2 where 0.0.7 recorded 2.
+    model = GPipe(nn.Sequential(nn.Identity(), Versioned()), [1, 1])
+    saved = OrderedDict([("partitions.1.1.g", torch.full((4,), 5.0))])
+    paths = ["", "partitions", "partitions.0", "partitions.0.0", "partitions.1", "partitions.1.1"]
+    saved._metadata = OrderedDict(  # type: ignore[attr-defined]  # torch's own attribute
+        (path, {"version": version if path == "partitions.1.1" else 1}) for path in paths
+    )
+    model.load_state_dict(saved)
+    torch.testing.assert_close(model[1].g.detach(), torch.full((4,), 5.0 * (3 - version)))
+    assert list(saved._metadata) == paths  # type: ignore[attr-defined]  # as it came

@@ -99,6 +99,27 @@ def test_a_block_that_stashes_and_pops_one_name_may_be_used_again(
     assert_same_grads(model, plain)
 
 
+class _ResidualBlock(nn.Module):
+    """The block as a class of its own: the order of its calls is its forward's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep, self.linear, self.add = _Keep(), nn.Linear(4, 4), _AddKept()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.add(torch.tanh(self.linear(self.keep(x))))  # type: ignore[no-any-return]
+
+
+def test_a_block_class_that_stashes_and_pops_one_name_may_be_used_again() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ResidualBlock(), _ResidualBlock(), nn.Linear(4, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint="always")
+    x = torch.randn(4, 4, dtype=torch.float64)
+    model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    assert_same_grads(model, plain)
+
+
 def test_a_name_stashed_in_one_layer_and_popped_in_the_next_is_still_refused_twice() -> None:
     # The pairs must stay inside their layers: here the skip would cross partitions.
     layers = [_Keep(), _AddKept(), _Keep(), _AddKept()]

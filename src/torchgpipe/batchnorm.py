@@ -221,15 +221,16 @@ def expect_micro_batches(layer: DeferredBatchNorm, chunks: int) -> None:
     layer._deferred_tally = Tally(chunks=_check_chunks(chunks))
 
 
-def start_mini_batch(layers: list[DeferredBatchNorm], m: int) -> Callable[[], None]:
+def start_mini_batch(layers: list[DeferredBatchNorm], m: int) -> Callable[[], None] | None:
     """Each of ``layers`` expects ``m`` micro-batches; return what ends the mini-batch.
 
     A pipeline calls what this returns once its forwards of the mini-batch all ended
-    well (:func:`torchgpipe.batchnorm_tally.finish`).
+    well (:func:`torchgpipe.batchnorm_tally.finish`), on the caller's streams, which
+    wait for the pipeline's first. None: no layers.
     """
     for layer in layers:
         expect_micro_batches(layer, m)
-    return functools.partial(finish, layers)
+    return functools.partial(finish, layers) if layers else None
 
 
 def _check_chunks(chunks: int) -> int:

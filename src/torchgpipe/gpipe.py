@@ -19,19 +19,20 @@ from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
-from torchgpipe.legacy import from_0_0_7
+from torchgpipe.legacy import watch_loads
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
-from torchgpipe.split_stage import Stage, keep_plain_keys, put_versions_back
+from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
 from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
 from torchgpipe.trace import Trace
 from torchgpipe.undo import Undo
+from torchgpipe.versions import put_versions_back
 from torchgpipe.worker import Workers
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
@@ -198,8 +199,8 @@ class GPipe(PlacedModule, StageHolder):
         except BaseException:
             undo()
             raise
-        if any(isinstance(layer, Stage) for layer in module):
-            keep_plain_keys(self)  # a split model's keys: the model's own
+        # A split model's keys: the model's own; others read torchgpipe 0.0.7's too.
+        (keep_plain_keys if any(isinstance(x, Stage) for x in module) else watch_loads)(self)
         if self._ties:
             self._ties.watch_loads(self)
         # A plain attribute, not a child module: the layers are registered once, above.
@@ -221,12 +222,11 @@ class GPipe(PlacedModule, StageHolder):
         self.workers = Workers(n)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """As ``nn.Module``'s, 0.0.7's keys too (``legacy.py``); ``_metadata`` kept if it raised."""
-        state_dict = from_0_0_7(state_dict, self)
+        """As ``nn.Module``'s; the state dict's ``_metadata`` left as it came, if it raised."""
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         finally:
-            put_versions_back(self)  # a split model's: what its load hook added for it
+            put_versions_back(self)  # what a load hook added for it (versions.py)
 
     def clip_grad_norm_(
         self,
@@ -353,7 +353,7 @@ class GPipe(PlacedModule, StageHolder):
         """``self(input)`` under ``no_grad``: GPipe's own forward is the forward-only one."""
         return pipeline.forward_only(self, input)
 
-    def expect_micro_batches(self, m: int) -> Callable[[], None]:
+    def expect_micro_batches(self, m: int) -> Callable[[], None] | None:
         """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
         return start_mini_batch(self._deferred, m)
 

@@ -21,6 +21,7 @@ from torch.nn.parameter import is_lazy
 
 from torchgpipe.resets import join, own_tensors
 from torchgpipe.skip.skippable import Namespace, Skippable, pop, stash
+from torchgpipe.versions import put_versions_back, set_version, start_versions
 
 __all__ = [
     "InputKind",
@@ -30,7 +31,6 @@ __all__ = [
     "held_apart",
     "inputs_of",
     "keep_plain_keys",
-    "put_versions_back",
 ]
 
 InputKind = Literal["one", "args", "kwargs"]
@@ -405,24 +405,6 @@ def _plain(key: str, prefix: str, stages: set[str]) -> str:
     return prefix + rest if head in stages and rest else key
 
 
-_ABSENT = object()  # a path the caller's versions did not have
-
-
-def put_versions_back(module: nn.Module) -> None:
-    """Leave the versions of the state dict a load was given as they came.
-
-    After the load (:func:`_plain_report`); where it raised (torch skips the hooks then)
-    as ``GPipe.load_state_dict`` ends, else at the module's next load or ``state_dict()``.
-    """
-    metadata = module.__dict__.pop("_metadata_of_load", None)
-    for staged, was in reversed(module.__dict__.pop("_added_versions", [])):
-        if metadata is not None:
-            if was is _ABSENT:
-                metadata.pop(staged, None)
-            else:
-                metadata[staged] = was
-
-
 def _plain_report(module: nn.Module, incompatible: Any) -> None:
     """Name the missing and unexpected keys of a load by the model's keys too."""
     put_versions_back(module)
@@ -471,22 +453,15 @@ def _add_stage_index(
     # The modules' versions under the stages' paths, which the load reads (only where the
     # load began here or above: torch hands a child's load no versions), taken out again
     # by _plain_report: the caller's state dict is left as it came.
-    put_versions_back(module)
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
-    added = module.__dict__["_added_versions"] = []
-    module.__dict__["_metadata_of_load"] = metadata
+    start_versions(module, metadata)
     given = dict(metadata or {})  # read from as given: a stage's path may be a model's too
     for name, child in module.named_children():
         if metadata is None or not isinstance(child, Stage):
             continue
         for path, _ in child.named_modules(remove_duplicate=False):
-            plain, staged = prefix + path, f"{prefix}{name}.{path}"
-            if path:
-                added.append((staged, metadata.get(staged, _ABSENT)))
-                if plain in given:
-                    metadata[staged] = given[plain]
-                else:  # not the model's module that the stage's path names otherwise
-                    metadata.pop(staged, None)
+            if path:  # None: not the model's module that the stage's path names otherwise
+                set_version(module, f"{prefix}{name}.{path}", given.get(prefix + path))
     owners: dict[str, list[str]] = {}
     for name, child in module.named_children():
         if isinstance(child, Stage):

@@ -408,6 +408,7 @@ class Workers:
                 pool.close()
                 self.pool = None
             elif after is not None and not real_failures(step):
+                run.hand_over()  # CUDA: the caller's streams wait for what after() reads
                 after()
         # Raised with no name bound to it here, and no record of it left in the step:
         # the frames of its traceback hold the step (and its tensors), which a reference

@@ -201,15 +201,14 @@ def _run(
 ) -> _Ran:
     """Run this rank's actions, end the step with every rank, raise its failure if any.
 
-    The last rank gathers the output before the ranks agree on how the step ended: an
-    output that does not gather (a 0-dim tensor in it) fails the step on every rank.
-    Its end says whether this rank has work after it that may fail here alone (the
-    caller's graph, ``hooks`` of its parameters): then every rank settles.
+    The last rank gathers the output before the ranks agree on how the step ended: one
+    that does not gather fails the step on every rank. Its end says whether this rank
+    has work after it that may fail here alone (the caller's graph, ``hooks`` of its
+    parameters): then every rank settles.
     """
     exchange = stage.exchange()
     exchange.call = "schedule.forward_only()" if forward_only else "schedule.step()"
     output: Any = None
-    shapes = stage.shapes
     step: Step | None = None
     m: int | None = None
     sizes: list[int] = []
@@ -218,7 +217,7 @@ def _run(
     tie_sums: list[Any] = []
     try:
         m, sizes, table, batches, targets, seed = _start(
-            stage, steps, exchange, input, target, forward_only=forward_only, shapes=shapes
+            stage, steps, exchange, input, target, forward_only=forward_only, shapes=stage.shapes
         )
         finish = stage.expect_micro_batches(m)
         step = Step(len(stage.balance), m)
@@ -248,7 +247,8 @@ def _run(
             failure = real[0]
         elif not exchange.halted:
             ran_here = run
-            finish()  # deferred batch norm: what the last micro-batch did not take
+            if finish is not None:  # deferred batch norm (after hand_over: on CUDA too)
+                finish()
             if stage.is_last:
                 output = gather(step.outputs, stack_scalars=not forward_only)
             if not forward_only:  # memory short for the ties' sum fails the step here
@@ -281,14 +281,14 @@ def _run(
     # Every rank sees a step end alike, so every rank's memory holds the same layouts
     # (but a peer lost in the drain, after the ends, is seen there alone: rebuild then).
     if not ended_well:
-        shapes.clear()
+        stage.shapes.clear()
     elif exchange.signature:
-        shapes.pop(exchange.signature, None)
+        stage.shapes.pop(exchange.signature, None)
         moved = exchange.moved + sum(status.get("moved", 0) for status, _ in exchange.ends.values())
         if not moved:  # else the next step on it sends metadata: a value changed
-            shapes[exchange.signature] = exchange.transfers.seen  # the latest last
-        while len(shapes) > LAYOUTS:
-            del shapes[next(iter(shapes))]
+            stage.shapes[exchange.signature] = exchange.transfers.seen  # the latest last
+        while len(stage.shapes) > LAYOUTS:
+            del stage.shapes[next(iter(stage.shapes))]
     if failure is not None:
         raised, action = failure
         if action is not None:

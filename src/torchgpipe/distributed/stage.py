@@ -432,7 +432,7 @@ class PipelineStage(PlacedModule, StageHolder):
             tracer=self._tracer,
         )
 
-    def expect_micro_batches(self, m: int) -> Callable[[], None]:
+    def expect_micro_batches(self, m: int) -> Callable[[], None] | None:
         """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
         return start_mini_batch(self._deferred, m)
 

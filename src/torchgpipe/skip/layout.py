@@ -186,15 +186,22 @@ def _pairs_within_layers(stashed: list[_Use], popped: list[_Use]) -> bool:
     As a residual block made of skippable modules, used at several depths without
     ``isolate``: each stash is popped before the next, inside the one layer (so inside
     one partition), as torchgpipe 0.0.7 ran them (it looked at the layers alone).
+    Inside a module other than a Sequential, whose order of calls is not known, a
+    stash is taken to come before a pop; a wrong guess fails at the pop, by its name.
     """
-    uses = sorted([(u.order, "stash") for u in stashed] + [(u.order, "pop") for u in popped])
-    layers = {order[0] for order, _ in uses}
-    for layer in layers:
-        kinds = [kind for order, kind in uses if order[0] == layer]
-        if kinds != ["stash", "pop"] * (len(kinds) // 2) or len(kinds) % 2:
+    if {use.where for use in stashed} & {use.where for use in popped}:
+        return False  # one module stashes and pops it
+    uses = sorted([(use.order, 0) for use in stashed] + [(use.order, 1) for use in popped])
+    for layer in {order[0] for order, _ in uses}:
+        held = 0  # stashed and not yet popped, in this layer
+        for order, kind in uses:
+            if order[0] == layer:
+                held += 1 if kind == 0 else -1
+                if held not in (0, 1):
+                    return False
+        if held:
             return False
-    orders = [order for order, _ in uses]
-    return len(set(orders)) == len(orders)  # each use in a place of its own
+    return True
 
 
 def _list(uses: list[_Use]) -> str:
