@@ -452,6 +452,27 @@ def test_deferred_batch_norm_ends_the_mini_batch_where_a_micro_batch_skips_the_l
         torch.testing.assert_close(out[0][key], plain.state_dict()[key], msg=key)
 
 
+def test_a_failure_names_the_global_rank_where_the_pipelines_group_is_not_all() -> None:
+    # A pipeline of global ranks 2 and 3 (data parallel beside it): the messages named
+    # group rank 1, which is another pipeline's healthy process.
+    models = _faulty_models(2, 4)  # layer 4: the first of stage 1, on rank 1
+    models[1][4].fault = _boom
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def rank(transport: Transport) -> Any:
+        transport.global_ranks = (2, 3)
+        stage = PipelineStage(models[transport.rank], [4, 4], transport=transport, chunks=2)
+        return _outcome(lambda: _step(Schedule1F1B(stage, _mse), x, y))
+
+    remote, raised = run_threads(rank, 2)
+    assert isinstance(raised, ZeroDivisionError)
+    notes = getattr(raised, "__notes__", [])
+    assert any("stage 1 on rank 1 (global rank 3), cpu" in note for note in notes), notes
+    assert isinstance(remote, RemoteError), repr(remote)
+    assert str(remote).startswith("rank 1 (global rank 3) (stages [1]) raised ZeroDivisionError")
+    assert remote.rank == 1
+
+
 def test_a_rank_that_closes_its_transport_mid_step_is_named_by_the_others() -> None:
     models = _faulty_models(3, 3)
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from torchgpipe.mailbox import KIND_NAMES
 from torchgpipe.schedules import Action
 
-__all__ = ["RemoteError", "describe", "first_failure"]
+__all__ = ["RemoteError", "describe", "first_failure", "rank_name"]
 
 
 class RemoteError(RuntimeError):
@@ -66,6 +67,13 @@ def describe(
     }
 
 
+def rank_name(rank: int, global_ranks: Sequence[int] | None = None) -> str:
+    """``rank`` as messages name it: with its global rank where the group is not all."""
+    if global_ranks is None or global_ranks[rank] == rank:
+        return f"rank {rank}"
+    return f"rank {rank} (global rank {global_ranks[rank]})"
+
+
 def _said(error: BaseException) -> str:
     """What ``error`` says; a description must not fail where the exception's does."""
     try:
@@ -82,6 +90,7 @@ def first_failure(
     given_up: set[int],
     *,
     told: dict[int, str] | None = None,
+    global_ranks: Sequence[int] | None = None,
 ) -> RemoteError | None:
     """What rank ``rank`` raises for a step that failed elsewhere, from the ends it got.
 
@@ -89,6 +98,7 @@ def first_failure(
     given up as silent, ``given_up`` here and in each end), the likely dead one; of
     those lost alike, the first over the orders of losses that every rank read: each
     end's, this rank's as its own end told it (``told``; ``lost`` where none was sent).
+    Ranks are named with their ``global_ranks`` too, if given (:func:`rank_name`).
     """
     mine = dict(lost) if told is None else told  # this rank's losses, as the others read
     errors = [s["error"] for s, _ in ends.values() if s.get("error") is not None]
@@ -96,10 +106,11 @@ def first_failure(
         first = min(errors, key=lambda e: e["rank"])
         more = len(errors) - 1
         also = f" (and {more} other rank{'s' * (more > 1)} failed too)" if more else ""
+        who = rank_name(first["rank"], global_ranks)
         return RemoteError(
-            f"rank {first['rank']} (stages {list(first['stages'])}) raised "
+            f"{who} (stages {list(first['stages'])}) raised "
             f"{first['text']}{first['where']}{also}\n\n"
-            f"Traceback on rank {first['rank']}:\n{first['traceback']}",
+            f"Traceback on {who}:\n{first['traceback']}",
             rank=first["rank"],
             stages=tuple(first["stages"]),
             action=first["action"],
@@ -125,7 +136,7 @@ def first_failure(
         when = {p: sum(o.index(p) if p in o else len(o) for o in orders) for p in lost}
         peer = min(lost, key=lambda p: (-caused[p], -seen[p], when[p], p))
         return RemoteError(
-            f"rank {peer} (stages {list(stages[peer])}) {lost[peer]}",
+            f"{rank_name(peer, global_ranks)} (stages {list(stages[peer])}) {lost[peer]}",
             rank=peer,
             stages=stages[peer],
         )

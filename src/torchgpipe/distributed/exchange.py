@@ -464,7 +464,13 @@ class Exchange(Mailbox):
     def remote_failure(self) -> RemoteError | None:
         """The failure of another rank that stopped this step, or None if none did."""
         failure = first_failure(
-            self.rank, self.stages, self.ends, self.lost, self.given_up, told=self.told
+            self.rank,
+            self.stages,
+            self.ends,
+            self.lost,
+            self.given_up,
+            told=self.told,
+            global_ranks=self.transport.global_ranks,
         )
         if failure is None and self.halted and not self.other_calls():  # pragma: no cover
             return RemoteError("the step stopped on another rank", rank=-1, stages=())

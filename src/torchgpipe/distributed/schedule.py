@@ -33,9 +33,8 @@ otherwise fails its action (static shapes) or moves to the side channel
 rank's end says how many it moved): the next step on it sends metadata, so a value
 that changes at every step costs one move every other step.
 
-``seed`` is the step's, which rank 0 draws from its default generator (``draw_seed``)
-as one process's step does: every rank's cells draw from it (dropout). Every other rank
-draws one too, and drops it: the default generators move on alike.
+``seed`` is the step's, drawn by rank 0 from its default generator as one process's
+step does (every rank's cells draw from it); every other rank draws one and drops it.
 
 A process that makes another call meanwhile (``stage.clip_grad_norm_()``: ``collect.py``)
 opens it with a value of another tag (``exchange.py``): a rank waiting for the start
@@ -58,7 +57,7 @@ import torch
 from torch import Tensor
 
 from torchgpipe.distributed.checks import agree_with_start, mismatch
-from torchgpipe.distributed.errors import RemoteError, describe
+from torchgpipe.distributed.errors import RemoteError, describe, rank_name
 from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.plan import RankPlan, plan
 from torchgpipe.distributed.stage import PipelineStage
@@ -292,7 +291,8 @@ def _run(
     if failure is not None:
         raised, action = failure
         if action is not None:
-            place = f"stage {action.stage} on rank {stage.rank}, {stage.device}"
+            who = rank_name(stage.rank, stage.transport.global_ranks)
+            place = f"stage {action.stage} on {who}, {stage.device}"
             add_note(raised, where(action, place, m or 0))
         raise raised
     if remote is not None:

@@ -11,14 +11,12 @@ A transport has two channels:
   receives (``batch_isend_irecv``) by one thread per process, in an order both ranks
   of a pair derive from the schedule (``plan.py``): NCCL's rules.
 
-Every failure to reach a peer (it died, it closed, it timed out) raises
-:class:`TransportError`.
+Every failure to reach a peer (dead, closed, timed out) raises :class:`TransportError`.
 
 :class:`ProcessGroupTransport` runs the transfers on the pipeline's process group (gloo
-on CPU, NCCL on GPU) and the side channel on a gloo group (the pipeline's own when it
-is gloo, under another tag); on gloo, which has no groups of operations, it issues
-them straight on the ``ProcessGroup``, one by one. ``wire.py`` makes the buffers.
-``local.py`` holds :class:`LocalTransport`, which connects threads of one process.
+on CPU, NCCL on GPU), the side channel on a gloo group (the pipeline's own if gloo,
+under another tag); on gloo, without groups of operations, one by one. ``wire.py``
+makes the buffers; ``local.py``'s :class:`LocalTransport` connects threads of one process.
 """
 
 from __future__ import annotations
@@ -90,12 +88,14 @@ class Transport(ABC):
         world_size: how many processes the pipeline has.
         device: where received tensors are put.
         wire: where the buffers of transfers live (the device, or the CPU for gloo).
+        global_ranks: the ranks' in the default group, if the pipeline's is not all of it.
     """
 
     rank: int
     world_size: int
     device: torch.device
     wire: torch.device
+    global_ranks: tuple[int, ...] | None = None
 
     @property
     def reads_marks(self) -> bool:
@@ -239,6 +239,7 @@ class ProcessGroupTransport(Transport):
             )
         self.backend = backends[self.wire.type]  # the one that moves the transfers
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self.global_ranks = None if self._global == [*range(self.world_size)] else (*self._global,)
         self.side_group = self._side_group(side_group)
         # Side-channel sends in flight, with their buffers: a send does not wait for the
         # receiver, whose listener may be slow to take the GIL from a thread that computes.
