@@ -473,6 +473,29 @@ def test_a_failure_names_the_global_rank_where_the_pipelines_group_is_not_all() 
     assert remote.rank == 1
 
 
+def test_two_pipelines_on_one_group_called_crosswise_are_refused() -> None:
+    # A teacher and a student of one shape: rank 0 stepped the student while rank 1
+    # stepped the teacher, and the step trained half of each, silently.
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+
+    def rank(transport: Transport) -> Any:
+        teacher = PipelineStage(mlp(1), [4, 4], transport=transport, chunks=2)
+        student = PipelineStage(mlp(0), [4, 4], transport=transport, chunks=2)
+        crossed = _outcome(
+            lambda: _step(Schedule1F1B(student if transport.rank == 0 else teacher, _mse), x, y)
+        )
+        return crossed, _step(Schedule1F1B(student, _mse), x, y)  # the stages work on
+
+    out = run_threads(rank, 2)
+    assert all(isinstance(o, tuple) for o in out), out
+    (remote, result), (refused, _) = out
+    assert isinstance(refused, ValueError)
+    assert "rank 0 runs a call of another PipelineStage than the one rank 1 runs" in str(refused)
+    assert isinstance(remote, RemoteError)
+    loss, _, _ = _reference(mlp(0), x, y)
+    torch.testing.assert_close(result.loss, loss)
+
+
 def test_a_rank_that_closes_its_transport_mid_step_is_named_by_the_others() -> None:
     models = _faulty_models(3, 3)
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -572,6 +573,7 @@ def _after_the_ends(
     exchange.rank, exchange.stages = rank, [(r,) for r in range(world)]
     exchange.tag, exchange.halted = "start", True
     exchange.ends, exchange.lost, exchange.given_up = ends, lost, given_up or set()
+    exchange.transport = SimpleNamespace(global_ranks=None)  # the group is every process
     return exchange
 
 

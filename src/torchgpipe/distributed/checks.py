@@ -35,6 +35,7 @@ on purpose (a frozen backbone's batch norm), and only each process sees its own.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,12 +96,18 @@ def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, 
     return {**options, "layers": layers, "ties": _ties(module)}
 
 
-def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> None:
+_WORD = "word"  # a rank's random word in its fingerprint: the pipeline's name
+
+
+def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> str:
     """Tell every other rank how this rank's start went, and learn how theirs went.
 
     Every rank calls it once, on a fresh ``exchange``, with the ``outcome`` of its own
     start: its fingerprint, or the exception that stopped it. The exchange is ended in
     either case, so each rank learns of a failure anywhere as soon as it happened.
+    Returns the pipeline's name, the same on its ranks and no other pipeline's: made of
+    a random word from each rank, so that two pipelines of one model on one group (a
+    teacher and a student) are told apart at each step's start (:func:`agree_with_start`).
 
     Raises:
         Exception: ``outcome``, this rank's own failure, once every other rank was told.
@@ -115,6 +122,7 @@ def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> N
         status["where"] = " while building its PipelineStage"
         exchange.finish({"failed": True, "error": status}, [])  # waits for their ends
         raise outcome
+    outcome = {**outcome, _WORD: secrets.token_hex(8)}  # not torch's generators: no draw
     prints = {rank: outcome}
     try:
         for peer in exchange.peers:
@@ -131,6 +139,7 @@ def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> N
             f"same model and arguments: {'; '.join(problems)}; build the same "
             f"nn.Sequential and PipelineStage in every process"
         )
+    return "".join(prints[r][_WORD] for r in sorted(prints))
 
 
 def _ties(module: nn.Sequential) -> list[str]:
@@ -156,7 +165,7 @@ def differences(prints: dict[int, dict[str, Any]]) -> list[str]:
         if rank == 0:
             continue
         for field, value in prints[rank].items():
-            if value == base.get(field):
+            if value == base.get(field) or field == _WORD:
                 continue
             if field == "layers":
                 problems.append(_layer_difference(base[field], value, rank))
@@ -259,18 +268,24 @@ def mismatch(exchange: Exchange) -> RuntimeError | None:
 def agree_with_start(
     rank: int,
     m: int,
-    first: tuple[bool, str, str],
-    mine: tuple[bool, str, str],
+    first: tuple[bool, str, str, str],
+    mine: tuple[bool, str, str, str],
 ) -> None:
     """Refuse a step of ``m`` micro-batches that rank 0 started otherwise than this rank.
 
     ``first`` and ``mine``: rank 0's and this rank's (forward only, the table's text,
-    the loss's reduction).
+    the loss's reduction, the pipeline's name: :func:`start_together`).
 
     Raises:
         ValueError: naming what differs and how to make it agree.
     """
-    (forward_only, text, reduction) = first
+    (forward_only, text, reduction, pipeline) = first
+    if pipeline != mine[3]:
+        raise ValueError(
+            f"rank 0 runs a call of another PipelineStage than the one rank {rank} runs "
+            f"(two pipelines on one process group, called crosswise); call the stages "
+            f"of one pipeline together, in the same order in every process"
+        )
     if forward_only != mine[0]:
         calls = ("forward_only", "step")
         said, called = calls if forward_only else calls[::-1]

@@ -61,10 +61,10 @@ from typing import Any
 
 from torch import Tensor
 
+from torchgpipe.distributed.channel import Transport, TransportError
 from torchgpipe.distributed.errors import RemoteError, first_failure
 from torchgpipe.distributed.plan import Message, RankPlan
 from torchgpipe.distributed.transfers import Transfers, layout_change
-from torchgpipe.distributed.transport import Transport, TransportError
 from torchgpipe.distributed.wire import FAILED, MOVED, filled, pack, shell, unpack
 from torchgpipe.mailbox import Mailbox, Stopped
 from torchgpipe.worker import WorkerPool

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.transport import (
+from torchgpipe.distributed.channel import (
     Message,
     Pending,
     Transfer,

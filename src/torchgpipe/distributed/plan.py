@@ -41,14 +41,18 @@ known from a step on an input laid out alike (``transfers.py``).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from torch import Tensor
+
+from torchgpipe.microbatch import flatten
 from torchgpipe.schedules import Action, Schedule, timeline
 
-__all__ = ["Message", "RankPlan", "plan"]
+__all__ = ["Message", "RankPlan", "layout_signature", "parsed_table", "plan"]
 
 Key = tuple[Any, ...]
 
@@ -140,3 +144,30 @@ def _sent_by(
         out += [(("SG", k, i), stash) for k, (stash, pop) in enumerate(routes) if pop == s]
     src = placement[s]
     return [Message(key, src, placement[to]) for key, to in out if placement[to] != src]
+
+
+def layout_signature(
+    table: Schedule, forward_only: bool, training: bool, batches: list[Any]
+) -> bytes:
+    """What decides the layout of every message, if any does: the step's input.
+
+    And the mode of the stages: in training mode a checkpointed cell marks every floating
+    output as wanting a gradient, in eval mode only those that do (the layouts of one
+    input differ). Empty (never the same as another) when the input holds what cannot
+    be pickled.
+    """
+
+    def kind(x: Any) -> Any:
+        return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, Tensor) else x
+
+    layout = [(spec, [kind(x) for x in leaves]) for leaves, spec in map(flatten, batches)]
+    try:
+        return pickle.dumps((table.text(), forward_only, training, layout))
+    except Exception:  # a lambda, a lock: no static step for this input
+        return b""
+
+
+@lru_cache(maxsize=64)
+def parsed_table(text: str, stages: int) -> Schedule:
+    """Rank 0's table, from the text it sent (kept: steps repeat it)."""
+    return Schedule.parse(text, stages=stages)

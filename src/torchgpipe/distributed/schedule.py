@@ -47,25 +47,24 @@ fails, naming the other calls (``checks.mismatch``), and the group is left clean
 from __future__ import annotations
 
 import hashlib
-import pickle
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from torchgpipe.distributed.channel import Transport, TransportError
 from torchgpipe.distributed.checks import agree_with_start, mismatch
 from torchgpipe.distributed.errors import RemoteError, describe, rank_name
 from torchgpipe.distributed.exchange import Exchange, Key
-from torchgpipe.distributed.plan import RankPlan, plan
+from torchgpipe.distributed.plan import RankPlan, layout_signature, parsed_table, plan
 from torchgpipe.distributed.stage import PipelineStage
-from torchgpipe.distributed.transport import TransportError
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.grad_hooks import hooked, hooks_once
 from torchgpipe.mailbox import Stopped, add_note, real_failures, where
-from torchgpipe.microbatch import flatten, gather
+from torchgpipe.microbatch import gather
 from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Action, Schedule
 from torchgpipe.steps import (
@@ -80,6 +79,9 @@ from torchgpipe.steps import (
 
 __all__ = ["run_step"]
 
+# The last table started on each transport, as its ranks saw: a start says None for it
+# again. Per transport, not stage: a teacher's and a student's see each other's starts.
+_TEXTS: weakref.WeakKeyDictionary[Transport, str] = weakref.WeakKeyDictionary()
 START: Key = ("start",)  # the key of rank 0's start: its tag, "start", opens a step
 
 
@@ -333,22 +335,21 @@ def _start(
         table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
         key = b""
         if stage.static_shapes or exchange.transport.reads_marks:
-            signature = _signature(table, forward_only, stage.training, batches)
+            signature = layout_signature(table, forward_only, stage.training, batches)
             key = hashlib.sha256(signature).digest() if signature else b""
-        text = table.text()
-        static = bool(key) and key in shapes
+        text, static, name = table.text(), bool(key) and key in shapes, stage.pipeline_name
         seed = draw_seed()  # once the input is taken: a refused one draws on no rank
-        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction)
+        start = (m, sizes, text, forward_only, key, static, seed, steps.reduction, name)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
-        brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
+        brief = (m, sizes, None if text == _TEXTS.get(stage.transport) else text, *start[3:])
         lost = False
         for peer in exchange.peers:  # every peer: each follows the plan once it has it
             try:
                 exchange.send(peer, START, brief)
             except Stopped:
                 lost = True
-        stage.table_text = text
+        _TEXTS[stage.transport] = text
         if lost:
             raise Stopped
     else:
@@ -361,13 +362,13 @@ def _start(
             raise Stopped
         draw_seed()  # as rank 0 did, after it: ranks sharing a process draw in one order
         start = _full(stage, start)
-        m, sizes, text, first_forward_only, _, _, seed, reduction = start
+        m, sizes, text, first_forward_only, _, _, seed, reduction, pipeline = start
         _follow(stage, exchange, start, shapes)
         if exchange.halted:
             raise Stopped
         table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
-        mine = (forward_only, table.text(), steps.reduction)
-        agree_with_start(stage.rank, m, (first_forward_only, text, reduction), mine)
+        mine = (forward_only, table.text(), steps.reduction, stage.pipeline_name)
+        agree_with_start(stage.rank, m, (first_forward_only, text, reduction, pipeline), mine)
     if not forward_only:
         refuse_inference_mode(f"rank {stage.rank}'s schedule.step()")
     targets: list[Any] = []
@@ -411,8 +412,8 @@ def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
     """Rank 0's start with the table's text, which it sends only when it changes."""
     m, sizes, text, *rest = start
     if text is None:
-        text = stage.table_text
-    stage.table_text = text
+        text = _TEXTS[stage.transport]
+    _TEXTS[stage.transport] = text
     return (m, sizes, text, *rest)
 
 
@@ -429,7 +430,7 @@ def _follow(
     """
     _, _, text, forward_only, key, static, *_ = start
     exchange.signature = key  # this step's messages are remembered under it, if it ends well
-    table = _parsed(text, len(stage.balance))
+    table = parsed_table(text, len(stage.balance))
     frames = None
     if static:  # a step on an input laid out so ended well, as every rank saw
         if key not in shapes:
@@ -444,31 +445,6 @@ def _follow(
 
 LAYOUTS = 8
 """How many input layouts a stage remembers the messages' layouts of (the latest ones)."""
-
-
-def _signature(table: Schedule, forward_only: bool, training: bool, batches: list[Any]) -> bytes:
-    """What decides the layout of every message, if any does: the step's input.
-
-    And the mode of the stages: in training mode a checkpointed cell marks every floating
-    output as wanting a gradient, in eval mode only those that do (the layouts of one
-    input differ). Empty (never the same as another) when the input holds what cannot
-    be pickled.
-    """
-
-    def kind(x: Any) -> Any:
-        return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, Tensor) else x
-
-    layout = [(spec, [kind(x) for x in leaves]) for leaves, spec in map(flatten, batches)]
-    try:
-        return pickle.dumps((table.text(), forward_only, training, layout))
-    except Exception:  # a lambda, a lock: no static step for this input
-        return b""
-
-
-@lru_cache(maxsize=64)
-def _parsed(text: str, stages: int) -> Schedule:
-    """Rank 0's table, from the text it sent (kept: steps repeat it)."""
-    return Schedule.parse(text, stages=stages)
 
 
 def _plan(stage: PipelineStage, table: Schedule, kinds: str) -> RankPlan:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from torchgpipe.batchnorm import convert_deferred_batch_norm, start_mini_batch
 from torchgpipe.devices import Device, PlacedModule, as_device
+from torchgpipe.distributed.channel import Transport
 from torchgpipe.distributed.checks import (
     check_placement,
     check_rank,
@@ -33,7 +34,6 @@ from torchgpipe.distributed.checks import (
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks
-from torchgpipe.distributed.transport import Transport
 from torchgpipe.gpipe import (
     Checkpoint,
     check_balance,
@@ -162,9 +162,8 @@ class PipelineStage(PlacedModule, StageHolder):
         self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
         self.static_shapes = check_flag(static_shapes, "static_shapes")
         # For distributed/schedule.py. Per input layout (a digest), the frames of every
-        # message of the last step on it that ended well; and the last table started.
+        # message of the last step on it that ended well.
         self.shapes: dict[bytes, dict[Any, Any]] = {}
-        self.table_text: str | None = None
         wanted = None if device is None else as_device(device)
         if transport is None:
             transport = connect(group, wanted, len(self.balance))
@@ -195,7 +194,7 @@ class PipelineStage(PlacedModule, StageHolder):
         except Exception as error:
             outcome = error
         try:
-            start_together(self._start_exchange(), outcome)
+            self.pipeline_name = start_together(self._start_exchange(), outcome)
             self._across = AcrossRanks(transport)
             self._across.align(self._ties)
         except BaseException:

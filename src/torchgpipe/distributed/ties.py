@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.distributed.transport import Transfer, Transport
+from torchgpipe.distributed.channel import Transfer, Transport
 from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 

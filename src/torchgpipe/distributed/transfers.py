@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgpipe.distributed.channel import Pending, Transfer, Transport, TransportError
 from torchgpipe.distributed.plan import Key, Message, RankPlan
-from torchgpipe.distributed.transport import Pending, Transfer, Transport, TransportError
 from torchgpipe.distributed.wire import DATA, FAILED, MARK, packed_size
 from torchgpipe.mailbox import Stopped
 
