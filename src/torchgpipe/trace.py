@@ -83,8 +83,9 @@ class TraceSummary:
     ``v``.
 
     A partition with no span ran elsewhere (one process's own trace of a run across
-    processes): it is in no rank, its ``busy`` is 0, and the ranks not traced are taken
-    to hold ``v`` partitions each, as those traced do.
+    processes), or not at all (a failed run): it is in no rank, its ``busy`` is 0, and
+    the ranks not traced are taken to hold ``v`` partitions each, as those traced do.
+    Times are the host's: on a GPU, when its partition's thread issued the work.
     """
 
     n: int
@@ -116,8 +117,8 @@ class TraceSummary:
         if elsewhere:
             names = f"partition{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))}"
             lines.append(
-                f"  {names}: not in this trace (another process's: gather_trace joins the "
-                f"processes' traces)"
+                f"  {names}: not in this trace (another process's, which gather_trace "
+                f"joins in; or not run, where the traced work failed before them)"
             )
         if shared:
             # A partial trace does not know the pipeline's numbers of its ranks.
