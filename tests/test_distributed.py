@@ -608,6 +608,29 @@ def test_a_rank_that_clips_while_the_other_steps_fails_both_before_any_timeout()
         torch.testing.assert_close(merged[name], grad, rtol=1e-5, atol=1e-6)
 
 
+def _build_during_step_rank(rank: int, world: int) -> dict[str, Any]:
+    stage = PipelineStage(mlp(), [4, 4], chunks=4)
+    schedule = Schedule1F1B(stage, _mse)
+    _step(schedule, _batch(1, 8, 4), _batch(2, 8, 4))
+    if rank == 0:  # uneven loops: rank 1 builds its next stage while rank 0 steps
+        return _outcome(lambda: _step(schedule, _batch(1, 8, 4), _batch(2, 8, 4)))
+    return _outcome(lambda: PipelineStage(mlp(1), [4, 4], chunks=4))
+
+
+def test_a_rank_that_builds_a_stage_while_another_steps_fails_both_in_python() -> None:
+    # The new stage's greeting (8 bytes) met the step's header (512 bytes) under one
+    # tag: gloo ended rank 1's process in C++, and rank 0 could not read what came.
+    timeout = 60.0
+    stepping, building = spawn(_build_during_step_rank, 2, timeout=timeout)
+    assert stepping["type"] == "RemoteError", stepping
+    assert "rank 1 (stages [1]) built a PipelineStage during this call" in stepping["text"]
+    assert building["type"] == "RuntimeError", building
+    assert "while rank(s) [0] of the pipeline make a call" in building["text"]
+    for out in (stepping, building):
+        assert "build the stages in every process at once" in out["text"]
+        assert out["seconds"] < timeout / 6, out
+
+
 class _Mean(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return x.mean(dim=1)

@@ -15,7 +15,20 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["Message", "Pending", "Transfer", "Transport", "TransportError"]
+__all__ = [
+    "BUILD_FIRST",
+    "GREETING",
+    "Message",
+    "Pending",
+    "Transfer",
+    "Transport",
+    "TransportError",
+]
+
+GREETING = ("greet",)  # the header of a transport's first message to each peer
+BUILD_FIRST = (
+    "build the stages in every process at once, before any call, and make the same calls in each"
+)
 
 Message = tuple[Any, list[Tensor]]
 

@@ -61,7 +61,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torchgpipe.distributed.channel import Transport, TransportError
+from torchgpipe.distributed.channel import BUILD_FIRST, GREETING, Transport, TransportError
 from torchgpipe.distributed.errors import RemoteError, first_failure
 from torchgpipe.distributed.plan import Message, RankPlan
 from torchgpipe.distributed.transfers import Transfers, layout_change
@@ -315,6 +315,9 @@ class Exchange(Mailbox):
     def _receive(self, peer: int) -> bool:
         """Receive one side-channel message from ``peer``; False once it was the last."""
         header, tensors = self.transport.recv(peer)
+        if header == GREETING:  # the first message of a transport: a stage built anew
+            self.lose(peer, f"built a PipelineStage during this call; {BUILD_FIRST}")
+            return False
         if header[0] == "end":
             status = header[1]
             with self._arrived:

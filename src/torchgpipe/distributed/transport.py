@@ -30,7 +30,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.channel import Message, Pending, Transfer, Transport, TransportError
+from torchgpipe.distributed.channel import (
+    BUILD_FIRST,
+    GREETING,
+    Message,
+    Pending,
+    Transfer,
+    Transport,
+    TransportError,
+)
 from torchgpipe.distributed.groups import backends_of, check_member
 from torchgpipe.distributed.wire import as_bytes, pack, packed_size, unpack
 from torchgpipe.stream import use_device
@@ -43,6 +51,28 @@ _HEAD = 512  # bytes of the first transfer of a message: the header's length, th
 _LENGTH = 8
 _TAG = 0x7467  # the side channel's, apart from the user's own point-to-point messages
 _DATA_TAG = 0x7468  # the transfers' (gloo matches by tag; NCCL ignores tags)
+
+
+def _frames(header: Any, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """A side-channel message's transfers: its head, the rest of its header, its tensors.
+
+    The head is ``_HEAD`` bytes: the length of the pickled header, then as much of it
+    as fits.
+    """
+    layout = [(tuple(t.shape), t.dtype) for t in tensors]
+    payload = pickle.dumps((header, layout), protocol=pickle.HIGHEST_PROTOCOL)
+    length = len(payload).to_bytes(_LENGTH, "little")
+    first = bytearray(_HEAD)
+    fits = payload[: _HEAD - _LENGTH]
+    first[: _LENGTH + len(fits)] = length + fits
+    transfers = [torch.frombuffer(first, dtype=torch.uint8)]
+    if len(payload) > len(fits):
+        rest = bytearray(payload[len(fits) :])
+        transfers.append(torch.frombuffer(rest, dtype=torch.uint8))
+    data = pack(tensors, torch.device("cpu"))
+    if data is not None:
+        transfers.append(data)
+    return transfers
 
 
 class ProcessGroupTransport(Transport):
@@ -137,10 +167,16 @@ class ProcessGroupTransport(Transport):
         others do. A rank that comes late may find several gone (those that failed
         here first left): it names them all, and no one rank.
 
+        The word is a message as any other (a first transfer of ``_HEAD`` bytes): a peer
+        already in a call of a stage built before (uneven loops) reads it as a message,
+        and this rank reads that peer's; both refuse it, where gloo, handed transfers of
+        two sizes under one tag, would end the process.
+
         Raises:
             TransportError: a rank cannot be reached, naming it (``peer`` -1 if several).
+            RuntimeError: a rank sent a message of a call instead (naming it).
         """
-        word = torch.tensor([self.rank], dtype=torch.int64)
+        (word,) = _frames(GREETING, [])
         lost: dict[int, TransportError] = {}
         sent, peers = [], [p for p in range(self.world_size) if p != self.rank]
         for peer in peers:  # sends first: a send does not wait for its receive
@@ -148,11 +184,18 @@ class ProcessGroupTransport(Transport):
                 sent.append((peer, self._side("send", word, peer)))
             except TransportError as error:
                 lost.setdefault(peer, error)
+        busy = []
         for peer in peers:
             try:
-                self._side("recv", torch.empty(1, dtype=torch.int64), peer)
+                if self.recv(peer)[0] != GREETING:
+                    busy.append(peer)
             except TransportError as error:
                 lost.setdefault(peer, error)
+        if busy:
+            raise RuntimeError(
+                f"rank {self.rank} builds its PipelineStage while rank(s) {busy} of the "
+                f"pipeline make a call (a step) of a stage built before; {BUILD_FIRST}"
+            )
         for peer, work in sent:
             try:
                 work.wait()
@@ -197,19 +240,7 @@ class ProcessGroupTransport(Transport):
 
         See :meth:`Transport.send`.
         """
-        layout = [(tuple(t.shape), t.dtype) for t in tensors]
-        payload = pickle.dumps((header, layout), protocol=pickle.HIGHEST_PROTOCOL)
-        length = len(payload).to_bytes(_LENGTH, "little")
-        first = bytearray(_HEAD)
-        fits = payload[: _HEAD - _LENGTH]
-        first[: _LENGTH + len(fits)] = length + fits
-        transfers = [torch.frombuffer(first, dtype=torch.uint8)]
-        if len(payload) > len(fits):
-            rest = bytearray(payload[len(fits) :])
-            transfers.append(torch.frombuffer(rest, dtype=torch.uint8))
-        data = pack(tensors, torch.device("cpu"))
-        if data is not None:
-            transfers.append(data)
+        transfers = _frames(header, tensors)
         self._pending = [item for item in self._pending if not item[0].is_completed()]
         for buffer in transfers:
             work = self._side("send", buffer, peer)
