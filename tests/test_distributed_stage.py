@@ -473,27 +473,70 @@ def test_a_failure_names_the_global_rank_where_the_pipelines_group_is_not_all() 
     assert remote.rank == 1
 
 
-def test_two_pipelines_on_one_group_called_crosswise_are_refused() -> None:
+@pytest.mark.parametrize("stepped_first", [False, True])
+def test_two_pipelines_on_one_group_called_crosswise_are_refused(stepped_first: bool) -> None:
     # A teacher and a student of one shape: rank 0 stepped the student while rank 1
-    # stepped the teacher, and the step trained half of each, silently.
+    # stepped the teacher, and the step trained half of each, silently (or, where the
+    # student had stepped first, failed on layouts the teacher did not know, and the
+    # channels stayed out of step).
     x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    models = [(mlp(1), mlp(0)) for _ in range(2)]  # here: mlp() seeds the generator
 
     def rank(transport: Transport) -> Any:
-        teacher = PipelineStage(mlp(1), [4, 4], transport=transport, chunks=2)
-        student = PipelineStage(mlp(0), [4, 4], transport=transport, chunks=2)
-        crossed = _outcome(
-            lambda: _step(Schedule1F1B(student if transport.rank == 0 else teacher, _mse), x, y)
-        )
-        return crossed, _step(Schedule1F1B(student, _mse), x, y)  # the stages work on
+        teacher_model, student_model = models[transport.rank]
+        teacher = PipelineStage(teacher_model, [4, 4], transport=transport, chunks=2)
+        student = PipelineStage(student_model, [4, 4], transport=transport, chunks=2)
+        if stepped_first:
+            _step(Schedule1F1B(student, _mse), x, y)
+            _step(Schedule1F1B(teacher, _mse), x, y)
+        called = student if transport.rank == 0 else teacher
+        crossed = _outcome(lambda: _step(Schedule1F1B(called, _mse), x, y))
+        student.zero_grad()
+        # Both pipelines work on, their remembered layouts as every rank saw the step.
+        return crossed, _step(Schedule1F1B(student, _mse), x, y), _grads(student)
 
-    out = run_threads(rank, 2)
+    out = run_threads(rank, 2, timeout=20.0)
     assert all(isinstance(o, tuple) for o in out), out
-    (remote, result), (refused, _) = out
+    (remote, result, grads_0), (refused, _, grads_1) = out
     assert isinstance(refused, ValueError)
-    assert "rank 0 runs a call of another PipelineStage than the one rank 1 runs" in str(refused)
+    said = "rank 0 started a call of another pipeline's stages than the ones rank 1 called"
+    assert said in str(refused)
     assert isinstance(remote, RemoteError)
-    loss, _, _ = _reference(mlp(0), x, y)
+    assert said in str(remote)
+    loss, grads, _ = _reference(mlp(0), x, y)
     torch.testing.assert_close(result.loss, loss)
+    _assert_grads(_merged([grads_0, grads_1]), grads)
+
+
+def test_a_call_of_a_pipeline_another_process_no_longer_holds_gives_the_group_up() -> None:
+    # Rank 1 let its student go: it cannot know the sizes of the transfers rank 0's
+    # student issues, so the channels are out of step, and every later call says so.
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    models = [(mlp(1), mlp(0)) for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        teacher_model, student_model = models[transport.rank]
+        teacher = PipelineStage(teacher_model, [4, 4], transport=transport, chunks=2)
+        student = PipelineStage(student_model, [4, 4], transport=transport, chunks=2)
+        called = student if transport.rank == 0 else teacher
+        del student
+        crossed = _outcome(lambda: _step(Schedule1F1B(called, _mse), x, y))
+        start = time.monotonic()
+        after = _outcome(lambda: _step(Schedule1F1B(called, _mse), x, y))
+        return crossed, after, time.monotonic() - start
+
+    out = run_threads(rank, 2, timeout=20.0)
+    assert all(isinstance(o, tuple) for o in out), out
+    (remote, after_0, seconds), (refused, after_1, _) = out
+    said = "rank 0 started a call of another pipeline's stages than the ones rank 1 called"
+    assert isinstance(refused, ValueError)
+    assert "which this process does not hold" in str(refused)
+    assert isinstance(remote, RemoteError)
+    for after in (after_0, after_1):
+        assert isinstance(after, RuntimeError), after
+        assert said in str(after)
+        assert "Start every process anew" in str(after)
+    assert seconds < 1.0  # rank 0 was told as the step ended
 
 
 def test_a_rank_that_closes_its_transport_mid_step_is_named_by_the_others() -> None:
@@ -1305,9 +1348,13 @@ def test_a_step_ends_twice_only_where_a_rank_has_work_after_its_end() -> None:
     assert run_threads(rank, 2) == [[1, 2], [1, 2]]
 
 
-def test_a_tie_holder_lost_in_a_step_that_settles_is_named_by_every_rank() -> None:
+@pytest.mark.parametrize("global_ranks", [None, (3, 4, 5)])
+def test_a_tie_holder_lost_in_a_step_that_settles_is_named_by_every_rank(
+    global_ranks: tuple[int, ...] | None,
+) -> None:
     # A hook on rank 1, which holds no copy of the tie, makes the step settle: rank 2,
-    # lost while the ties were summed, is then named there too, not just by its peer.
+    # lost while the ties were summed, is then named there too, not just by its peer;
+    # by its global rank too where the group is not every process (the owner did not).
     def tied() -> nn.Sequential:
         torch.manual_seed(0)
         embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
@@ -1318,6 +1365,7 @@ def test_a_tie_holder_lost_in_a_step_that_settles_is_named_by_every_rank() -> No
     ids = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
 
     def rank(transport: Transport) -> Any:
+        transport.global_ranks = global_ranks
         stage = PipelineStage(models[transport.rank], [1, 1, 1], transport=transport, chunks=2)
         if stage.rank == 1:
             stage.get_parameter("1.weight").register_hook(lambda grad: grad)
@@ -1331,7 +1379,8 @@ def test_a_tie_holder_lost_in_a_step_that_settles_is_named_by_every_rank() -> No
     for told in (owner, between):
         assert isinstance(told, RemoteError), repr(told)
         assert (told.rank, told.stages) == (2, (2,))
-        assert str(told).startswith("rank 2 (stages [2]) died or cannot be reached")
+        who = "rank 2" if global_ranks is None else "rank 2 (global rank 5)"
+        assert str(told).startswith(f"{who} (stages [2]) died or cannot be reached")
 
 
 class _ToComplex(nn.Module):

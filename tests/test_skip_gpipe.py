@@ -120,6 +120,29 @@ def test_a_block_class_that_stashes_and_pops_one_name_may_be_used_again() -> Non
     assert_same_grads(model, plain)
 
 
+class _BodyBlock(nn.Module):
+    """The stash inside a Sequential of the block, the pop beside it: their order is the
+    block's forward's, which the check cannot see (the pop's place sorted first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(_Keep(), nn.Linear(4, 4), nn.Tanh())
+        self.add = _AddKept()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.add(self.body(x))  # type: ignore[no-any-return]
+
+
+def test_a_block_whose_stash_is_inside_a_sequential_may_be_used_again() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(_BodyBlock(), _BodyBlock(), nn.Linear(4, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    assert_same_grads(model, plain)
+
+
 def test_a_name_stashed_in_one_layer_and_popped_in_the_next_is_still_refused_twice() -> None:
     # The pairs must stay inside their layers: here the skip would cross partitions.
     layers = [_Keep(), _AddKept(), _Keep(), _AddKept()]

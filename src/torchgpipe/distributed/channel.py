@@ -141,6 +141,11 @@ class Transport(ABC):
 
     _abandoned: str | None = None  # why a receive was left waiting (abandon)
 
+    @property
+    def abandoned(self) -> str | None:
+        """Why this transport refuses every call now (:meth:`abandon`); None: it does not."""
+        return self._abandoned
+
     def abandon(self, reason: str) -> None:
         """Refuse later calls: a receive left waiting on a peer would take its next message."""
         self._abandoned = self._abandoned or reason

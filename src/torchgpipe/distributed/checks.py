@@ -36,13 +36,15 @@ on purpose (a frozen backbone's batch norm), and only each process sees its own.
 from __future__ import annotations
 
 import secrets
+import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from torchgpipe.balance.blockpartition import whole_number
+from torchgpipe.distributed.channel import Transport
 from torchgpipe.distributed.errors import RemoteError, describe
 from torchgpipe.distributed.exchange import Exchange
 from torchgpipe.distributed.transport import ProcessGroupTransport, TransportError
@@ -99,7 +101,18 @@ def fingerprint(module: nn.Sequential, options: Mapping[str, Any]) -> dict[str, 
 _WORD = "word"  # a rank's random word in its fingerprint: the pipeline's name
 
 
-def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> str:
+# This process's stages by the name of their pipeline and their rank (start_together;
+# the rank too: the ranks of a test double are threads of one process).
+PIPELINES: weakref.WeakValueDictionary[tuple[str, int], Any] = weakref.WeakValueDictionary()
+
+
+class CrossedPipelines(ValueError):
+    """Rank 0 started a call of another pipeline's stages than those this rank called."""
+
+
+def start_together(
+    exchange: Exchange, outcome: dict[str, Any] | Exception, stage: nn.Module
+) -> str:
     """Tell every other rank how this rank's start went, and learn how theirs went.
 
     Every rank calls it once, on a fresh ``exchange``, with the ``outcome`` of its own
@@ -107,7 +120,8 @@ def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> s
     either case, so each rank learns of a failure anywhere as soon as it happened.
     Returns the pipeline's name, the same on its ranks and no other pipeline's: made of
     a random word from each rank, so that two pipelines of one model on one group (a
-    teacher and a student) are told apart at each step's start (:func:`agree_with_start`).
+    teacher and a student) are told apart at each step's start (:func:`crossed`);
+    ``stage`` is kept under it in :data:`PIPELINES` (this process's, weakly).
 
     Raises:
         Exception: ``outcome``, this rank's own failure, once every other rank was told.
@@ -139,7 +153,9 @@ def start_together(exchange: Exchange, outcome: dict[str, Any] | Exception) -> s
             f"same model and arguments: {'; '.join(problems)}; build the same "
             f"nn.Sequential and PipelineStage in every process"
         )
-    return "".join(prints[r][_WORD] for r in sorted(prints))
+    name = "".join(prints[r][_WORD] for r in sorted(prints))
+    PIPELINES[name, rank] = stage
+    return name
 
 
 def _ties(module: nn.Sequential) -> list[str]:
@@ -265,27 +281,50 @@ def mismatch(exchange: Exchange) -> RuntimeError | None:
     )
 
 
+def crossed(rank: int, transport: Transport, *, followed: bool) -> NoReturn:
+    """Refuse a start of rank 0's that names another pipeline than this rank's stage.
+
+    Two pipelines built on one process group (a teacher's and a student's stages),
+    called crosswise. Where this process holds a stage of the pipeline rank 0 started
+    (``followed``), it took part in the step's transfers with that stage (each rank of
+    a failed step forgets its remembered layouts there, not in the stage called here).
+    Otherwise rank 0 issued transfers that this rank cannot know the sizes of, so the
+    group's channels are out of step: the transport refuses every later call
+    (:meth:`Transport.abandon`), and the other ranks', told at the step's end, too.
+
+    Raises:
+        CrossedPipelines: always, saying so.
+    """
+    why = (
+        f"rank 0 started a call of another pipeline's stages than the ones rank {rank} "
+        f"called (two pipelines on one process group, called crosswise)"
+    )
+    if followed:
+        raise CrossedPipelines(
+            f"{why}; call the stages of one pipeline together, in the same order in every process"
+        )
+    transport.abandon(why)
+    raise CrossedPipelines(
+        f"{why}, which this process does not hold; the group's channels are out of step "
+        f"now: start every process anew"
+    )
+
+
 def agree_with_start(
     rank: int,
     m: int,
-    first: tuple[bool, str, str, str],
-    mine: tuple[bool, str, str, str],
+    first: tuple[bool, str, str],
+    mine: tuple[bool, str, str],
 ) -> None:
     """Refuse a step of ``m`` micro-batches that rank 0 started otherwise than this rank.
 
     ``first`` and ``mine``: rank 0's and this rank's (forward only, the table's text,
-    the loss's reduction, the pipeline's name: :func:`start_together`).
+    the loss's reduction).
 
     Raises:
         ValueError: naming what differs and how to make it agree.
     """
-    (forward_only, text, reduction, pipeline) = first
-    if pipeline != mine[3]:
-        raise ValueError(
-            f"rank 0 runs a call of another PipelineStage than the one rank {rank} runs "
-            f"(two pipelines on one process group, called crosswise); call the stages "
-            f"of one pipeline together, in the same order in every process"
-        )
+    (forward_only, text, reduction) = first
     if forward_only != mine[0]:
         calls = ("forward_only", "step")
         said, called = calls if forward_only else calls[::-1]

@@ -325,6 +325,8 @@ class Exchange(Mailbox):
                     return False
                 self.ends[peer] = (status, tensors)
                 self.gone = self.gone or bool(status.get("gone"))
+            if status.get("abandoned"):  # the group's channels are out of step there
+                self.transport.abandon(f"rank {peer} said: {status['abandoned']}")
             self._go_silent(peer)
             if status["failed"]:
                 self.halt()

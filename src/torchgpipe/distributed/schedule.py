@@ -47,7 +47,6 @@ fails, naming the other calls (``checks.mismatch``), and the group is left clean
 from __future__ import annotations
 
 import hashlib
-import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,8 +54,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.channel import Transport, TransportError
-from torchgpipe.distributed.checks import agree_with_start, mismatch
+from torchgpipe.distributed.channel import TransportError
+from torchgpipe.distributed.checks import (
+    PIPELINES,
+    CrossedPipelines,
+    agree_with_start,
+    crossed,
+    mismatch,
+)
 from torchgpipe.distributed.errors import RemoteError, describe, rank_name
 from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.plan import RankPlan, layout_signature, parsed_table, plan
@@ -79,9 +84,6 @@ from torchgpipe.steps import (
 
 __all__ = ["run_step"]
 
-# The last table started on each transport, as its ranks saw: a start says None for it
-# again. Per transport, not stage: a teacher's and a student's see each other's starts.
-_TEXTS: weakref.WeakKeyDictionary[Transport, str] = weakref.WeakKeyDictionary()
 START: Key = ("start",)  # the key of rank 0's start: its tag, "start", opens a step
 
 
@@ -153,8 +155,9 @@ def _lost_in_ties(exchange: Exchange, error: TransportError) -> RemoteError:
     """A process lost while the tied weights' gradients were summed with it."""
     peer = error.peer
     stages = exchange.stages[peer] if 0 <= peer < len(exchange.stages) else ()
+    who = rank_name(peer, exchange.transport.global_ranks) if peer >= 0 else f"rank {peer}"
     return RemoteError(
-        f"rank {peer} (stages {list(stages)}) {LOST_IN_TIES}. The transport said: {error}",
+        f"{who} (stages {list(stages)}) {LOST_IN_TIES}. The transport said: {error}",
         rank=peer,
         stages=stages,
     )
@@ -273,6 +276,7 @@ def _run(
             "peaks": {s: step.peak[s] for s in stage.stages} if step is not None else {},
             "after": after,
             "frozen": [s.frozen for s in tie_sums if s.frozen is not None],
+            "abandoned": stage.transport.abandoned,  # the others give theirs up too
         },
         [torch.stack(losses).cpu()] if losses else [],
     )
@@ -281,8 +285,8 @@ def _run(
     ended_well = failure is None and remote is None and step is not None
     # Every rank sees a step end alike, so every rank's memory holds the same layouts
     # (but a peer lost in the drain, after the ends, is seen there alone: rebuild then).
-    if not ended_well:
-        stage.shapes.clear()
+    if not ended_well and not (failure and isinstance(failure[0], CrossedPipelines)):
+        stage.shapes.clear()  # (a crossed start failed another pipeline's step: _start)
     elif exchange.signature:
         stage.shapes.pop(exchange.signature, None)
         moved = exchange.moved + sum(status.get("moved", 0) for status, _ in exchange.ends.values())
@@ -342,14 +346,14 @@ def _start(
         start = (m, sizes, text, forward_only, key, static, seed, steps.reduction, name)
         _follow(stage, exchange, start, shapes)
         # The table's text goes once: the next starts say None while it is the same.
-        brief = (m, sizes, None if text == _TEXTS.get(stage.transport) else text, *start[3:])
+        brief = (m, sizes, None if text == stage.table_text else text, *start[3:])
         lost = False
         for peer in exchange.peers:  # every peer: each follows the plan once it has it
             try:
                 exchange.send(peer, START, brief)
             except Stopped:
                 lost = True
-        _TEXTS[stage.transport] = text
+        stage.table_text = text
         if lost:
             raise Stopped
     else:
@@ -361,14 +365,18 @@ def _start(
             exchange.halt()
             raise Stopped
         draw_seed()  # as rank 0 did, after it: ranks sharing a process draw in one order
-        start = _full(stage, start)
-        m, sizes, text, first_forward_only, _, _, seed, reduction, pipeline = start
-        _follow(stage, exchange, start, shapes)
+        follower = _follower(stage, start)
+        start = _full(follower, start)
+        m, sizes, text, first_forward_only, _, _, seed, reduction, _ = start
+        _follow(follower, exchange, start, follower.shapes)
+        if follower is not stage:  # the other pipeline's step fails: its layouts go
+            follower.shapes.clear()
+            crossed(stage.rank, stage.transport, followed=True)
         if exchange.halted:
             raise Stopped
         table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
-        mine = (forward_only, table.text(), steps.reduction, stage.pipeline_name)
-        agree_with_start(stage.rank, m, (first_forward_only, text, reduction, pipeline), mine)
+        mine = (forward_only, table.text(), steps.reduction)
+        agree_with_start(stage.rank, m, (first_forward_only, text, reduction), mine)
     if not forward_only:
         refuse_inference_mode(f"rank {stage.rank}'s schedule.step()")
     targets: list[Any] = []
@@ -403,17 +411,27 @@ def join_step(stage: PipelineStage, exchange: Exchange) -> bool:
         return False
     draw_seed()  # rank 0 drew for this step: the generators move on alike
     exchange.halt()
-    _follow(stage, exchange, _full(stage, start), stage.shapes)
-    stage.shapes.clear()
+    follower = _follower(stage, start)
+    _follow(follower, exchange, _full(follower, start), follower.shapes)
+    follower.shapes.clear()
     return True
+
+
+def _follower(stage: PipelineStage, start: tuple[Any, ...]) -> PipelineStage:
+    """The stage of this process whose pipeline rank 0 started (its name, last)."""
+    name = start[-1]
+    other = stage if name == stage.pipeline_name else PIPELINES.get((name, stage.rank))
+    if not isinstance(other, PipelineStage):
+        crossed(stage.rank, stage.transport, followed=False)
+    return other
 
 
 def _full(stage: PipelineStage, start: tuple[Any, ...]) -> tuple[Any, ...]:
     """Rank 0's start with the table's text, which it sends only when it changes."""
     m, sizes, text, *rest = start
     if text is None:
-        text = _TEXTS[stage.transport]
-    _TEXTS[stage.transport] = text
+        text = stage.table_text
+    stage.table_text = text
     return (m, sizes, text, *rest)
 
 

@@ -164,6 +164,7 @@ class PipelineStage(PlacedModule, StageHolder):
         # For distributed/schedule.py. Per input layout (a digest), the frames of every
         # message of the last step on it that ended well.
         self.shapes: dict[bytes, dict[Any, Any]] = {}
+        self.table_text: str | None = None  # the last table started (its text)
         wanted = None if device is None else as_device(device)
         if transport is None:
             transport = connect(group, wanted, len(self.balance))
@@ -194,7 +195,7 @@ class PipelineStage(PlacedModule, StageHolder):
         except Exception as error:
             outcome = error
         try:
-            self.pipeline_name = start_together(self._start_exchange(), outcome)
+            self.pipeline_name = start_together(self._start_exchange(), outcome, self)
             self._across = AcrossRanks(transport)
             self._across.align(self._ties)
         except BaseException:

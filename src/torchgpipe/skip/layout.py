@@ -10,6 +10,7 @@ the other, and the partitions between them never see it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -181,27 +182,20 @@ def verify_skippables(module: nn.Sequential) -> None:
 
 
 def _pairs_within_layers(stashed: list[_Use], popped: list[_Use]) -> bool:
-    """Whether each layer that uses the skip stashes it, then pops it, and so on, in pairs.
+    """Whether each layer that uses the skip stashes it as often as it pops it.
 
     As a residual block made of skippable modules, used at several depths without
-    ``isolate``: each stash is popped before the next, inside the one layer (so inside
-    one partition), as torchgpipe 0.0.7 ran them (it looked at the layers alone).
-    Inside a module other than a Sequential, whose order of calls is not known, a
-    stash is taken to come before a pop; a wrong guess fails at the pop, by its name.
+    ``isolate``: each stash is popped inside the one layer (so inside one partition),
+    as torchgpipe 0.0.7 ran them (it looked at the layers alone). The order inside a
+    layer is not judged (inside a module other than a Sequential it is not known): a
+    pop before its stash fails at run time, by its name.
     """
     if {use.where for use in stashed} & {use.where for use in popped}:
         return False  # one module stashes and pops it
-    uses = sorted([(use.order, 0) for use in stashed] + [(use.order, 1) for use in popped])
-    for layer in {order[0] for order, _ in uses}:
-        held = 0  # stashed and not yet popped, in this layer
-        for order, kind in uses:
-            if order[0] == layer:
-                held += 1 if kind == 0 else -1
-                if held not in (0, 1):
-                    return False
-        if held:
-            return False
-    return True
+    layers = {use.layer for use in [*stashed, *popped]}
+    count = Counter(use.layer for use in stashed)
+    count.subtract(use.layer for use in popped)
+    return all(count[layer] == 0 for layer in layers)
 
 
 def _list(uses: list[_Use]) -> str:
