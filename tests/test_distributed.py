@@ -613,7 +613,10 @@ def _build_during_step_rank(rank: int, world: int) -> dict[str, Any]:
     schedule = Schedule1F1B(stage, _mse)
     _step(schedule, _batch(1, 8, 4), _batch(2, 8, 4))
     if rank == 0:  # uneven loops: rank 1 builds its next stage while rank 0 steps
-        return _outcome(lambda: _step(schedule, _batch(1, 8, 4), _batch(2, 8, 4)))
+        failed = _outcome(lambda: _step(schedule, _batch(1, 8, 4), _batch(2, 8, 4)))
+        # The channels are out of step: the next call is refused at once, saying why.
+        failed["next"] = _outcome(lambda: _step(schedule, _batch(1, 8, 4), _batch(2, 8, 4)))
+        return failed
     return _outcome(lambda: PipelineStage(mlp(1), [4, 4], chunks=4))
 
 
@@ -629,6 +632,11 @@ def test_a_rank_that_builds_a_stage_while_another_steps_fails_both_in_python() -
     for out in (stepping, building):
         assert "build the stages in every process at once" in out["text"]
         assert out["seconds"] < timeout / 6, out
+    refused = stepping["next"]
+    assert refused["type"] == "RuntimeError", refused
+    assert "rank 1 built a PipelineStage in a call" in refused["text"]
+    assert "Start every process anew" in refused["text"]
+    assert refused["seconds"] < timeout / 6, refused
 
 
 class _Mean(nn.Module):

@@ -316,6 +316,7 @@ class Exchange(Mailbox):
         """Receive one side-channel message from ``peer``; False once it was the last."""
         header, tensors = self.transport.recv(peer)
         if header == GREETING:  # the first message of a transport: a stage built anew
+            self.transport.abandon(f"rank {peer} built a PipelineStage in a call; {BUILD_FIRST}")
             self.lose(peer, f"built a PipelineStage during this call; {BUILD_FIRST}")
             return False
         if header[0] == "end":

@@ -194,7 +194,8 @@ class ProcessGroupTransport(Transport):
         if busy:
             raise RuntimeError(
                 f"rank {self.rank} builds its PipelineStage while rank(s) {busy} of the "
-                f"pipeline make a call (a step) of a stage built before; {BUILD_FIRST}"
+                f"pipeline make a call (a step) of a stage built before; {BUILD_FIRST}. "
+                f"The group's channels are out of step now: start every process anew"
             )
         for peer, work in sent:
             try:
