@@ -59,22 +59,8 @@ class Moves:
         return sum(s for name, s, _ in self.calls if name == thread)
 
 
-@skippable(stash=["identity"])
-class _Keep(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash("identity", x)
-        return x
-
-
-@skippable(pop=["identity"])
-class _AddKept(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        identity = yield pop("identity")
-        return x + identity
-
-
 def _residual_block() -> nn.Sequential:
-    return nn.Sequential(_Keep(), nn.Linear(4, 4), nn.Tanh(), _AddKept())
+    return nn.Sequential(StashLinear(), nn.Tanh(), PopAdd())
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -82,7 +68,7 @@ def _residual_block() -> nn.Sequential:
 def test_a_block_that_stashes_and_pops_one_name_may_be_used_again(
     checkpoint: str, how: str
 ) -> None:
-    # Refused: "'identity' is stashed by layer 0.0 and 1.0"; torchgpipe 0.0.7 ran it.
+    # Refused: "'skip' is stashed by layer 0.0 and 1.0"; torchgpipe 0.0.7 ran it.
     torch.manual_seed(0)
     plain = nn.Sequential(_residual_block(), _residual_block(), _residual_block(), nn.Linear(4, 2))
     plain = plain.double()
@@ -104,10 +90,10 @@ class _ResidualBlock(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.keep, self.linear, self.add = _Keep(), nn.Linear(4, 4), _AddKept()
+        self.keep, self.add = StashLinear(), PopAdd()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.add(torch.tanh(self.linear(self.keep(x))))  # type: ignore[no-any-return]
+        return self.add(torch.tanh(self.keep(x)))  # type: ignore[no-any-return]
 
 
 def test_a_block_class_that_stashes_and_pops_one_name_may_be_used_again() -> None:
@@ -126,8 +112,8 @@ class _BodyBlock(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(_Keep(), nn.Linear(4, 4), nn.Tanh())
-        self.add = _AddKept()
+        self.body = nn.Sequential(StashLinear(), nn.Tanh())
+        self.add = PopAdd()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.add(self.body(x))  # type: ignore[no-any-return]
@@ -145,8 +131,9 @@ def test_a_block_whose_stash_is_inside_a_sequential_may_be_used_again() -> None:
 
 def test_a_name_stashed_in_one_layer_and_popped_in_the_next_is_still_refused_twice() -> None:
     # The pairs must stay inside their layers: here the skip would cross partitions.
-    layers = [_Keep(), _AddKept(), _Keep(), _AddKept()]
-    with pytest.raises(TypeError, match=r"'identity' is stashed by layer 0 \(_Keep\) and layer 2"):
+    layers = [StashLinear(), PopAdd(), StashLinear(), PopAdd()]
+    twice = r"'skip' is stashed by layer 0 \(StashLinear\) and layer 2"
+    with pytest.raises(TypeError, match=twice):
         GPipe(nn.Sequential(*layers), [2, 2])
 
 
