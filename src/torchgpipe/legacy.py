@@ -50,9 +50,9 @@ def renamed_keys(keys: list[str], model: nn.Module) -> dict[str, str | None]:
     no tensor of ``model`` keeps its name without ``partitions.<j>.``, so that a strict
     load names it among the unexpected keys.
     """
-    own = model.state_dict(keep_vars=True)
     if not keys or not all(key.startswith(_PARTITIONS) for key in keys):
-        return {}
+        return {}  # before the model's keys are made: every load of a GPipe comes here
+    own = model.state_dict(keep_vars=True)
     if any(key.startswith(_PARTITIONS) for key in own):
         return {}
     wrapped = _skippables(model)

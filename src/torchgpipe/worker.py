@@ -48,9 +48,10 @@ if TYPE_CHECKING:
 __all__ = ["Before", "Hold", "Phase", "ThreadState", "WorkerPool", "Workers"]
 
 Phase = Literal["all", "forward", "backward"]
-# What readies a run's shared state; it may return what ends it, once every action did well.
-Before: TypeAlias = Callable[[], Callable[[], None] | None]
 """Which of a rank's actions a run of the workers takes: all, the F ones, the others."""
+
+Before: TypeAlias = Callable[[], Callable[[], None] | None]
+"""What readies a run's shared state; what it returns, if anything, ends the run well."""
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 

@@ -195,6 +195,7 @@ class PipelineStage(PlacedModule, StageHolder):
         except Exception as error:
             outcome = error
         try:
+            # The pipeline's name, its processes' alike; each step's start carries it.
             self.pipeline_name = start_together(self._start_exchange(), outcome, self)
             self._across = AcrossRanks(transport)
             self._across.align(self._ties)
