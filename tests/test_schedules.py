@@ -178,6 +178,16 @@ def test_parse_reads_back_a_placement_of_its_own() -> None:
     assert Schedule.parse("0F0 0B0\n1F0 1B0", stages=3).placement == (0, 1, 0)
 
 
+def test_text_reads_back_a_rank_without_actions() -> None:
+    # An idle rank was an empty line, which parse dropped: the table read back had a rank
+    # fewer, and every rank after the idle one took the actions of the one before.
+    work = (Action(0, "F", 0), Action(1, "F", 0), Action(1, "B", 0), Action(0, "B", 0))
+    for ranks in ((work, ()), ((), work), ((), work, ())):
+        table = Schedule(2, 1, ranks, (ranks.index(work),) * 2)
+        assert Schedule.parse(table.text(), stages=2) == table
+    assert table.text() == "-\n0F0 1F0 1B0 0B0\n-"
+
+
 def test_schedule_refuses_a_placement_that_is_not_one_rank_per_stage() -> None:
     ranks = ((Action(0, "F", 0), Action(0, "B", 0)), (Action(1, "F", 0), Action(1, "B", 0)))
     # Too short: validate() used to raise a bare IndexError.

@@ -146,8 +146,10 @@ class Schedule:
         )
 
     def text(self) -> str:
-        """One line of actions per rank; :meth:`parse` reads it back."""
-        return self._kept("_text", lambda: "\n".join(" ".join(map(str, r)) for r in self.ranks))
+        """One line of actions per rank (``-`` for a rank with none); :meth:`parse` reads it back."""
+        return self._kept(
+            "_text", lambda: "\n".join(" ".join(map(str, r)) or "-" for r in self.ranks)
+        )
 
     def _kept(self, name: str, make: Callable[[], _T]) -> _T:
         """``make()``, computed once per table (it is frozen) and kept in its ``__dict__``."""
@@ -159,7 +161,7 @@ class Schedule:
     def parse(
         cls, text: str, *, stages: int | None = None, micro_batches: int | None = None
     ) -> Schedule:
-        """The schedule written ``text`` (one line of actions per rank).
+        """The schedule written ``text`` (one line of actions per rank; ``-``: a rank with none).
 
         ``stages`` and ``micro_batches`` default to what the actions mention; each stage
         is placed on the rank whose line first holds one of its actions (one no line
@@ -169,7 +171,7 @@ class Schedule:
             ValueError: a word is not an action, or ``text`` holds none.
         """
         ranks = tuple(
-            tuple(Action.parse(word) for word in line.split())
+            tuple(Action.parse(word) for word in line.split() if word != "-")
             for line in text.strip().splitlines()
             if line.strip()
         )
@@ -251,9 +253,7 @@ class Schedule:
                 raise ScheduleError(
                     f"the schedule deadlocks at step {len(steps)}: {stalled}\n{grid}"
                 )
-            for r, action in enumerate(row):
-                if action is not None:
-                    position[r] += 1
+            position = [p + (a is not None) for p, a in zip(position, row, strict=True)]
             done.update(a for a in row if a is not None)
             steps.append(row)
         return steps
