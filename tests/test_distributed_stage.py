@@ -305,6 +305,20 @@ def test_stage_of_a_single_rank_matches_the_plain_model(
     torch.testing.assert_close(result.output, output)
 
 
+def test_stage_checks_chunks_and_checkpoint_assigned_later() -> None:
+    (transport,) = LocalTransport.mesh(1, timeout=5.0)
+    stage = PipelineStage(mlp(), [8], chunks=4, transport=transport)
+    with pytest.raises(ValueError, match="chunks must be a positive number.*got -1"):
+        stage.chunks = -1
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'no'"):
+        stage.checkpoint = "no"  # type: ignore[assignment]
+    stage.chunks, stage.checkpoint = 2, "never"
+    x, y = _batch(1, 8, 4), _batch(2, 8, 4)
+    result = ScheduleGPipe(stage, _mse).step(x, y)
+    assert len(result.losses) == 2
+    torch.testing.assert_close(result.loss, _reference(mlp(), x, y)[0])
+
+
 # Schedules: arguments
 
 

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import GPipe, Schedule1F1B, ScheduleGPipe, pipeline
-from torchgpipe.gpipe import checkpoint_stop
+from torchgpipe.arguments import checkpoint_stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import environment, settings, write_json  # benchmarks/common.py

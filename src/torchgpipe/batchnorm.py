@@ -59,6 +59,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
+from torchgpipe.arguments import check_chunks
 from torchgpipe.batchnorm_tally import Tally, finish, merge
 from torchgpipe.checkpoint import is_recomputing
 
@@ -110,7 +111,7 @@ class DeferredBatchNorm(_BatchNorm):
         if "chunks" in vars(self):
             vars(self)["chunks"] = chunks
         else:
-            self._deferred_tally.chunks = _check_chunks(chunks)
+            self._deferred_tally.chunks = check_chunks(chunks)
 
     def __init__(self, *args: Any, chunks: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -183,7 +184,7 @@ class DeferredBatchNorm(_BatchNorm):
             ValueError: ``chunks`` is not positive, or a layer cannot be deferred (see
                 :func:`convert_deferred_batch_norm`); nothing is converted then.
         """
-        chunks = _check_chunks(chunks)  # before anything is converted
+        chunks = check_chunks(chunks)  # before anything is converted
         for layer in convert_deferred_batch_norm(module):
             expect_micro_batches(layer, chunks)
         return module
@@ -218,7 +219,7 @@ def expect_micro_batches(layer: DeferredBatchNorm, chunks: int) -> None:
         TypeError: ``chunks`` is not an int.
         ValueError: ``chunks`` is not positive.
     """
-    layer._deferred_tally = Tally(chunks=_check_chunks(chunks))
+    layer._deferred_tally = Tally(chunks=check_chunks(chunks))
 
 
 def start_mini_batch(layers: list[DeferredBatchNorm], m: int) -> Callable[[], None] | None:
@@ -231,13 +232,6 @@ def start_mini_batch(layers: list[DeferredBatchNorm], m: int) -> Callable[[], No
     for layer in layers:
         expect_micro_batches(layer, m)
     return functools.partial(finish, layers) if layers else None
-
-
-def _check_chunks(chunks: int) -> int:
-    # Imported here, as GPipe's own check: gpipe.py imports this module.
-    from torchgpipe.gpipe import check_chunks
-
-    return check_chunks(chunks)
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> list[DeferredBatchNorm]:

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-import numbers
-import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Literal, TypeAlias, get_args, overload
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
 
 from torchgpipe import pipeline
+from torchgpipe.arguments import (
+    BalanceError,
+    Checked,
+    Checkpoint,
+    check_balance,
+    check_checkpoint,
+    check_chunks,
+    check_flag,
+    checkpoint_stop,
+)
 from torchgpipe.batchnorm import convert_deferred_batch_norm, start_mini_batch
 from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
@@ -36,20 +44,6 @@ from torchgpipe.versions import put_versions_back
 from torchgpipe.worker import Workers
 
 __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
-
-Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
-"""When micro-batches are checkpointed: all, all but the last, or none."""
-
-_CHECKPOINT_MODES: tuple[str, ...] = get_args(Checkpoint)
-
-_AUTO_BALANCE_HINT = (
-    "or compute one with torchgpipe.balance.balance_by_time or torchgpipe.balance.balance_by_size"
-)
-
-
-class BalanceError(ValueError):
-    """The balance does not fit the module: wrong sum, or a non-positive entry."""
-
 
 # The attributes GPipe.__init__ assigns after it checks the layers' names, which must
 # not be any of them (a layer of that name would be hidden, or refused by nn.Module).
@@ -123,8 +117,8 @@ class GPipe(PlacedModule, StageHolder):
 
     balance: list[int]
     devices: list[torch.device]
-    chunks: int
-    checkpoint: Checkpoint
+    chunks = Checked(check_chunks)  # read at every call: checked whenever set
+    checkpoint = Checked(check_checkpoint)
     deferred_batch_norm: bool
     skip_layout: SkipLayout
     move_refused = (
@@ -156,8 +150,8 @@ class GPipe(PlacedModule, StageHolder):
         check_layers(module)
         verify_skippables(module)
         self.devices = check_devices(devices, len(self.balance))
-        self.chunks = check_chunks(chunks)
-        self.checkpoint = check_checkpoint(checkpoint)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
         self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
 
         clashes = [
@@ -412,89 +406,3 @@ class GPipe(PlacedModule, StageHolder):
         state["_tracer"] = None
         state["_made"] = {}  # the original's partitions and streams
         return state
-
-
-def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
-    if balance is None:
-        single = f"balance=[{num_layers}] for a single partition"
-        raise BalanceError(
-            f"balance is required: pass the number of layers of each partition, such as "
-            f"{single if num_layers else 'balance=[] for an empty model'}, {_AUTO_BALANCE_HINT}"
-        )
-    try:
-        entries = list(balance)
-        if any(isinstance(b, bool) for b in entries):
-            raise TypeError
-        values = [operator.index(b) for b in entries]
-    except TypeError:
-        raise TypeError(
-            f"balance must be a sequence of ints, got {balance!r}; pass the number of "
-            f"layers of each partition, such as [2, 2]"
-        ) from None
-    if not values and num_layers == 0:
-        return []  # an empty model: GPipe passes its input through, as nn.Sequential()
-    if not values:
-        raise BalanceError(f"balance is empty; give at least one partition, {_AUTO_BALANCE_HINT}")
-    bad = [f"balance[{j}] = {b}" for j, b in enumerate(values) if b <= 0]
-    if bad:
-        raise BalanceError(
-            f"every partition needs at least one layer, but {', '.join(bad)}; pass "
-            f"positive counts, {_AUTO_BALANCE_HINT}"
-        )
-    if sum(values) != num_layers:
-        raise BalanceError(
-            f"balance sums to {sum(values)} but the module has {num_layers} layers; pass a "
-            f"balance that sums to {num_layers}, {_AUTO_BALANCE_HINT}"
-        )
-    return values
-
-
-def checkpoint_stop(mode: Checkpoint, m: int) -> int:
-    """How many micro-batches of ``m`` a checkpoint mode checkpoints (the first ones)."""
-    return {"always": m, "except_last": m - 1, "never": 0}[mode]
-
-
-def check_chunks(chunks: int) -> int:
-    """``chunks`` as an int: an int, a NumPy integer, or a whole float (``42.0``).
-
-    Whole floats are taken as torchgpipe 0.0.7 took them; any other value is refused.
-    """
-    from torchgpipe.balance.blockpartition import whole_number  # balance imports this module
-
-    given: object = chunks
-    if isinstance(given, numbers.Real) and not isinstance(given, numbers.Integral):
-        value = float(given)  # a float of NumPy's too
-        given = int(value) if value.is_integer() else given
-    chunks = whole_number(given, "chunks")
-    if chunks <= 0:
-        raise ValueError(
-            f"chunks must be a positive number of micro-batches, got {chunks}; pass "
-            f"chunks=1 to run each mini-batch whole"
-        )
-    return chunks
-
-
-def check_checkpoint(checkpoint: str) -> Checkpoint:
-    """``str(checkpoint)``, if it names a mode (as torchgpipe 0.0.7 read it)."""
-    mode = str(checkpoint)
-    if mode not in _CHECKPOINT_MODES:
-        *others, last = map(repr, _CHECKPOINT_MODES)
-        raise ValueError(  # the words of 0.0.7's message first, as its test matches them
-            f"checkpoint is not one of {', '.join(others)}, or {last}: unknown checkpoint "
-            f"mode {checkpoint!r}"
-        )
-    return mode  # type: ignore[return-value]
-
-
-def check_flag(value: bool, name: str) -> bool:
-    """``value`` as a bool: a bool, a NumPy bool, or the int 0 or 1 (as 0.0.7 took them)."""
-    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    if isinstance(value, bool) or numpy_bool:
-        return bool(value)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if number not in (0, 1):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(number)

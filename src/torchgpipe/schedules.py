@@ -146,7 +146,7 @@ class Schedule:
         )
 
     def text(self) -> str:
-        """One line of actions per rank (``-`` for a rank with none); :meth:`parse` reads it back."""
+        """A line of actions per rank (``-`` for a rank with none); :meth:`parse` reads it back."""
         return self._kept(
             "_text", lambda: "\n".join(" ".join(map(str, r)) or "-" for r in self.ranks)
         )

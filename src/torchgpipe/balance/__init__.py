@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.arguments import check_chunks
 from torchgpipe.balance.blockpartition import check_partitions, solve
 from torchgpipe.balance.profile import layerwise_size, layerwise_time
 from torchgpipe.devices import as_device
-from torchgpipe.gpipe import check_chunks
 from torchgpipe.materialize import on_meta
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip.layout import verify_skippables

@@ -21,6 +21,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from torchgpipe.arguments import (
+    Checked,
+    Checkpoint,
+    check_balance,
+    check_checkpoint,
+    check_chunks,
+    check_flag,
+    checkpoint_stop,
+)
 from torchgpipe.batchnorm import convert_deferred_batch_norm, start_mini_batch
 from torchgpipe.devices import Device, PlacedModule, as_device
 from torchgpipe.distributed.channel import Transport
@@ -34,14 +43,6 @@ from torchgpipe.distributed.checks import (
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks
-from torchgpipe.gpipe import (
-    Checkpoint,
-    check_balance,
-    check_checkpoint,
-    check_chunks,
-    check_flag,
-    checkpoint_stop,
-)
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.schedules import Schedule
@@ -125,6 +126,8 @@ class PipelineStage(PlacedModule, StageHolder):
         RemoteError: another process failed to start (named, with its error) or died.
     """
 
+    chunks = Checked(check_chunks)  # read at every step: checked whenever set
+    checkpoint = Checked(check_checkpoint)
     move_refused = (
         "a PipelineStage cannot be moved: its layers stay on `device`, where its "
         "transfers expect them; to run elsewhere, build the stage with device=... "
@@ -157,8 +160,8 @@ class PipelineStage(PlacedModule, StageHolder):
         self.balance = check_balance(balance, len(module))
         check_layers(module)
         verify_skippables(module)
-        self.chunks = check_chunks(chunks)
-        self.checkpoint: Checkpoint = check_checkpoint(checkpoint)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
         self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
         self.static_shapes = check_flag(static_shapes, "static_shapes")
         # For distributed/schedule.py. Per input layout (a digest), the frames of every
@@ -209,17 +212,9 @@ class PipelineStage(PlacedModule, StageHolder):
     ) -> dict[str, Any]:
         """Take this process's stages of ``module``; its fingerprint, for the others."""
         n = len(self.balance)
-        mine = fingerprint(
-            module,
-            {
-                "processes": self.world_size,
-                "balance": list(self.balance),
-                "chunks": self.chunks,
-                "checkpoint": self.checkpoint,
-                "deferred_batch_norm": self.deferred_batch_norm,
-                "static_shapes": self.static_shapes,
-            },
-        )
+        given = ("balance", "chunks", "checkpoint", "deferred_batch_norm", "static_shapes")
+        settings = {"processes": self.world_size, **{k: getattr(self, k) for k in given}}
+        mine = fingerprint(module, settings)
         layers = list(module.named_children())
         starts = [sum(self.balance[:s]) for s in range(n + 1)]
         self.skip_layout: SkipLayout = skip_layout(module, self.balance)

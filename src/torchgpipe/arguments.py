@@ -1,0 +1,162 @@
+"""The arguments that ``GPipe`` and ``PipelineStage`` take, checked alike.
+
+Each check turns what torchgpipe 0.0.7 accepted (NumPy integers, whole floats for
+``chunks``, ``0``/``1`` for flags) into the plain value, and refuses anything else with
+a message that says what to pass. ``chunks`` and ``checkpoint`` are read again at every
+call, so they are :class:`Checked` attributes: a value assigned after construction
+(``model.chunks = 0``) is refused at once, with the constructor's message, rather than
+failing deep inside the next call.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args, overload
+
+__all__ = [
+    "BalanceError",
+    "Checked",
+    "Checkpoint",
+    "check_balance",
+    "check_checkpoint",
+    "check_chunks",
+    "check_flag",
+    "checkpoint_stop",
+]
+
+Checkpoint: TypeAlias = Literal["always", "except_last", "never"]
+"""When micro-batches are checkpointed: all, all but the last, or none."""
+
+_CHECKPOINT_MODES: tuple[str, ...] = get_args(Checkpoint)
+
+_AUTO_BALANCE_HINT = (
+    "or compute one with torchgpipe.balance.balance_by_time or torchgpipe.balance.balance_by_size"
+)
+
+_T = TypeVar("_T")
+
+
+class BalanceError(ValueError):
+    """The balance does not fit the module: wrong sum, or a non-positive entry."""
+
+
+class Checked(Generic[_T]):
+    """An attribute that ``check`` takes in each time it is set, after construction too.
+
+    The value lives in the instance's ``__dict__`` under the attribute's own name (as a
+    plain attribute's would: copies, pickles and ``vars()`` see it as before); this
+    descriptor on the class comes first on every read and write.
+    """
+
+    def __init__(self, check: Callable[[Any], _T]) -> None:
+        self._check = check
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Checked[_T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> _T: ...
+
+    def __get__(self, instance: object, owner: type | None = None) -> Checked[_T] | _T:
+        if instance is None:
+            return self
+        try:
+            return instance.__dict__[self._name]  # type: ignore[no-any-return]
+        except KeyError:
+            raise AttributeError(self._name) from None
+
+    def __set__(self, instance: object, value: Any) -> None:
+        instance.__dict__[self._name] = self._check(value)
+
+
+def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
+    """``balance`` as a list of ints: positive counts of layers that sum to ``num_layers``."""
+    if balance is None:
+        single = f"balance=[{num_layers}] for a single partition"
+        raise BalanceError(
+            f"balance is required: pass the number of layers of each partition, such as "
+            f"{single if num_layers else 'balance=[] for an empty model'}, {_AUTO_BALANCE_HINT}"
+        )
+    try:
+        entries = list(balance)
+        if any(isinstance(b, bool) for b in entries):
+            raise TypeError
+        values = [operator.index(b) for b in entries]
+    except TypeError:
+        raise TypeError(
+            f"balance must be a sequence of ints, got {balance!r}; pass the number of "
+            f"layers of each partition, such as [2, 2]"
+        ) from None
+    if not values and num_layers == 0:
+        return []  # an empty model: GPipe passes its input through, as nn.Sequential()
+    if not values:
+        raise BalanceError(f"balance is empty; give at least one partition, {_AUTO_BALANCE_HINT}")
+    bad = [f"balance[{j}] = {b}" for j, b in enumerate(values) if b <= 0]
+    if bad:
+        raise BalanceError(
+            f"every partition needs at least one layer, but {', '.join(bad)}; pass "
+            f"positive counts, {_AUTO_BALANCE_HINT}"
+        )
+    if sum(values) != num_layers:
+        raise BalanceError(
+            f"balance sums to {sum(values)} but the module has {num_layers} layers; pass a "
+            f"balance that sums to {num_layers}, {_AUTO_BALANCE_HINT}"
+        )
+    return values
+
+
+def checkpoint_stop(mode: Checkpoint, m: int) -> int:
+    """How many micro-batches of ``m`` a checkpoint mode checkpoints (the first ones)."""
+    return {"always": m, "except_last": m - 1, "never": 0}[mode]
+
+
+def check_chunks(chunks: int) -> int:
+    """``chunks`` as an int: an int, a NumPy integer, or a whole float (``42.0``).
+
+    Whole floats are taken as torchgpipe 0.0.7 took them; any other value is refused.
+    """
+    from torchgpipe.balance.blockpartition import whole_number  # balance imports this module
+
+    given: object = chunks
+    if isinstance(given, numbers.Real) and not isinstance(given, numbers.Integral):
+        value = float(given)  # a float of NumPy's too
+        given = int(value) if value.is_integer() else given
+    chunks = whole_number(given, "chunks")
+    if chunks <= 0:
+        raise ValueError(
+            f"chunks must be a positive number of micro-batches, got {chunks}; pass "
+            f"chunks=1 to run each mini-batch whole"
+        )
+    return chunks
+
+
+def check_checkpoint(checkpoint: str) -> Checkpoint:
+    """``str(checkpoint)``, if it names a mode (as torchgpipe 0.0.7 read it)."""
+    mode = str(checkpoint)
+    if mode not in _CHECKPOINT_MODES:
+        *others, last = map(repr, _CHECKPOINT_MODES)
+        raise ValueError(  # the words of 0.0.7's message first, as its test matches them
+            f"checkpoint is not one of {', '.join(others)}, or {last}: unknown checkpoint "
+            f"mode {checkpoint!r}"
+        )
+    return mode  # type: ignore[return-value]
+
+
+def check_flag(value: bool, name: str) -> bool:
+    """``value`` as a bool: a bool, a NumPy bool, or the int 0 or 1 (as 0.0.7 took them)."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if isinstance(value, bool) or numpy_bool:
+        return bool(value)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(number)
