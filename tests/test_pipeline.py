@@ -507,6 +507,25 @@ def test_a_backward_refused_for_create_graph_may_be_tried_again() -> None:
     _assert_same_grads(model, plain)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_batched_gradients_through_cpu_partitions_are_refused_and_may_be_tried_again(
+    checkpoint: str,
+) -> None:
+    # They reached the partitions' threads, out of the vmap's reach, and failed there
+    # with "Batching rule not implemented for aten::detach".
+    plain = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    model = GPipe(copy.deepcopy(plain), [2, 1], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(4, 3, requires_grad=True)
+    output, rows = model(x), torch.eye(2).unsqueeze(1).expand(2, 4, 2)
+    with pytest.raises(NotImplementedError, match=r"batched gradients.*Nothing has changed"):
+        torch.autograd.grad(output, x, rows, is_grads_batched=True)
+    with pytest.raises(NotImplementedError, match="batched gradients"):
+        torch.autograd.functional.jacobian(model, x.detach(), vectorize=True)
+    (got,) = torch.autograd.grad(output, x, rows[0])  # one gradient: the stages run
+    (expected,) = torch.autograd.grad(plain(x), x, rows[0])
+    torch.testing.assert_close(got, expected)
+
+
 def test_a_backward_refused_for_one_copy_of_a_tied_weight_may_be_tried_again() -> None:
     plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     plain[2].weight = plain[0].weight  # tied across the partitions

@@ -294,6 +294,15 @@ class _Backward:
                 "each partition runs its backward on its own thread. Compute the "
                 "gradient penalty outside the GPipe, or train the model unwrapped"
             )
+        if any(g is not None and _batched(g) for g in grads):
+            raise NotImplementedError(
+                "torchgpipe: batched gradients (autograd.grad(..., is_grads_batched=True), "
+                "jacobian(..., vectorize=True), a vmap over a backward) cannot go through a "
+                "GPipe of CPU partitions: each partition runs its backward on its own "
+                "thread, out of the batching's reach. Nothing has changed: give one "
+                "gradient per backward (each backward needs a forward of its own here), "
+                "or compute Jacobians with the plain model"
+            )
         with self.workers.exclusive() as hold:
             if self.run is None:
                 raise RuntimeError(
@@ -410,6 +419,12 @@ class _Backward:
             for name, p in partition.named_parameters()
             if id(p) in ids
         )
+
+
+def _batched(x: Tensor) -> bool:
+    """Whether ``x`` is a batched tensor of a vmap (torch.func's, or autograd's own)."""
+    functorch = torch._C._functorch
+    return bool(functorch.is_legacy_batchedtensor(x) or functorch.is_batchedtensor(x))
 
 
 class _StageGraphs(torch.autograd.Function):
