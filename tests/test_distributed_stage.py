@@ -308,7 +308,7 @@ def test_stage_of_a_single_rank_matches_the_plain_model(
 def test_stage_checks_chunks_and_checkpoint_assigned_later() -> None:
     (transport,) = LocalTransport.mesh(1, timeout=5.0)
     stage = PipelineStage(mlp(), [8], chunks=4, transport=transport)
-    with pytest.raises(ValueError, match="chunks must be a positive number.*got -1"):
+    with pytest.raises(ValueError, match=r"chunks must be a positive number.*got -1"):
         stage.chunks = -1
     with pytest.raises(ValueError, match="unknown checkpoint mode 'no'"):
         stage.checkpoint = "no"  # type: ignore[assignment]

@@ -318,7 +318,7 @@ def test_chunks_and_checkpoint_assigned_later_are_checked_at_once() -> None:
     # next call, with tensor_split's or a KeyError's words.
     plain, x = _mlp(), torch.randn(6, 4)
     model = GPipe(copy.deepcopy(plain), [2, 2], devices=["cpu", "cpu"], chunks=2)
-    with pytest.raises(ValueError, match="chunks must be a positive number.*got 0"):
+    with pytest.raises(ValueError, match=r"chunks must be a positive number.*got 0"):
         model.chunks = 0
     with pytest.raises(TypeError, match="chunks must be an int"):
         model.chunks = 2.5  # type: ignore[assignment]
@@ -326,7 +326,8 @@ def test_chunks_and_checkpoint_assigned_later_are_checked_at_once() -> None:
         model.checkpoint = "bogus"  # type: ignore[assignment]
     assert (model.chunks, model.checkpoint) == (2, "except_last")  # kept
     model.chunks, model.checkpoint = np.int64(3), np.str_("never")  # type: ignore[assignment]
-    assert type(model.chunks) is int and type(model.checkpoint) is str
+    assert type(model.chunks) is int
+    assert type(model.checkpoint) is str
     assert vars(model)["chunks"] == 3  # where a plain attribute is: copies keep it
     assert copy.deepcopy(model).chunks == 3
     assert pickle.loads(pickle.dumps(model)).checkpoint == "never"

@@ -260,6 +260,24 @@ def test_versions_survive_names_shared_with_stages_and_modules_cut_in_two(
         assert pipe.state_dict()[key].tolist() == [5.0] * 4
 
 
+def test_a_load_that_a_module_cut_in_parts_would_convert_is_refused() -> None:
+    # _Parted doubles its gain when it loads version 1: its parts loaded without it, and
+    # the split model silently held half the gain the plain model would have loaded.
+    x = torch.randn(6, 4)
+    old = _HoldsParted().state_dict()
+    old._metadata["p"]["version"] = 1  # type: ignore[attr-defined]
+    pipe = GPipe(split(_HoldsParted(), x, at=["p.l2"]), [1, 1])
+    for given in (old, dict(old)):  # a plain dict: no versions, converted as version 1 too
+        with pytest.raises(RuntimeError, match=r"holds 'p' at version (1|None), which its "):
+            pipe.load_state_dict(given)
+    plain = _HoldsParted()
+    plain.load_state_dict(old)  # as the message says: the plain model, then split
+    assert plain.p.g.tolist() == [2.0] * 4
+    pipe = GPipe(split(plain, x, at=["p.l2"]), [1, 1])
+    pipe.load_state_dict(plain.state_dict())  # of its own version: nothing to convert
+    assert pipe.state_dict()["p.g"].tolist() == [2.0] * 4
+
+
 def test_a_load_that_raises_leaves_the_given_versions_as_they_came() -> None:
     # torch runs no hook after a load that raised: GPipe's load takes the versions added
     # for the stages out itself (a bare split model, at its next load or state_dict()).
@@ -1205,6 +1223,59 @@ def test_split_refuses_hooks_on_the_model_itself() -> None:
         split(model, torch.randn(3, 4), at=["b"])
     handle.remove()
     split(model, torch.randn(3, 4), at=["b"])
+
+
+class _Counted(_Chain):
+    """A module whose extra state (a count) its state dict holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 7
+
+    def get_extra_state(self) -> Any:
+        return {"count": self.count}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.count = state["count"]
+
+
+class _Holds(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.inner(x))
+
+
+def test_split_refuses_state_that_no_stage_would_hold() -> None:
+    # The split model's state dict silently lacked the model's extra state (or one of a
+    # module cut inside), and a load hook of either never ran: checkpoints of the model
+    # did not load into the split model, nor the other way.
+    x = torch.randn(3, 4)
+    with pytest.raises(SplitError, match=r"_Counted has its own get_extra_state.*whole"):
+        split(_Counted(), x, at=["b"])
+    with pytest.raises(SplitError, match=r"_Counted at 'inner' has its own get_extra_state"):
+        split(_Holds(_Counted()), x, at=["inner.b"])
+    renames = _Chain()
+    renames._register_load_state_dict_pre_hook(lambda *args: None)
+    with pytest.raises(
+        SplitError, match=r"_Chain at 'inner' has state-dict hooks.*at its boundaries"
+    ):
+        split(_Holds(renames), x, at=["inner.b"])
+    # Called whole by one stage, the module and its state are the stage's.
+    model = _Holds(_Counted())
+    model.inner.count = 3
+    stages = split(model, x, at=["head"])
+    assert list(stages.state_dict()) == list(model.state_dict())
+    assert stages.state_dict()["inner._extra_state"] == {"count": 3}
+    fresh = _Holds(_Counted())
+    fresh.load_state_dict(stages.state_dict())
+    assert fresh.inner.count == 3
+    # torch's own classes' state-dict methods are their tensors': a model cut inside a
+    # Sequential holding a batch norm splits as before.
+    plain = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2))
+    split(plain, x, at=["0.1"]).load_state_dict(plain.state_dict())
 
 
 class _Encoder(nn.Sequential):

@@ -56,8 +56,10 @@ from torchgpipe.split_capture import (
     value_kinds,
     where_made,
 )
+from torchgpipe.split_refusals import refuse_lost_state
 from torchgpipe.split_stage import (
     InputKind,
+    Placeholder,
     SplitError,
     Stage,
     held_apart,
@@ -140,6 +142,7 @@ def split(
             f"{type(module).__name__} holds torchgpipe.skip layers; split makes the skips "
             f"itself: write the model as plain modules, or wrap it in GPipe as it is"
         )
+    refuse_lost_state(module, "")
     kind, names, concrete = inputs_of(module, example_input)
     with _kept(module):  # also drops the tensors fx keeps on it (the stages hold them)
         return _split(module, example_input, at, stages, by, kind, names, concrete)
@@ -374,6 +377,10 @@ def _build(
     ]
     # What held_apart left out (lazy, or meta where the rest has values): its keys are
     # the module's, so a state dict of the module may hold them (materialize skips them).
+    if aliased is not None:  # the stages chosen, not the pieces stages=k times
+        for path, held_part in (p for part in result for p in part.named_modules()):
+            if isinstance(held_part, Placeholder):
+                refuse_lost_state(module.get_submodule(path), path)
     held = {key for piece_stage in result for key in piece_stage.key_order}
     for piece_stage in result:
         piece_stage.left_out = tuple(key for key in order if key not in held)

@@ -4,6 +4,7 @@ fx runs the Python of a forward once, at trace time, and records only the calls 
 proxies: a random draw on no traced value, or from Python's ``random``, would be kept
 as a constant (or a branch) for every call; a value the forward stores on a module
 would be a proxy the module keeps. These refuse them, naming the user's line.
+:func:`refuse_lost_state` refuses what the stages would not keep of the model's state.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils import _pytree as pytree
 from torchgpipe.microbatch import flatten, map_tensors
 from torchgpipe.random_functions import HANDLERS
 from torchgpipe.rng import own_generators
-from torchgpipe.split_stage import SplitError
+from torchgpipe.split_stage import SplitError, own_method
 
 __all__ = [
     "TORCH_DIR",
@@ -37,6 +38,7 @@ __all__ = [
     "captured_as_computed",
     "leaves",
     "python_draws_refused",
+    "refuse_lost_state",
     "stored_values_refused",
     "user_line",
     "where_made",
@@ -354,3 +356,28 @@ def _close(a: Any, b: Any) -> bool:
     if not (a.is_floating_point() or a.is_complex()):
         return torch.equal(a, b)
     return torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def refuse_lost_state(module: nn.Module, path: str) -> None:
+    """Refuse a module whose own state-dict behaviour no stage would keep.
+
+    The model, or a module split cuts inside (a ``Placeholder`` stands for it): its extra
+    state, state-dict hooks or state-dict methods of its class (not torch's, of its
+    tensors, which the stages hold) would be lost: no stage holds it, only its parts. A
+    ``_load_from_state_dict`` of its own, which converts older checkpoints, is refused at
+    a load that needs it (``split_stage._refuse_unconverted``).
+    """
+    kinds = ("state_dict_", "state_dict_pre_", "load_state_dict_pre_", "load_state_dict_post_")
+    what = ["state-dict hooks"] if any(getattr(module, f"_{k}hooks") for k in kinds) else []
+    methods = ("get_extra_state", "state_dict", "load_state_dict", "_save_to_state_dict")
+    what += [f"its own {name}" for name in methods if own_method(module, name)]
+    if what:
+        raise SplitError(
+            f"{type(module).__name__}{f' at {path!r}' if path else ''} has "
+            f"{' and '.join(what)}, which split cannot keep: no stage holds the module, "
+            f"only its parts, so the split model's state dict would not be the model's "
+            f"(checkpoints would not load both ways); keep that state in a submodule that "
+            f"one stage calls whole"
+            + (", or split at its boundaries" if path else "")
+            + ", or convert checkpoints with the plain model and leave it out"
+        )

@@ -243,9 +243,10 @@ class Placeholder(nn.Module):
     stage's piece reads what it holds.
     """
 
-    def __init__(self, kind: str, version: int | None = None) -> None:
+    def __init__(self, kind: str, version: int | None = None, converts: bool = False) -> None:
         super().__init__()
         self.kind = kind
+        self.converts = converts  # the module converts what it loads: _refuse_unconverted
         # The module's own version, which its state dict records (``_metadata``): a
         # load that converts older versions reads it.
         self._version = version  # type: ignore[assignment]  # torch's, typed int there
@@ -262,10 +263,17 @@ def _holder(stage: nn.Module, named: Mapping[str, nn.Module], parents: list[str]
         child = holder._modules.get(name)
         if child is None:
             source = named[".".join(parents[: k + 1])]
-            child = Placeholder(type(source).__name__, source._version)
+            converts = own_method(source, "_load_from_state_dict")
+            child = Placeholder(type(source).__name__, source._version, converts)
             holder.add_module(name, child)
         holder = child
     return holder
+
+
+def own_method(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s class has a method ``name`` of its own: not nn.Module's, nor torch's."""
+    owner = next(c for c in type(module).__mro__ if name in vars(c))
+    return owner is not nn.Module and not owner.__module__.startswith("torch.")
 
 
 def held_apart(source: nn.Module, graphs: Sequence[fx.Graph]) -> list[tuple[str, ...]]:
@@ -454,8 +462,10 @@ def _add_stage_index(
     # load began here or above: torch hands a child's load no versions), taken out again
     # by _plain_report: the caller's state dict is left as it came.
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
-    start_versions(module, metadata)
     given = dict(metadata or {})  # read from as given: a stage's path may be a model's too
+    for stage in (c for c in module.children() if isinstance(c, Stage)):
+        _refuse_unconverted(stage, prefix, given)
+    start_versions(module, metadata)
     for name, child in module.named_children():
         if metadata is None or not isinstance(child, Stage):
             continue
@@ -473,3 +483,17 @@ def _add_stage_index(
             value = state_dict.pop(key)
             for name in owners[plain]:
                 state_dict[f"{prefix}{name}.{plain}"] = value
+
+
+def _refuse_unconverted(stage: Stage, prefix: str, given: Mapping[str, Any]) -> None:
+    """Refuse a load that a module cut in parts would convert (``refuse_lost_state``)."""
+    for path, part in stage.named_modules():
+        version = (given.get(prefix + path) or {}).get("version")
+        if isinstance(part, Placeholder) and part.converts and version != part._version:
+            raise RuntimeError(
+                f"torchgpipe: the state dict holds {prefix + path!r} at version {version}, "
+                f"which its {part.kind} converts (to {part._version}) in a "
+                f"_load_from_state_dict of its own; split cut that module in parts, which "
+                f"load without it. Load the state dict into the plain model, then split it "
+                f"(or save it again from there)"
+            )
