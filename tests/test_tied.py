@@ -354,6 +354,43 @@ def test_copies_stay_equal_over_fifty_adam_steps(schedule: type | None) -> None:
     torch.testing.assert_close(pipe[2].weight, plain[2].weight, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("schedule", [None, Schedule1F1B])
+def test_copies_an_optimizer_made_before_the_pipeline_changed_unequally_are_refused(
+    schedule: type | None,
+) -> None:
+    # The optimizer holds the weight once: it stepped the first copy alone, and the
+    # copies drifted apart, silently, step after step.
+    model = _language_model()
+    early = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pipe = GPipe(model, [2, 3], chunks=4)
+    stepper = schedule(pipe, F.cross_entropy) if schedule is not None else None
+
+    def train(ids: Tensor, target: Tensor) -> None:
+        if stepper is None:
+            F.cross_entropy(pipe(ids), target).backward()
+        else:
+            stepper.step(ids, target)
+
+    train(*_data(1))
+    early.step()
+    with pytest.raises(RuntimeError, match=r"tied weight 0\.weight / 4\.weight .* \[1, 0\]"):
+        train(*_data(2))
+    with pytest.raises(RuntimeError, match="one made before the model was wrapped"):
+        train(*_data(2))  # until they are equal again
+    pipe.load_state_dict(pipe.state_dict())  # the first copy's value under both names
+    train(*_data(2))
+    torch.testing.assert_close(pipe[0].weight, pipe[4].weight, rtol=0, atol=0)
+    # Changed alike, by an optimizer of the pipeline's or by hand, they run on.
+    later = torch.optim.Adam(pipe.parameters(), lr=0.01, weight_decay=0.1)
+    for k in range(3):
+        later.step()
+        train(*_data(3 + k))
+    with torch.no_grad():
+        for p in (pipe[0].weight, pipe[4].weight):
+            p.mul_(0.5)
+    train(*_data(6))
+
+
 def test_freezing_either_name_freezes_the_tied_weight() -> None:
     plain = _language_model()
     pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=2)

@@ -15,6 +15,8 @@ import operator
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args, overload
 
+from torch import nn
+
 __all__ = [
     "BalanceError",
     "Checked",
@@ -23,6 +25,7 @@ __all__ = [
     "check_checkpoint",
     "check_chunks",
     "check_flag",
+    "check_layers",
     "checkpoint_stop",
 ]
 
@@ -160,3 +163,29 @@ def check_flag(value: bool, name: str) -> bool:
     if number not in (0, 1):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(number)
+
+
+def check_layers(module: nn.Sequential) -> None:
+    """Refuse a layer that appears twice (tensors shared by layers are fine: ties).
+
+    And a subclass with a forward of its own, which a pipeline would not call.
+    """
+    if type(module).forward is not nn.Sequential.forward:
+        raise TypeError(
+            f"{type(module).__name__} has a forward of its own, which a pipeline does not "
+            f"call: it runs the layers one after another, each on the previous one's "
+            f"output. Split the model with torchgpipe.split(model, example_input, ...), "
+            f"or move what its forward adds into layers of their own"
+        )
+    problems = []
+    first_index: dict[int, int] = {}
+    for index, layer in enumerate(module):
+        if id(layer) in first_index:
+            problems.append(f"layer {index} is the same module as layer {first_index[id(layer)]}")
+        else:
+            first_index[id(layer)] = index
+    if problems:
+        raise ValueError(
+            f"every layer must appear once, but {'; '.join(problems)}; use separate "
+            f"modules (they may share parameters: layer_b.weight = layer_a.weight)"
+        )

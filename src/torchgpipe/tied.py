@@ -47,35 +47,10 @@ from torch.utils.hooks import RemovableHandle
 from torchgpipe.grad_hooks import dense, summed
 from torchgpipe.materialize import every_name_fits, loaded_value, state_names, tied_state_dict
 from torchgpipe.microbatch import flatten, unflatten
+from torchgpipe.tied_drift import Drift
 from torchgpipe.tied_sums import Record, ReduceAtEnd
 
-__all__ = ["Ties", "check_layers", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
-
-
-def check_layers(module: nn.Sequential) -> None:
-    """Refuse a layer that appears twice (tensors shared by layers are fine: ties).
-
-    And a subclass with a forward of its own, which a pipeline would not call.
-    """
-    if type(module).forward is not nn.Sequential.forward:
-        raise TypeError(
-            f"{type(module).__name__} has a forward of its own, which a pipeline does not "
-            f"call: it runs the layers one after another, each on the previous one's "
-            f"output. Split the model with torchgpipe.split(model, example_input, ...), "
-            f"or move what its forward adds into layers of their own"
-        )
-    problems = []
-    first_index: dict[int, int] = {}
-    for index, layer in enumerate(module):
-        if id(layer) in first_index:
-            problems.append(f"layer {index} is the same module as layer {first_index[id(layer)]}")
-        else:
-            first_index[id(layer)] = index
-    if problems:
-        raise ValueError(
-            f"every layer must appear once, but {'; '.join(problems)}; use separate "
-            f"modules (they may share parameters: layer_b.weight = layer_a.weight)"
-        )
+__all__ = ["Ties", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
 
 
 Across = Callable[[tuple[int, ...], Tensor, Tensor], Callable[[], Tensor]]
@@ -122,6 +97,7 @@ class Ties:
         self.ranks = ranks  # per group: the processes that hold it, or None: this one only
         self.names = names if names is not None else [[] for _ in slots]  # in the state dict
         self._flags = [True] * len(slots)  # per group: requires_grad, as last made equal
+        self._drift = Drift()  # the copies changed alike between forwards (tied_drift.py)
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._in_flight, self._owed = 0, False  # passes and steps under way, a sum left
@@ -217,6 +193,7 @@ class Ties:
                 for m, n in slots:
                     m._buffers[n].copy_(first)  # type: ignore[union-attr,arg-type]  # slots hold buffers
         self._flags = [all(p.requires_grad for p in group) for group in self.groups]
+        self._drift.forget()  # the copies changed here, unequally
         self.begin()  # every copy frozen where one is, and watched
 
     def begin(self) -> None:
@@ -225,7 +202,11 @@ class Ties:
         Shares no sum took are forgotten unless a pass or step is under way (see
         ``tied_sums.py``). Freezing or unfreezing a tied weight's name does it to the
         weight: where a copy's ``requires_grad`` differs from the group's, all take it.
+
+        Raises:
+            RuntimeError: the copies of a tied weight changed unequally (``tied_drift.py``).
         """
+        self._drift.check(self.groups, self.names)
         with self._lock:
             if not self._in_flight:
                 self._pending.clear()
@@ -444,6 +425,7 @@ class Ties:
                     state_dict[key] = copy
 
     def _loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self._drift.forget()  # a copy under two names was loaded twice
         self.begin()  # ``assign=True`` puts new parameters in place: watch them
 
     def record(self, key: tuple[int, int], grad: Tensor) -> None:

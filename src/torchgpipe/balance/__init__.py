@@ -21,14 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.arguments import check_chunks
+from torchgpipe.arguments import check_chunks, check_layers
 from torchgpipe.balance.blockpartition import check_partitions, solve
 from torchgpipe.balance.profile import layerwise_size, layerwise_time
 from torchgpipe.devices import as_device
 from torchgpipe.materialize import on_meta
 from torchgpipe.microbatch import flatten
 from torchgpipe.skip.layout import verify_skippables
-from torchgpipe.tied import check_layers
 
 __all__ = ["balance_by_size", "balance_by_time"]
 

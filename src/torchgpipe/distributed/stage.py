@@ -28,6 +28,7 @@ from torchgpipe.arguments import (
     check_checkpoint,
     check_chunks,
     check_flag,
+    check_layers,
     checkpoint_stop,
 )
 from torchgpipe.batchnorm import convert_deferred_batch_norm, start_mini_batch
@@ -51,7 +52,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
-from torchgpipe.tied import Ties, check_layers, state_names, tied_state_dict
+from torchgpipe.tied import Ties, state_names, tied_state_dict
 from torchgpipe.trace import Trace
 from torchgpipe.undo import Undo
 from torchgpipe.worker import WorkerPool
