@@ -1278,6 +1278,53 @@ def test_split_refuses_state_that_no_stage_would_hold() -> None:
     split(plain, x, at=["0.1"]).load_state_dict(plain.state_dict())
 
 
+def test_splits_on_two_threads_at_once_each_capture_their_own_model() -> None:
+    # fx patches nn.Module.__call__ for the process while it traces: the other thread's
+    # split took those calls, and nearly every split of either failed.
+    x, failures = torch.randn(3, 4), []
+
+    def splits() -> None:
+        for _ in range(5):
+            try:
+                split(_Holds(_Chain()), x, at=["inner.b"])
+            except Exception as error:  # each one is what the test counts
+                failures.append(error)
+
+    threads = [threading.Thread(target=splits) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_a_split_point_inside_torchs_own_module_says_to_cut_around_it() -> None:
+    # It pointed at torch's code and said to move it into a submodule.
+    class Encoded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.enc(x))
+
+    with pytest.raises(SplitError, match=r"inside 'enc': .*torch's own forward.*no split point"):
+        split(Encoded(), torch.randn(2, 5, 8), at=["enc.layers.1"])
+    split(Encoded(), torch.randn(2, 5, 8), at=["head"])  # around it
+
+
+def test_finfo_of_a_traced_dtype_says_to_name_the_dtype() -> None:
+    class Masked(_Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            return self.b(h + (h < 0).to(h.dtype) * torch.finfo(h.dtype).min)
+
+    with pytest.raises(SplitError, match=r"torch\.finfo .* name the dtype"):
+        split(Masked(), torch.randn(3, 4), at=["b"])
+
+
 class _Encoder(nn.Sequential):
     """A Sequential with a forward of its own, whose control flow fx cannot capture."""
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -68,6 +69,8 @@ from torchgpipe.split_stage import (
 )
 
 __all__ = ["SplitError", "Stage", "split"]
+
+_SPLITTING = threading.Lock()  # see split()
 
 
 def split(
@@ -120,19 +123,11 @@ def split(
         raise TypeError(
             f"split takes exactly one of at=[submodule names] or stages=<count>; got {given}"
         )
-    hooked = [
-        kind
-        for kind, hooks in [
-            ("forward ", module._forward_hooks),
-            ("forward pre-", module._forward_pre_hooks),
-            ("backward ", module._backward_hooks),
-            ("backward pre-", module._backward_pre_hooks),
-        ]
-        if hooks
-    ]
+    kinds = ("forward", "forward_pre", "backward", "backward_pre")
+    hooked = [kind.replace("_", " ") for kind in kinds if getattr(module, f"_{kind}_hooks")]
     if hooked:
         raise SplitError(
-            f"{type(module).__name__} has {' and '.join(hooked)}hooks, which split cannot "
+            f"{type(module).__name__} has {' and '.join(hooked)} hooks, which split cannot "
             f"keep: torch.fx captures its forward alone, so the stages would run without "
             f"them; remove them, and register them on what runs the stages (the GPipe), "
             f"or on a submodule that split calls whole"
@@ -144,7 +139,9 @@ def split(
         )
     refuse_lost_state(module, "")
     kind, names, concrete = inputs_of(module, example_input)
-    with _kept(module):  # also drops the tensors fx keeps on it (the stages hold them)
+    # One split at a time: while fx traces, it patches nn.Module.__call__ for the whole
+    # process, and another thread's split (tracing, or running its graph) took its calls.
+    with _SPLITTING, _kept(module):  # _kept drops the tensors fx keeps on the module too
         return _split(module, example_input, at, stages, by, kind, names, concrete)
 
 

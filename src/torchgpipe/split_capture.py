@@ -23,9 +23,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import operator
-import os
 import re
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +38,8 @@ from torchgpipe.split_refusals import (
     leaves,
     python_draws_refused,
     stored_values_refused,
+    torch_class,
+    trace_failure,
     user_line,
     where_made,
 )
@@ -66,14 +66,6 @@ __all__ = [
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _CONTAINER_FORWARDS = (nn.Sequential.forward, nn.Module.forward)  # the latter: none
 _CALLS = ("call_module", "call_function", "call_method")
-# The machinery between a forward's line and the tracer's error: not where it failed.
-_MACHINERY = (
-    os.path.join(TORCH_DIR, "fx", ""),
-    os.path.join(TORCH_DIR, "nn", "modules", "module.py"),
-    os.path.join(TORCH_DIR, "__init__.py"),
-    os.path.join(TORCH_DIR, "_tensor.py"),
-    __file__,
-)
 
 
 # Capturing the forward.
@@ -200,7 +192,7 @@ def _traced(module: nn.Module, through: set[str], concrete: dict[str, Any]) -> f
     except SplitError:
         raise
     except Exception as error:
-        raise SplitError(_trace_failure(module, error)) from error
+        raise SplitError(trace_failure(module, error, through)) from error
 
 
 def _first_difference(module: nn.Module, graph: fx.Graph, other: fx.Graph) -> fx.Node | None:
@@ -230,38 +222,6 @@ def _shown(node: fx.Node) -> str:
     return re.sub(r"_tensor_constant\d+", "_tensor_constant", node.format_node() or "")
 
 
-def _trace_failure(module: nn.Module, error: Exception) -> str:
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(_MACHINERY)
-    ]
-    where = ""
-    if frames:  # the last line run before the tracer's machinery: a forward's
-        f = frames[-1]
-        where = f" at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
-    if "control flow" in str(error) or "iterate" in str(error):
-        cause = (
-            "The likely cause: code that branches on, or loops over, a value made from "
-            "the forward's arguments (a tensor's value, or an argument given in "
-            "example_input, which split traces: a flag given there is traced too; leave "
-            "it out so that it keeps its default, or fix it in a wrapper module)"
-        )
-    elif "positional argument" in str(error):  # ones() takes 1 positional argument but 2...
-        cause = (
-            "The likely cause: a factory (torch.ones, zeros, empty, rand, ...) given its "
-            "sizes one by one, one of them from a tensor (x.size(1)), which fx captures "
-            "only as one tuple: write torch.ones((T, T), ...) for torch.ones(T, T, ...)"
-        )
-    else:
-        cause = "The likely cause: code that needs a real value where fx has a proxy"
-    return (
-        f"cannot split {type(module).__name__}: torch.fx could not capture its forward{where}: "
-        f"{type(error).__name__}: {error}. {cause}. Move that code into a submodule "
-        f"(split runs a submodule as one call, with any control flow), or out of the model"
-    )
-
-
 def trace_into(module: nn.Module, stages: int, concrete: dict[str, Any]) -> fx.Graph:
     """Trace through ever larger submodules until the forward makes ``stages`` calls.
 
@@ -280,7 +240,7 @@ def trace_into(module: nn.Module, stages: int, concrete: dict[str, Any]) -> fx.G
             if isinstance(name, str)
             and name not in opaque
             and next(module.get_submodule(name).children(), None) is not None
-            and not type(module.get_submodule(name)).__module__.startswith("torch.")
+            and not torch_class(module.get_submodule(name))
         ]
         if expandable:
             name = max(expandable)[1]
@@ -295,7 +255,8 @@ def trace_into(module: nn.Module, stages: int, concrete: dict[str, Any]) -> fx.G
         raise SplitError(
             f"cannot cut {type(module).__name__} into {stages} stages: its forward "
             f"calls {len(candidates(graph)) + 1} modules in turn{whole}; ask for fewer "
-            f"stages, or name split points inside its submodules with at=[...]"
+            f"stages, or name split points inside its submodules with at=[...] (not "
+            f"inside torch's own modules, such as nn.TransformerEncoder, which it calls whole)"
         )
 
 

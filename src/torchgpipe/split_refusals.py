@@ -40,6 +40,8 @@ __all__ = [
     "python_draws_refused",
     "refuse_lost_state",
     "stored_values_refused",
+    "torch_class",
+    "trace_failure",
     "user_line",
     "where_made",
 ]
@@ -381,3 +383,68 @@ def refuse_lost_state(module: nn.Module, path: str) -> None:
             + (", or split at its boundaries" if path else "")
             + ", or convert checkpoints with the plain model and leave it out"
         )
+
+
+# The machinery between a forward's line and the tracer's error: not where it failed.
+_MACHINERY = (
+    os.path.join(TORCH_DIR, "fx", ""),
+    os.path.join(TORCH_DIR, "nn", "modules", "module.py"),
+    os.path.join(TORCH_DIR, "__init__.py"),
+    os.path.join(TORCH_DIR, "_tensor.py"),
+    os.path.join(_HERE, "split_capture.py"),
+)
+
+
+def trace_failure(module: nn.Module, error: Exception, through: set[str]) -> str:
+    """What ``split`` says where torch.fx could not capture ``module``'s forward."""
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith(_MACHINERY)
+    ]
+    where = ""
+    if frames:  # the last line run before the tracer's machinery: a forward's
+        f = frames[-1]
+        where = f" at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
+    if "control flow" in str(error) or "iterate" in str(error):
+        cause = (
+            "The likely cause: code that branches on, or loops over, a value made from "
+            "the forward's arguments (a tensor's value, or an argument given in "
+            "example_input, which split traces: a flag given there is traced too; leave "
+            "it out so that it keeps its default, or fix it in a wrapper module)"
+        )
+    elif "positional argument" in str(error):  # ones() takes 1 positional argument but 2...
+        cause = (
+            "The likely cause: a factory (torch.ones, zeros, empty, rand, ...) given its "
+            "sizes one by one, one of them from a tensor (x.size(1)), which fx captures "
+            "only as one tuple: write torch.ones((T, T), ...) for torch.ones(T, T, ...)"
+        )
+    elif "finfo" in str(error) or "iinfo" in str(error):
+        cause = (
+            "The likely cause: torch.finfo or torch.iinfo of a traced tensor's dtype "
+            "(h.dtype), which fx has as a proxy: name the dtype (torch.finfo(torch.float32)"
+            "), or compute the value in a submodule"
+        )
+    else:
+        cause = "The likely cause: code that needs a real value where fx has a proxy"
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # traced through as any
+    inside = [(n, module.get_submodule(n)) for n in sorted(through)]
+    torchs = [n for n, m in inside if torch_class(m) and not isinstance(m, containers)]
+    if frames and frames[-1].filename.startswith(TORCH_DIR) and torchs:
+        return (  # torch's own forward, which the user cannot move: no cut inside it
+            f"cannot split {type(module).__name__} inside {', '.join(map(repr, torchs))}: "
+            f"torch.fx could not capture torch's own forward there{where}: "
+            f"{type(error).__name__}: {error}. Put no split point inside "
+            f"{'it' if len(torchs) == 1 else 'them'} (cut at its boundaries), or call its "
+            f"layers from a forward of your own (a loop over an nn.ModuleList)"
+        )
+    return (
+        f"cannot split {type(module).__name__}: torch.fx could not capture its forward{where}: "
+        f"{type(error).__name__}: {error}. {cause}. Move that code into a submodule "
+        f"(split runs a submodule as one call, with any control flow), or out of the model"
+    )
+
+
+def torch_class(module: nn.Module) -> bool:
+    """Whether ``module`` is of one of torch's own classes (nn.TransformerEncoder, ...)."""
+    return type(module).__module__.startswith("torch.")
