@@ -6,6 +6,7 @@ import copy
 import pickle
 import random
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -1313,6 +1314,29 @@ def test_a_split_point_inside_torchs_own_module_says_to_cut_around_it() -> None:
     with pytest.raises(SplitError, match=r"inside 'enc': .*torch's own forward.*no split point"):
         split(Encoded(), torch.randn(2, 5, 8), at=["enc.layers.1"])
     split(Encoded(), torch.randn(2, 5, 8), at=["head"])  # around it
+
+
+def test_an_ordered_dict_stays_one_through_the_stages_and_out() -> None:
+    # fx wrote it as a dict: the split model and GPipe over it returned a plain dict.
+    class Ordered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Any:
+            held = OrderedDict(h=self.a(x), g=x * 2)  # crosses a cut
+            y = self.b(held["h"])
+            return OrderedDict(out=self.c(y + held["g"]), mid=y)
+
+    plain, x = Ordered(), torch.randn(6, 4)
+    pipe = GPipe(split(copy.deepcopy(plain), x, at=["b", "c"]), [1, 1, 1], chunks=3)
+    output, expected = pipe(x), plain(x)
+    assert type(output) is OrderedDict
+    assert list(output) == ["out", "mid"]
+    (output["out"].sum() + output["mid"].sum()).backward()
+    (expected["out"].sum() + expected["mid"].sum()).backward()
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_finfo_of_a_traced_dtype_says_to_name_the_dtype() -> None:

@@ -24,6 +24,7 @@ import difflib
 import inspect
 import operator
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,14 @@ class _Tracer(fx.Tracer):
                 f"split points elsewhere), or enter the mode around the whole model's call"
             )
         return super().create_node(kind, target, args, kwargs, *rest, **more)
+
+    def create_arg(self, a: Any) -> Any:
+        # fx writes any dict as a dict: an OrderedDict the forward returns or passes on
+        # is made again as one, by a call in the graph.
+        if type(a) is OrderedDict:
+            items = self.create_arg(list(a.items()))
+            return self.create_node("call_function", OrderedDict, (items,), {})
+        return super().create_arg(a)
 
 
 def _ambient() -> tuple[bool, bool, bool]:
