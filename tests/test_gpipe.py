@@ -331,6 +331,9 @@ def test_chunks_and_checkpoint_assigned_later_are_checked_at_once() -> None:
     assert vars(model)["chunks"] == 3  # where a plain attribute is: copies keep it
     assert copy.deepcopy(model).chunks == 3
     assert pickle.loads(pickle.dumps(model)).checkpoint == "never"
+    del model.chunks  # as a plain attribute may be
+    assert "chunks" not in vars(model)
+    model.chunks = 2
     torch.testing.assert_close(model(x), plain(x))
 
 

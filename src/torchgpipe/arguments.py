@@ -77,6 +77,9 @@ class Checked(Generic[_T]):
     def __set__(self, instance: object, value: Any) -> None:
         instance.__dict__[self._name] = self._check(value)
 
+    def __delete__(self, instance: object) -> None:
+        del instance.__dict__[self._name]
+
 
 def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:
     """``balance`` as a list of ints: positive counts of layers that sum to ``num_layers``."""

@@ -57,6 +57,7 @@ from torchgpipe.split_capture import (
     value_kinds,
     where_made,
 )
+from torchgpipe.split_inputs import inputs_of
 from torchgpipe.split_refusals import refuse_lost_state
 from torchgpipe.split_stage import (
     InputKind,
@@ -64,13 +65,12 @@ from torchgpipe.split_stage import (
     SplitError,
     Stage,
     held_apart,
-    inputs_of,
     keep_plain_keys,
 )
 
 __all__ = ["SplitError", "Stage", "split"]
 
-_SPLITTING = threading.Lock()  # see split()
+_SPLITTING = threading.RLock()  # see split(); a forward split runs may split (its own child)
 
 
 def split(

@@ -113,10 +113,12 @@ class _Tracer(fx.Tracer):
 
     def create_arg(self, a: Any) -> Any:
         # fx writes any dict as a dict: an OrderedDict the forward returns or passes on
-        # is made again as one, by a call in the graph.
-        if type(a) is OrderedDict:
+        # is made again as one, by a call in the graph (a subclass too, where its class
+        # makes one from pairs as OrderedDict does: not a dataclass's fields).
+        kind = type(a)
+        if isinstance(a, OrderedDict) and kind.__init__ is OrderedDict.__init__:
             items = self.create_arg(list(a.items()))
-            return self.create_node("call_function", OrderedDict, (items,), {})
+            return self.create_node("call_function", kind, (items,), {})
         return super().create_arg(a)
 
 

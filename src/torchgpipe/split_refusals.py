@@ -366,12 +366,14 @@ def refuse_lost_state(module: nn.Module, path: str) -> None:
     The model, or a module split cuts inside (a ``Placeholder`` stands for it): its extra
     state, state-dict hooks or state-dict methods of its class (not torch's, of its
     tensors, which the stages hold) would be lost: no stage holds it, only its parts. A
-    ``_load_from_state_dict`` of its own, which converts older checkpoints, is refused at
-    a load that needs it (``split_stage._refuse_unconverted``).
+    ``_load_from_state_dict`` of a cut module's class, which converts older checkpoints,
+    is refused at a load that needs it (``split_stage._refuse_unconverted``); the model's
+    own, here.
     """
     kinds = ("state_dict_", "state_dict_pre_", "load_state_dict_pre_", "load_state_dict_post_")
     what = ["state-dict hooks"] if any(getattr(module, f"_{k}hooks") for k in kinds) else []
-    methods = ("get_extra_state", "state_dict", "load_state_dict", "_save_to_state_dict")
+    methods = ["get_extra_state", "state_dict", "load_state_dict", "_save_to_state_dict"]
+    methods += [] if path else ["_load_from_state_dict"]  # the model's: no stage knows it
     what += [f"its own {name}" for name in methods if own_method(module, name)]
     if what:
         raise SplitError(

@@ -1,6 +1,5 @@
 """The stages of a split model (``split.py``), and the model's keys on what holds them.
 
-:func:`inputs_of` reads how the split model takes its input from ``split``'s example.
 A :class:`Stage` is a skippable module (:mod:`torchgpipe.skip`) that runs one piece of
 a module's captured forward on the module's own submodules, held at their original
 paths; :func:`held_apart` gives every module and tensor that no piece uses a stage that
@@ -11,7 +10,6 @@ container of stages (the ``nn.Sequential`` that ``split`` returns, a ``GPipe``, 
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal
@@ -29,7 +27,6 @@ __all__ = [
     "SplitError",
     "Stage",
     "held_apart",
-    "inputs_of",
     "keep_plain_keys",
 ]
 
@@ -38,53 +35,6 @@ InputKind = Literal["one", "args", "kwargs"]
 
 class SplitError(ValueError):
     """A module cannot be split as asked; the message says where, why, and what to do."""
-
-
-def inputs_of(module: nn.Module, example: Any) -> tuple[InputKind, tuple[str, ...], dict[str, Any]]:
-    """How the split model takes its input, the names it fills, and the defaults kept."""
-    parameters = list(inspect.signature(module.forward).parameters.values())
-    variadic = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if variadic:
-        raise SplitError(
-            f"{type(module).__name__}.forward takes *{variadic[0]}; split needs named "
-            f"parameters: wrap the module in one whose forward names its arguments"
-        )
-    kind: InputKind
-    if isinstance(example, dict):
-        kind, given = "kwargs", list(example)
-        unknown = [name for name in given if name not in [p.name for p in parameters]]
-        if unknown:
-            raise TypeError(f"{type(module).__name__}.forward has no parameters {unknown}")
-        given = [p.name for p in parameters if p.name in example]  # in the forward's order
-    elif isinstance(example, tuple):
-        kind, given = "args", [p.name for p in parameters[: len(example)]]
-        if len(example) > len(parameters):
-            raise TypeError(
-                f"example_input gives {len(example)} positional arguments; "
-                f"{type(module).__name__}.forward takes {len(parameters)}"
-            )
-    else:
-        kind, given = "one", [p.name for p in parameters[:1]]
-    values = {"kwargs": example, "args": dict(zip(given, example, strict=False))}.get(kind, {})
-    nones = [name for name in given if values.get(name, ...) is None]
-    if nones:
-        raise SplitError(
-            f"example_input gives {type(module).__name__}.forward's {nones} as None; split "
-            f"traces each argument it is given as a tensor, so code for None cannot be "
-            f"captured: leave them out (pass a dict of the other arguments: they keep their "
-            f"defaults), or give tensors"
-        )
-    concrete = {}
-    for p in parameters:
-        if p.name in given:
-            continue
-        if p.default is p.empty:
-            raise TypeError(
-                f"example_input does not give {type(module).__name__}.forward's argument "
-                f"{p.name!r}, which has no default; give it (a tuple or dict of arguments)"
-            )
-        concrete[p.name] = p.default
-    return kind, tuple(given), concrete
 
 
 class Stage(Skippable):
@@ -462,10 +412,10 @@ def _add_stage_index(
     # load began here or above: torch hands a child's load no versions), taken out again
     # by _plain_report: the caller's state dict is left as it came.
     metadata: dict[str, Any] | None = getattr(state_dict, "_metadata", None)
-    given = dict(metadata or {})  # read from as given: a stage's path may be a model's too
     for stage in (c for c in module.children() if isinstance(c, Stage)):
-        _refuse_unconverted(stage, prefix, given)
+        _refuse_unconverted(stage, state_dict, prefix)
     start_versions(module, metadata)
+    given = dict(metadata or {})  # read from as given: a stage's path may be a model's too
     for name, child in module.named_children():
         if metadata is None or not isinstance(child, Stage):
             continue
@@ -485,15 +435,23 @@ def _add_stage_index(
                 state_dict[f"{prefix}{name}.{plain}"] = value
 
 
-def _refuse_unconverted(stage: Stage, prefix: str, given: Mapping[str, Any]) -> None:
-    """Refuse a load that a module cut in parts would convert (``refuse_lost_state``)."""
+def _refuse_unconverted(stage: Stage, state_dict: Mapping[str, Any], prefix: str) -> None:
+    """Refuse a load that a module cut in parts would convert (``refuse_lost_state``).
+
+    Where the state dict records that module at another version than its own and holds
+    keys of it; one without versions (safetensors' files) is taken as of its own.
+    """
+    metadata: Mapping[str, Any] = getattr(state_dict, "_metadata", None) or {}
     for path, part in stage.named_modules():
-        version = (given.get(prefix + path) or {}).get("version")
-        if isinstance(part, Placeholder) and part.converts and version != part._version:
+        where = prefix + path
+        version = (metadata.get(where) or {}).get("version", part._version)
+        if not (isinstance(part, Placeholder) and part.converts and version != part._version):
+            continue
+        if any(key.startswith(where + ".") for key in state_dict):
             raise RuntimeError(
-                f"torchgpipe: the state dict holds {prefix + path!r} at version {version}, "
-                f"which its {part.kind} converts (to {part._version}) in a "
-                f"_load_from_state_dict of its own; split cut that module in parts, which "
-                f"load without it. Load the state dict into the plain model, then split it "
-                f"(or save it again from there)"
+                f"torchgpipe: the state dict holds {where!r} at version {version}, which "
+                f"its {part.kind} converts (to {part._version}) in a _load_from_state_dict "
+                f"of its own; split cut that module in parts, which load without it. Load "
+                f"the state dict into the plain model, then split it (or save it again "
+                f"from there)"
             )

@@ -9,9 +9,13 @@ others, which drift apart silently, step after step.
 Every in-place change bumps a tensor's version counter (``Tensor._version``), and an
 optimizer changes each parameter it holds the same way. So between two forwards the
 copies of one weight must each have gone up by the same count; where they did not, the
-forward is refused with what to do. Comparing counters costs a few integers per copy,
-not a look at the values. Not seen: a change through ``.data`` (which torch does not
-count), or one that happens to bump every copy alike.
+forward that records gradients is refused with what to do, unless the values are
+equal after all. Comparing counters costs a few integers per copy; the values are read
+only where the counts differ. Not checked: a forward under ``no_grad`` (an evaluation
+may run on another thread while an optimizer steps the copies one after another).
+Not seen: a change through ``.data`` (which torch does not count), or unequal changes
+that bump every copy alike (an optimizer stepping each copy from a hook of its own,
+with the share of the gradient that copy has seen so far).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["Drift"]
@@ -44,6 +49,8 @@ class Drift:
         Raises:
             RuntimeError: the copies of a tied weight were changed unequally.
         """
+        if not torch.is_grad_enabled():  # an evaluation: it may run beside an optimizer's step
+            return
         now = [[(p, vars(p), p._version) for p in group] for group in groups]
         for g, (before, after) in enumerate(zip(self._seen, now, strict=False)):
             # Swapped (torch.utils.swap_tensors, as module.float() may): another __dict__.
@@ -53,7 +60,10 @@ class Drift:
             if not same:
                 continue
             changes = [b[2] - a[2] for a, b in zip(before, after, strict=True)]
-            if len(set(changes)) > 1:
+            owner, *copies = (p for p, _, _ in after)
+            with torch.no_grad():  # changed alike after all (or to what the others hold)?
+                equal = all(torch.equal(owner, c.to(owner.device)) for c in copies)
+            if len(set(changes)) > 1 and not equal:
                 named = " / ".join(names[g]) if g < len(names) and names[g] else f"group {g}"
                 raise RuntimeError(
                     f"torchgpipe: the copies of the tied weight {named} (one per partition "
@@ -63,7 +73,8 @@ class Drift:
                     f"them: one made before the model was wrapped, from the plain model's "
                     f"parameters(), steps the first copy alone. Make the optimizer from "
                     f"the pipeline's parameters() after wrapping, and change a tied weight "
-                    f"by hand in every copy. To make the copies equal again, load a state "
-                    f"dict (load_state_dict)"
+                    f"by hand in every copy (a layer cannot change it in place in its "
+                    f"forward either: nn.Embedding(max_norm=...) renormalizes its own "
+                    f"copy). To make the copies equal again, load a state dict"
                 )
         self._seen = now
