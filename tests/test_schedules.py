@@ -281,6 +281,15 @@ def test_simulate_refuses_a_cost_not_finite_or_negative(bad: float) -> None:
     assert simulate(one_f_one_b(2, 2), {"F": 0, "B": 1}).makespan == 2 + 2 - 1
 
 
+@pytest.mark.parametrize("table", [one_f_one_b(3, 4), gpipe(2, 3), zero_bubble_h1(3, 4)])
+def test_simulate_counts_what_is_held_alike_when_actions_are_free(table: Schedule) -> None:
+    # Ends at one time were taken releases first: free actions held nothing at all.
+    costs = {"F": 1.0, "B": 2.0, "W": 1.0}
+    free = {kind: 0.0 for kind in costs}
+    assert simulate(table, free).holding == simulate(table, costs).holding
+    assert max(simulate(table, free).holding) > 0
+
+
 def test_simulate_names_the_kinds_of_action_without_a_cost() -> None:
     # The README's {"F": 1, "B": 2} on a table with W used to raise a bare KeyError: 'W'.
     with pytest.raises(ValueError, match=r"has no cost for W, which the table has"):

@@ -20,6 +20,7 @@ micro-batches each stage holds at once, for costs per kind of action. No torch h
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
@@ -329,15 +330,13 @@ def simulate(
     release: Kind = "W" if schedule.splits_backward else "B"
     holding = []
     for s in range(schedule.stages):
+        # Ends at one time (free actions) in the order the stage's rank runs them.
+        order = {a: k for k, a in enumerate(schedule.ranks[schedule.placement[s]])}
         events = []
         for i in range(schedule.micro_batches):
-            events.append((end[Action(s, "F", i)], 1))
-            events.append((end[Action(s, release, i)], -1))
-        count = peak = 0
-        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
-            count += delta
-            peak = max(peak, count)
-        holding.append(peak)
+            for action, delta in ((Action(s, "F", i), 1), (Action(s, release, i), -1)):
+                events.append((end[action], order[action], delta))
+        holding.append(max(itertools.accumulate((d for _, _, d in sorted(events)), initial=0)))
     return Simulation(makespan, bubble, busy, tuple(holding), start)
 
 
