@@ -94,6 +94,88 @@ def join_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
     )
 
 
+# The command line, checked before anything is measured: a bad value found at the end
+# (a folder given as --out) would cost the whole run.
+
+
+def count(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (sizes, rounds, processes)."""
+    return _integer(text, 1)
+
+
+def whole(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (warm-up steps)."""
+    return _integer(text, 0)
+
+
+def _integer(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is not at least {least}")
+    return value
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number above 0 (a sleep, a timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0")
+    return value
+
+
+def out_file(text: str) -> Path:
+    """An argparse type: a file the JSON can be written to (its folder made if missing)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it")
+    try:  # as the run's end will: make the folder, open the file (left as it was)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {error}") from None
+    return path
+
+
+PICTURES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def picture(text: str) -> Path:
+    """An argparse type: a picture file (a name without a suffix gets .png)."""
+    path = out_file(text)
+    if not path.suffix:
+        path = out_file(f"{text}.png")
+    if path.suffix.lower() not in PICTURES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: draw to one of {', '.join(PICTURES)}, not {path.suffix}"
+        )
+    return path
+
+
+def parse(
+    parser: argparse.ArgumentParser, argv: list[str] | None, **quick: Any
+) -> argparse.Namespace:
+    """The command line; with ``--quick``, ``quick``'s values for the options not given."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        unset = object()  # not a string: argparse would convert it by the option's type
+        parser.set_defaults(**dict.fromkeys(vars(args), unset))
+        again = vars(parser.parse_args(argv))
+        for name, value in quick.items():
+            if again[name] is unset:  # not on the command line
+                setattr(args, name, value)
+    return args
+
+
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The command line's arguments, as JSON can hold them (paths as strings)."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

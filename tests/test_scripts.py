@@ -73,6 +73,10 @@ def test_demo_rejects_bad_sizes(capsys):
         with pytest.raises(SystemExit):
             demo.parse_args(["--quick", "--lr", lr])
         assert "--lr must be a positive finite number" in capsys.readouterr().err
+    for seed in ("-1", str(2**63)):  # torch's generators overflowed, after setting up
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--quick", "--seed", seed])
+        assert "--seed must be a whole number from 0" in capsys.readouterr().err
 
 
 def test_demo_names_the_timeline_as_it_is_drawn(tmp_path) -> None:
@@ -208,6 +212,26 @@ def test_benchmark_quick_writes_json_and_tables(tmp_path):
     modes = {(row["n"], row["m"], row["mode"]) for row in results["overhead"]}
     assert len(modes) == 12  # eval, train and step, for each (n, m)
     assert results["environment"]["torch"] == __import__("torch").__version__
+
+
+def test_benchmarks_refuse_bad_options_before_measuring(tmp_path):
+    # A folder as --out was found when the JSON was written, after the whole run; a count
+    # of 0 failed somewhere inside; --quick replaced the sizes given with its own.
+    for args, said in [
+        (["--out", str(tmp_path)], "is a folder; name a file in it"),
+        (["--partitions", "0"], "argument --partitions: 0 is not at least 1"),
+        (["--sleep-ms", "nan"], "is not a finite number above 0"),
+    ]:
+        done = start_python("benchmarks/schedules/main.py", "--quick", *args)
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr
+        assert "Traceback" not in done.stderr
+    done = start_python("benchmarks/transparency/main.py", "--quick", "--plot", "loss.xyz")
+    assert "draw to one of .png" in done.stderr
+    out_file = tmp_path / "deep" / "results.json"  # its folders made, as at the end
+    run_python("benchmarks/schedules/main.py", "--quick", "--repeats", "2", "--out", str(out_file))
+    parameters = json.loads(out_file.read_text())["parameters"]
+    assert (parameters["repeats"], parameters["partitions"]) == (2, [2])  # given, quick's
 
 
 def test_noise_benchmark_quick_times_the_bare_pipeline_against_itself(tmp_path):

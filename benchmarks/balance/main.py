@@ -38,7 +38,15 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    count,
+    environment,
+    out_file,
+    parse,
+    positive,
+    settings,
+    write_json,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 # Milliseconds per layer, forward and backward each: a stem, then stages that cost more
@@ -128,16 +136,14 @@ def _median(fn: Any, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     """Find the three balances, time each, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timeout", type=float, default=1.0, help="balance_by_time's")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--partitions", type=count, default=4)
+    parser.add_argument("--micro-batches", type=count, default=8)
+    parser.add_argument("--repeats", type=count, default=5)
+    parser.add_argument("--timeout", type=positive, default=1.0, help="balance_by_time's")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="short sleeps, for a smoke test")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, repeats=1, timeout=0.05)
     scale = 0.1 if args.quick else 1.0
-    if args.quick:
-        args.repeats, args.timeout = 1, 0.05
     torch.set_num_threads(1)
     blocks = [t * scale for t in BLOCKS_MS]
     n, m = args.partitions, args.micro_batches

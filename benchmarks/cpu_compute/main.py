@@ -41,7 +41,7 @@ from torchgpipe import GPipe, Schedule1F1B, ScheduleGPipe, pipeline
 from torchgpipe.arguments import checkpoint_stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import count, environment, out_file, parse, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -130,16 +130,14 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """Measure every checkpoint mode, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--blocks", type=count, default=8)
+    parser.add_argument("--width", type=count, default=1024)
+    parser.add_argument("--batch", type=count, default=256)
+    parser.add_argument("--chunks", type=count, default=8)
+    parser.add_argument("--rounds", type=count, default=15)
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.width, args.batch, args.rounds = 64, 32, 3
+    args = parse(parser, argv, width=64, batch=32, rounds=3)
     torch.set_num_threads(1)
     rows = [measure(mode, args) for mode in ("never", "except_last", "always")]
     names = [k for k in rows[0] if k != "checkpoint"]

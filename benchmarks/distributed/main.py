@@ -60,7 +60,17 @@ from torchgpipe.schedules import Action, Schedule, gpipe, one_f_one_b, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules"))
-from common import environment, free_port, join_gloo, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    count,
+    environment,
+    free_port,
+    join_gloo,
+    out_file,
+    parse,
+    positive,
+    settings,
+    write_json,
+)
 from reference import FEATURES, SleepLayer, mse  # benchmarks/schedules/reference.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -289,17 +299,16 @@ def table_text(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--sleep-ms", type=float, default=10.0, help="forward sleep per layer")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row")
+    parser.add_argument("--processes", type=count, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=count, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--sleep-ms", type=positive, default=10.0, help="forward sleep per layer")
+    parser.add_argument("--rounds", type=count, default=7, help="interleaved rounds per row")
     parser.add_argument("--no-compute", dest="compute", action="store_false")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT, help="where the JSON goes")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.processes, args.micro_batches = [2], [4]
-        args.sleep_ms, args.rounds, args.compute = 2.0, 1, False
+    args = parse(
+        parser, argv, processes=[2], micro_batches=[4], sleep_ms=2.0, rounds=1, compute=False
+    )
     return args
 
 

@@ -38,7 +38,16 @@ from torch import nn
 from torchgpipe.distributed import PipelineStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, free_port, join_gloo, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    count,
+    environment,
+    free_port,
+    join_gloo,
+    out_file,
+    parse,
+    settings,
+    write_json,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -106,13 +115,11 @@ def measure(n: int, width: int, way: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     """Measure both ways, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=8)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--processes", type=count, default=8)
+    parser.add_argument("--width", type=count, default=2048)
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="2 processes, small blocks")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.processes, args.width = 2, 256
+    args = parse(parser, argv, processes=2, width=256)
     env = environment()
     rows = {way: measure(args.processes, args.width, way) for way in ("whole", "meta")}
     share = rows["meta"][0]["share"]

@@ -41,7 +41,15 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Progress, environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    Progress,
+    environment,
+    out_file,
+    parse,
+    picture,
+    settings,
+    write_json,
+)
 from models import add_arguments, build, devices_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -173,12 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     """Validate the CPU method, measure every model, print the tables, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--plot", type=Path, help="draw the peaks to this PNG")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=picture, help="draw the peaks to this PNG")
     parser.add_argument("--quick", action="store_true", help="small: a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.batch, args.partitions = 8, [1, 2]
+    args = parse(parser, argv, batch=8, partitions=[1, 2])
     torch.set_num_threads(1)
     torch.manual_seed(0)
     expected, measured = validate()

@@ -41,7 +41,15 @@ from torchgpipe import GPipe, ScheduleGPipe
 from torchgpipe.rng import CellRandomness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    count,
+    environment,
+    out_file,
+    parse,
+    positive,
+    settings,
+    write_json,
+)
 
 FORWARD_TARGET = 1.03  # training forward over the bare pipeline
 NO_GRAD_TARGET = 1.02  # no_grad forward over the bare pipeline
@@ -367,18 +375,16 @@ def overhead_table(rows: list[dict[str, Any]], rounds: int) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Read the command line; ``--quick`` replaces the sizes with tiny ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="rounds per sleep cell")
-    parser.add_argument("--sleep-ms", type=float, default=10.0, help="sleep per layer call")
-    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8, 32])
-    parser.add_argument("--overhead-micro-batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--overhead-repeats", type=int, default=50, help="rounds")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes")
+    parser.add_argument("--repeats", type=count, default=5, help="rounds per sleep cell")
+    parser.add_argument("--sleep-ms", type=positive, default=10.0, help="sleep per layer call")
+    parser.add_argument("--partitions", type=count, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--micro-batches", type=count, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--overhead-micro-batches", type=count, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--overhead-repeats", type=count, default=50, help="rounds")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT, help="where the JSON goes")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.partitions, args.micro_batches, args.overhead_micro_batches = [1, 2], [1, 4], [1, 4]
-        args.sleep_ms, args.repeats, args.overhead_repeats = 1.0, 1, 3
+    tiny = {"partitions": [1, 2], "micro_batches": [1, 4], "overhead_micro_batches": [1, 4]}
+    args = parse(parser, argv, **tiny, sleep_ms=1.0, repeats=1, overhead_repeats=3)
     return args
 
 

@@ -50,7 +50,15 @@ from torchgpipe.schedules import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    count,
+    environment,
+    out_file,
+    parse,
+    positive,
+    settings,
+    write_json,
+)
 from reference import SleepLayer, measure_reference  # benchmarks/schedules/reference.py
 
 TARGET = 1.05
@@ -185,17 +193,14 @@ def _maybe(value: float | None) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Read the command line; ``--quick`` replaces the sizes with tiny ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--partitions", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 32])
-    parser.add_argument("--sleep-ms", type=float, default=10.0, help="forward sleep per layer")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row")
+    parser.add_argument("--partitions", type=count, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--micro-batches", type=count, nargs="+", default=[4, 8, 32])
+    parser.add_argument("--sleep-ms", type=positive, default=10.0, help="forward sleep per layer")
+    parser.add_argument("--repeats", type=count, default=3, help="timed steps per row")
     parser.add_argument("--no-reference", action="store_true", help="skip torch's schedules")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT, help="where the JSON goes")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.partitions, args.micro_batches = [2], [4]
-        args.sleep_ms, args.repeats = 2.0, 1
+    args = parse(parser, argv, partitions=[2], micro_batches=[4], sleep_ms=2.0, repeats=1)
     return args
 
 

@@ -43,7 +43,7 @@ from torchgpipe.microbatch import flatten
 from torchgpipe.skip import pop, skippable, stash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import count, environment, out_file, parse, settings, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 
@@ -237,16 +237,14 @@ def table(rows: list[dict[str, Any]], batch: int, width: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Measure both models for every n, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--partitions", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--partitions", type=count, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--chunks", type=count, default=4)
+    parser.add_argument("--batch", type=count, default=256)
+    parser.add_argument("--width", type=count, default=512)
+    parser.add_argument("--repeats", type=count, default=5)
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.partitions, args.batch, args.width, args.repeats = [2, 4], 8, 16, 1
+    args = parse(parser, argv, partitions=[2, 4], batch=8, width=16, repeats=1)
     if min(args.partitions) < 2:
         parser.error("--partitions: a skip between partitions needs at least 2")
     torch.set_num_threads(1)

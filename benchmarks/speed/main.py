@@ -45,7 +45,18 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_by_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Progress, environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    Progress,
+    count,
+    environment,
+    out_file,
+    parse,
+    picture,
+    positive,
+    settings,
+    whole,
+    write_json,
+)
 from models import add_arguments, build, devices_for
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -217,20 +228,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Read the command line; ``--quick`` shrinks everything for a smoke test."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    parser.add_argument("--grid-partitions", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--grid-micro-batches", type=int, nargs="+", default=[1, 4, 32])
-    parser.add_argument("--naive-batch", type=int, help="naive-1's batch (default: --batch)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="rounds of one step each")
-    parser.add_argument("--balance-timeout", type=float, default=0.5)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--plot", type=Path, help="draw the speed-ups to this PNG")
+    parser.add_argument("--grid-partitions", type=count, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--grid-micro-batches", type=count, nargs="+", default=[1, 4, 32])
+    parser.add_argument("--naive-batch", type=count, help="naive-1's batch (default: --batch)")
+    parser.add_argument("--warmup", type=whole, default=2)
+    parser.add_argument("--steps", type=count, default=5, help="rounds of one step each")
+    parser.add_argument("--balance-timeout", type=positive, default=0.5)
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=picture, help="draw the speed-ups to this PNG")
     parser.add_argument("--quick", action="store_true", help="tiny and short: a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.batch, args.partitions, args.warmup, args.steps = 4, [1, 2], 1, 1
-        args.balance_timeout, args.chunks = 0.01, 2
-        args.grid_partitions, args.grid_micro_batches = [2], [1, 4]
+    tiny = {"batch": 4, "partitions": [1, 2], "warmup": 1, "steps": 1, "chunks": 2}
+    tiny |= {"balance_timeout": 0.01, "grid_partitions": [2], "grid_micro_batches": [1, 4]}
+    args = parse(parser, argv, **tiny)
     return args
 
 

@@ -34,7 +34,7 @@ from torchgpipe import GPipe, split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "examples"))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import count, environment, out_file, parse, settings, write_json  # benchmarks/common.py
 from train_gpt import GPT  # examples/train_gpt.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
@@ -109,14 +109,12 @@ def split_time(depth: int, stages: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     """Measure, print the figures, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--rounds", type=count, default=21)
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few rounds")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, rounds=3)
     torch.set_num_threads(1)
     width, batch, depth = (1024, 256, 48) if not args.quick else (64, 16, 8)
-    if args.quick:
-        args.rounds = 3
     env = environment()
     fast = speed(args.rounds, width, batch, chunks=8)
     took = split_time(depth, stages=8 if not args.quick else 2)

@@ -28,7 +28,16 @@ from torch import Tensor, nn
 from torchgpipe import GPipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import Progress, environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    Progress,
+    count,
+    environment,
+    out_file,
+    parse,
+    picture,
+    settings,
+    write_json,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "results.json"
 MODES = ("always", "except_last", "never")
@@ -99,21 +108,19 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Train plain and under every GPipe setting; print the differences."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 7])
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=count, default=300)
+    parser.add_argument("--chunks", type=count, nargs="+", default=[2, 4, 7])
+    parser.add_argument("--batch", type=count, default=64)
     parser.add_argument(
         "--dtype",
         choices=("float64", "float32"),
         default="float64",
         help="float64 keeps rounding small enough that 300 steps do not amplify it",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--plot", type=Path, help="draw the curves to this PNG")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
+    parser.add_argument("--plot", type=picture, help="draw the curves to this PNG")
     parser.add_argument("--quick", action="store_true", help="a few steps: a smoke test")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.chunks, args.batch = 5, [2], 8
+    args = parse(parser, argv, steps=5, chunks=[2], batch=8)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
