@@ -39,6 +39,7 @@ from torchgpipe.distributed import (
 )
 from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Schedule, one_f_one_b, simulate
+from torchgpipe.trace import Trace
 
 Body = Callable[[PipelineStage], Any]
 
@@ -1233,6 +1234,8 @@ def test_a_rank_that_fails_to_build_its_stage_is_named_by_every_process() -> Non
         (-1, None, ValueError, r"dst=-1 is not a rank .* from 0 to 1"),
         ("0", None, TypeError, "dst must be a rank"),
         (0, "a trace", TypeError, "gather_trace takes the Trace that stage.trace"),
+        # Another pipeline's: its events were merged as this one's, and its summary failed.
+        (0, Trace(3), ValueError, r"own trace \(of stages \(\d,\) of 2\), got one of 3"),
     ],
 )
 def test_gather_trace_refuses_bad_arguments_and_the_next_step_runs(

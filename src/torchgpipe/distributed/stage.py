@@ -165,8 +165,8 @@ class PipelineStage(PlacedModule, StageHolder):
         self.checkpoint = checkpoint
         self.deferred_batch_norm = check_flag(deferred_batch_norm, "deferred_batch_norm")
         self.static_shapes = check_flag(static_shapes, "static_shapes")
-        # For distributed/schedule.py. Per input layout (a digest), the frames of every
-        # message of the last step on it that ended well.
+        # For distributed/schedule.py: per input layout (a digest), the frames of every
+        # message of its last step that ended well.
         self.shapes: dict[bytes, dict[Any, Any]] = {}
         self.table_text: str | None = None  # the last table started (its text)
         wanted = None if device is None else as_device(device)
@@ -185,12 +185,10 @@ class PipelineStage(PlacedModule, StageHolder):
         n = len(self.balance)
         self.virtual_stages = n // self.world_size
         self.stages = tuple(range(self.rank, n, self.world_size))  # this process's
-
         self._pool: WorkerPool | None = None
         self._tracer: Trace | None = None  # set by trace()
-        # What follows may fail here alone (a rank= or a balance that only this process
-        # was given, a state dict without a key of these layers), while the others wait
-        # for this process's fingerprint: they must hear of it.
+        # What follows may fail here alone (a rank= or balance only this process was given,
+        # a state dict lacking these layers' keys): the others, waiting, must hear of it.
         outcome: dict[str, Any] | Exception
         undo = Undo(module, loaded=module if state_dict is not None else ())  # see below
         try:
@@ -214,8 +212,7 @@ class PipelineStage(PlacedModule, StageHolder):
         """Take this process's stages of ``module``; its fingerprint, for the others."""
         n = len(self.balance)
         given = ("balance", "chunks", "checkpoint", "deferred_batch_norm", "static_shapes")
-        settings = {"processes": self.world_size, **{k: getattr(self, k) for k in given}}
-        mine = fingerprint(module, settings)
+        mine = fingerprint(module, {k: getattr(self, k) for k in ("world_size", *given)})
         layers = list(module.named_children())
         starts = [sum(self.balance[:s]) for s in range(n + 1)]
         self.skip_layout: SkipLayout = skip_layout(module, self.balance)
@@ -269,9 +266,8 @@ class PipelineStage(PlacedModule, StageHolder):
     def forward(self, *args: Any) -> Any:
         """Not a callable model: raises TypeError, saying to step it with a schedule."""
         raise TypeError(
-            "a PipelineStage runs in steps that span every process: use "
-            "torchgpipe.Schedule1F1B(stage, loss_fn).step(input, target) "
-            "(or another schedule) instead of calling the stage"
+            "a PipelineStage runs in steps that span every process: use torchgpipe."
+            "Schedule1F1B(stage, loss_fn).step(input, target) (or another schedule), not a call"
         )
 
     # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
@@ -369,8 +365,8 @@ class PipelineStage(PlacedModule, StageHolder):
         through the wall clock: exact on one machine, as good as NTP between machines.
 
         Raises:
-            TypeError, ValueError: ``trace`` is not a :class:`~torchgpipe.trace.Trace`, or
-                ``dst`` not a rank of the pipeline (the other processes are told).
+            TypeError, ValueError: ``trace`` is not this stage's own, or ``dst`` not a
+                rank of the pipeline (the other processes are told).
             RemoteError: another process failed or was lost.
         """
         try:
@@ -379,6 +375,13 @@ class PipelineStage(PlacedModule, StageHolder):
                 raise TypeError(
                     f"gather_trace takes the Trace that stage.trace() gave, got "
                     f"{type(trace).__name__}; pass `trace` of `with stage.trace() as trace:`"
+                )
+            strays = sorted({e.j for e in trace.events} - set(self.stages))
+            if trace.n != len(self.balance) or strays:  # another pipeline's, or rank's
+                raise ValueError(
+                    f"gather_trace takes this stage's own trace (of stages {self.stages} of "
+                    f"{len(self.balance)}), got one of {trace.n} partitions"
+                    f"{f' with events of stages {strays}' if strays else ''}"
                 )
         except (TypeError, ValueError) as refused:
             refuse(self, "trace", refused)
