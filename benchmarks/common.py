@@ -130,19 +130,28 @@ def positive(text: str) -> float:
 
 
 def out_file(text: str) -> Path:
-    """An argparse type: a file the JSON can be written to (its folder made if missing)."""
+    """An argparse type: a file the results can be written to (its folders may be missing).
+
+    Tried as the run's end will write it (its folders made, the file opened), and left
+    as it was: what the try made is removed again.
+    """
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it")
-    try:  # as the run's end will: make the folder, open the file (left as it was)
+    made = [folder for folder in path.parents if not folder.exists()]
+    existed = path.exists() or path.is_symlink()
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
         with path.open("a"):
             pass
-        if not existed:
-            path.unlink()
     except OSError as error:
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {error}") from None
+    finally:
+        if not existed and path.exists():
+            path.unlink()
+        for folder in made:  # innermost first
+            if folder.exists():
+                folder.rmdir()
     return path
 
 
@@ -151,14 +160,12 @@ PICTURES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 def picture(text: str) -> Path:
     """An argparse type: a picture file (a name without a suffix gets .png)."""
-    path = out_file(text)
-    if not path.suffix:
-        path = out_file(f"{text}.png")
-    if path.suffix.lower() not in PICTURES:
+    suffix = Path(text).suffix.lower()
+    if suffix and suffix not in PICTURES:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: draw to one of {', '.join(PICTURES)}, not {path.suffix}"
+            f"{text!r}: draw to one of {', '.join(PICTURES)}, not {suffix}"
         )
-    return path
+    return out_file(text if suffix else f"{text}.png")
 
 
 def parse(
@@ -173,6 +180,9 @@ def parse(
         for name, value in quick.items():
             if again[name] is unset:  # not on the command line
                 setattr(args, name, value)
+    out, plot = getattr(args, "out", None), getattr(args, "plot", None)
+    if out is not None and plot is not None and out.resolve() == plot.resolve():
+        parser.error(f"--out and --plot name one file, {str(out)!r}: the picture would replace it")
     return args
 
 

@@ -526,6 +526,34 @@ def test_batched_gradients_through_cpu_partitions_are_refused_and_may_be_tried_a
     torch.testing.assert_close(got, expected)
 
 
+class _Doubling(torch.Tensor):
+    """A subclass whose ``__torch_function__`` doubles what F.linear gives."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_tensor_subclass_is_seen_alike_by_a_cell_and_its_recomputation(checkpoint: str) -> None:
+    # The subclass's backward runs the engine with subclasses' __torch_function__ off:
+    # the first partition, recomputed on the caller's thread, saw a plain tensor there
+    # and the gradients were silently wrong.
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    data = torch.randn(6, 4)
+    grads = []
+    for model in (plain, GPipe(copy.deepcopy(plain), [2, 1], chunks=2, checkpoint=checkpoint)):  # type: ignore[arg-type]
+        x = data.clone().as_subclass(_Doubling).requires_grad_()
+        model(x).pow(2).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        with torch._C.DisableTorchFunctionSubclass():  # a caller's own state, as it is
+            grads.append([model(data.as_subclass(_Doubling)).detach()])
+    for ours, expected in zip(grads[2:], grads[:2], strict=True):
+        for a, b in zip(ours, expected, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def test_a_backward_refused_for_one_copy_of_a_tied_weight_may_be_tried_again() -> None:
     plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     plain[2].weight = plain[0].weight  # tied across the partitions

@@ -73,10 +73,11 @@ def test_demo_rejects_bad_sizes(capsys):
         with pytest.raises(SystemExit):
             demo.parse_args(["--quick", "--lr", lr])
         assert "--lr must be a positive finite number" in capsys.readouterr().err
-    for seed in ("-1", str(2**63)):  # torch's generators overflowed, after setting up
+    for seed in (str(-(2**63) - 1), str(2**64 - 1)):  # torch's generators overflowed
         with pytest.raises(SystemExit):
             demo.parse_args(["--quick", "--seed", seed])
-        assert "--seed must be a whole number from 0" in capsys.readouterr().err
+        assert "--seed must be from -2**63 to 2**64 - 2" in capsys.readouterr().err
+    assert demo.parse_args(["--quick", "--seed", "-1"]).seed == -1  # torch takes it
 
 
 def test_demo_names_the_timeline_as_it_is_drawn(tmp_path) -> None:
@@ -228,6 +229,15 @@ def test_benchmarks_refuse_bad_options_before_measuring(tmp_path):
         assert "Traceback" not in done.stderr
     done = start_python("benchmarks/transparency/main.py", "--quick", "--plot", "loss.xyz")
     assert "draw to one of .png" in done.stderr
+    same = str(tmp_path / "same.png")  # the picture would have replaced the results
+    done = start_python("benchmarks/transparency/main.py", "--quick", "--out", same, "--plot", same)
+    assert "--out and --plot name one file" in done.stderr
+    done = start_python("benchmarks/memory/main.py", "--quick", "--partitions", "0")  # shared
+    assert "argument --partitions: 0 is not at least 1" in done.stderr
+    deep = str(tmp_path / "deep" / "er" / "results.json")
+    done = start_python("benchmarks/schedules/main.py", "--out", deep, "--partitions", "0")
+    assert done.returncode == 2
+    assert not (tmp_path / "deep").exists()  # what the check of --out made is removed again
     out_file = tmp_path / "deep" / "results.json"  # its folders made, as at the end
     run_python("benchmarks/schedules/main.py", "--quick", "--repeats", "2", "--out", str(out_file))
     parameters = json.loads(out_file.read_text())["parameters"]

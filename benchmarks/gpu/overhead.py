@@ -44,7 +44,7 @@ from torchgpipe.training import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, write_json  # benchmarks/common.py
+from common import count, environment, out_file, parse, positive, write_json  # benchmarks/common.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
 CUDA = torch.device("cuda", 0)
@@ -177,17 +177,15 @@ def measure_streams(n: int, m: int, f: float, rate: float, rounds: int) -> dict[
 def main(argv: list[str] | None = None) -> None:
     """Measure both tables, print them, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--partitions", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 32])
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per row")
-    parser.add_argument("--spin-ms", type=float, default=2.0, help="GPU spin per layer call")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--partitions", type=count, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--micro-batches", type=count, nargs="+", default=[4, 32])
+    parser.add_argument("--rounds", type=count, default=10, help="timed rounds per row")
+    parser.add_argument("--spin-ms", type=positive, default=2.0, help="GPU spin per layer call")
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, partitions=[2], micro_batches=[4], rounds=3)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    if args.quick:
-        args.partitions, args.micro_batches, args.rounds = [2], [4], 3
     cells, streams = [], []
     print(f"{'n':>3} {'m':>3} {'ckpt':<12} {'plain ms':>9}  per-cell cost over plain (us)")
     for n in args.partitions:

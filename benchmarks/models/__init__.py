@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from common import count  # benchmarks/common.py
 from torch import Tensor, nn
 
 from models.amoebanet import amoebanetd
@@ -61,9 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options the experiments share: models, size, batch, chunks, partitions, devices."""
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--batch", type=count, default=32)
+    parser.add_argument("--chunks", type=count, default=4)
+    parser.add_argument("--partitions", type=count, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(
         "--devices", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )

@@ -28,7 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, settings, write_json  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    count,
+    environment,
+    out_file,
+    parse,
+    positive,
+    settings,
+    write_json,
+)
 from main import bare_pipeline  # benchmarks/pipeline_speed/main.py
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "noise.json"
@@ -54,15 +62,13 @@ def busy(turns: int) -> int:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--extra", type=float, nargs="+", default=[100.0, 200.0])
+    parser.add_argument("--rounds", type=count, default=9)
+    parser.add_argument("--extra", type=positive, nargs="+", default=[100.0, 200.0])
     parser.add_argument("--sizes", default="2x32,4x32,8x8,8x32", help="n x m, comma separated")
-    parser.add_argument("--ms", type=float, default=10.0, help="the sleep of a layer")
+    parser.add_argument("--ms", type=positive, default=10.0, help="the sleep of a layer")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.extra, args.sizes, args.ms = 1, [50.0], "2x2", 1.0
+    parser.add_argument("--out", type=out_file, default=DEFAULT_OUT)
+    args = parse(parser, argv, rounds=1, extra=[50.0], sizes="2x2", ms=1.0)
     torch.set_num_threads(1)
     f = args.ms / 1000
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]

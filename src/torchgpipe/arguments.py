@@ -78,7 +78,8 @@ class Checked(Generic[_T]):
         instance.__dict__[self._name] = self._check(value)
 
     def __delete__(self, instance: object) -> None:
-        del instance.__dict__[self._name]
+        if instance.__dict__.pop(self._name, None) is None:
+            raise AttributeError(self._name)
 
 
 def check_balance(balance: Iterable[int] | None, num_layers: int) -> list[int]:

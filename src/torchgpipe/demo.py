@@ -128,8 +128,8 @@ def parse_args(argv: Sequence[str] | None) -> Config:
             )
     if not 0 < config.lr < math.inf:
         parser.error(f"--lr must be a positive finite number, got {config.lr}")
-    if not 0 <= config.seed < 2**63:  # the generator of data takes seed + 1
-        parser.error(f"--seed must be a whole number from 0 to 2**63 - 1, got {config.seed}")
+    if not -(2**63) <= config.seed <= 2**64 - 2:  # torch's range; the data's takes seed + 1
+        parser.error(f"--seed must be from -2**63 to 2**64 - 2 (torch's), got {config.seed}")
     if config.partitions > config.layers + 1:
         parser.error(
             f"--partitions {config.partitions} is more than the model's {config.layers + 1} "

@@ -49,9 +49,10 @@ class Drift:
         Raises:
             RuntimeError: the copies of a tied weight were changed unequally.
         """
-        if not torch.is_grad_enabled():  # an evaluation: it may run beside an optimizer's step
-            return
         now = [[(p, vars(p), p._version) for p in group] for group in groups]
+        if not torch.is_grad_enabled():  # an evaluation: it may run beside an optimizer's step
+            self._seen = self._seen or now  # where to compare from (built under no_grad)
+            return
         for g, (before, after) in enumerate(zip(self._seen, now, strict=False)):
             # Swapped (torch.utils.swap_tensors, as module.float() may): another __dict__.
             same = len(before) == len(after) and all(

@@ -58,15 +58,9 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts to on ``device_type``, or None when autocast is off."""
-    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-    if device_type == "cpu":  # pragma: no cover - torch < 2.4
-        enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-    else:  # pragma: no cover - torch < 2.4
-        enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    return dtype if enabled else None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 @dataclass(frozen=True)
@@ -76,6 +70,7 @@ class ThreadState:
     grad_enabled: bool
     autocast: tuple[tuple[str, torch.dtype], ...]  # device types where it is on
     inference: bool = False  # torch.inference_mode
+    function_off: int = 0  # __torch_function__ off: 1 for subclasses, 2 for all (capture)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -85,7 +80,12 @@ class ThreadState:
             dtype = _autocast_dtype(device_type)
             if dtype is not None:
                 autocast.append((device_type, dtype))
-        return cls(torch.is_grad_enabled(), tuple(autocast), torch.is_inference_mode_enabled())
+        # Tensor.backward of a subclass runs the engine with subclasses off: a cell's
+        # recomputation must see what its forward saw.
+        off = 0 if torch._C._is_torch_function_enabled() else 1
+        off += torch._C._is_torch_function_all_disabled()
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        return cls(grad, tuple(autocast), inference, off)
 
     @contextmanager
     def apply(self, *, grad_enabled: bool | None = None) -> Iterator[None]:
@@ -101,14 +101,14 @@ class ThreadState:
             stack.enter_context(torch.set_grad_enabled(grad))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            if self.function_off:
+                off = (torch._C.DisableTorchFunctionSubclass, torch._C.DisableTorchFunction)
+                stack.enter_context(off[self.function_off - 1]())
             yield
 
 
 class _Within(threading.local):
-    """What the calling thread works for: runs of workers, and sections held, innermost last.
-
-    Class attributes are each thread's defaults (``threading.local``): nothing.
-    """
+    """What the calling thread works for: runs, sections held (innermost last); at first none."""
 
     runs: tuple[Workers, ...] = ()
     held: tuple[Workers, ...] = ()
@@ -137,11 +137,10 @@ def _job_for(runs: tuple[Workers, ...], held: tuple[Workers, ...], job: Callable
 class _Holds:
     """The one hold :meth:`Workers.exclusive` takes, for every pipeline of the process.
 
-    One for all, not one per pipeline: a backward keeps its hold until the engine has
-    taken in what it handed (``pipeline.py``), and the same backward may then reach
-    another pipeline's node (the model called twice, a layer in two pipelines). With a
-    hold per pipeline, two threads that reach two pipelines in opposite orders would each
-    keep one and wait for the other's. With one, a thread waits only while it holds none.
+    One for all: a backward keeps its hold until the engine took in what it handed
+    (``pipeline.py``), and may reach another pipeline's node meanwhile (a layer in two
+    pipelines). Two threads reaching two pipelines' holds in opposite orders would each
+    keep one and wait for the other's; with one, a thread waits only while it holds none.
     """
 
     def __init__(self) -> None:
@@ -255,11 +254,11 @@ class Workers:
     cold (``benchmarks/pipeline_speed`` prints it: a multiply right after a 10 ms sleep
     took 155 us on our 2-core VM, 10 us right after another). What would reach it
     alone: torch function or dispatch modes (``with torch.device(...)``,
-    ``FlopCounterMode``) and saved-tensor hooks (``save_on_cpu``), which a worker thread
-    does not have; with any of them on, rank 0 runs on its worker like the others, so
-    every partition runs alike. A table with
-    fewer ranks (interleaved) uses the first ones. A copy of the model, or a process
-    forked from this one, starts workers of its own.
+    ``FlopCounterMode``), saved-tensor hooks (``save_on_cpu``), which a worker thread does
+    not have, and ``__torch_function__`` turned off (a tensor subclass's backward); with
+    any of them, rank 0 runs on its worker like the others, so every partition runs alike.
+    A table with fewer ranks (interleaved) uses the first ones. A copy of the model, or a
+    process forked from this one, starts workers of its own.
     """
 
     def __init__(self, n: int) -> None:
@@ -476,7 +475,8 @@ def _plain_thread() -> bool:
         hooks = saved_hooks(False)
     except TypeError:  # pragma: no cover - another torch
         return False
-    return not (function_modes() or dispatch_modes() or hooks)
+    functions = torch._C._is_torch_function_enabled()  # off: a subclass's Tensor.backward
+    return functions and not (function_modes() or dispatch_modes() or hooks)
 
 
 def _accessors() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[bool], Any]] | None:
