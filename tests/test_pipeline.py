@@ -526,6 +526,55 @@ def test_batched_gradients_through_cpu_partitions_are_refused_and_may_be_tried_a
     torch.testing.assert_close(got, expected)
 
 
+class _ToNested(nn.Module):
+    """(B, T, D) padded and the lengths -> a nested tensor of the rows, jagged or strided."""
+
+    def __init__(self, jagged: bool) -> None:
+        super().__init__()
+        self.jagged, self.linear = jagged, nn.Linear(4, 4)
+
+    def forward(self, value: tuple[Tensor, Tensor]) -> Tensor:
+        x, lengths = value
+        rows = [row[: int(n)] for row, n in zip(self.linear(x), lengths, strict=True)]
+        layout = torch.jagged if self.jagged else torch.strided
+        return torch.nested.as_nested_tensor(rows, layout=layout)
+
+
+class _Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, nested: Tensor) -> Tensor:
+        return torch.stack([row.sum(0) for row in self.linear(nested).unbind()])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("jagged", [True, False])
+def test_a_nested_tensor_between_partitions_runs_or_is_refused_saying_why(
+    checkpoint: str, jagged: bool
+) -> None:
+    # Jagged: a checkpointed cell's backward failed on a shape mismatch of torch's words
+    # (its recomputation made a new jagged dimension); strided: "NestedTensorImpl doesn't
+    # support sizes. Please file an issue", in every mode.
+    plain = nn.Sequential(_ToNested(jagged), _Pool())
+    x, lengths = torch.randn(4, 3, 4), torch.tensor([1, 3, 2, 2])
+    model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    if not jagged or checkpoint != "never":
+        why = "jagged nested tensor reached a checkpointed" if jagged else "strided layout"
+        with pytest.raises(TypeError, match=why):
+            model((x, lengths))
+        with torch.no_grad():  # nothing recomputed: a jagged one passes
+            if jagged:
+                torch.testing.assert_close(model((x, lengths)), plain((x, lengths)))
+        return
+    model((x, lengths)).sum().backward()
+    plain((x, lengths)).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 class _Doubling(torch.Tensor):
     """A subclass whose ``__torch_function__`` doubles what F.linear gives."""
 

@@ -7,7 +7,7 @@ whose ``B`` runs on the rank's worker), and a cell in the caller's graph
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -316,7 +316,7 @@ def call_loss(loss_fn: LossFn, output: Any, target: Any, *, recomputing: bool = 
         raise
 
 
-def checkpoints(run: StepRun, s: int, i: int, tensors: Iterable[Tensor]) -> bool:
+def checkpoints(run: StepRun, s: int, i: int, tensors: Sequence[Tensor]) -> bool:
     """Whether cell ``(i, s)``, whose input holds ``tensors``, is checkpointed.
 
     Below the run's ``checkpoint_stop``, where an input or a parameter of the stage wants
@@ -325,7 +325,30 @@ def checkpoints(run: StepRun, s: int, i: int, tensors: Iterable[Tensor]) -> bool
     over that wants one, which a recomputation from leaves that want none, or a node
     whose inputs are those leaves and the parameters, would leave without a gradient.
     """
-    return i < run.checkpoint_stop and (any(x.requires_grad for x in tensors) or run.trainable(s))
+    checkpointed = i < run.checkpoint_stop and (
+        any(x.requires_grad for x in tensors) or run.trainable(s)
+    )
+    if any(x.is_nested for x in tensors):
+        _refuse_nested(tensors, checkpointed)
+    return checkpointed
+
+
+def _refuse_nested(tensors: Sequence[Tensor], checkpointed: bool) -> None:
+    """Refuse a nested tensor that a cell cannot take in (between partitions)."""
+    if any(x.is_nested and x.layout == torch.strided for x in tensors):
+        raise TypeError(
+            "torchgpipe: a nested tensor of strided layout reached a partition, which "
+            "cannot take it in (torch's strided nested tensors have no sizes to alias): "
+            "make it jagged (torch.nested.nested_tensor(..., layout=torch.jagged)) or pad "
+            "it (x.to_padded_tensor(0)) before it leaves the partition before"
+        )
+    if checkpointed:
+        raise TypeError(
+            "torchgpipe: a jagged nested tensor reached a checkpointed cell, whose "
+            "recomputation would make a new jagged dimension that the forward's gradient "
+            "does not match: use checkpoint='never', or pad it (x.to_padded_tensor(0)) "
+            "before it leaves the partition before"
+        )
 
 
 def connected_forward(
