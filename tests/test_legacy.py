@@ -87,6 +87,19 @@ def test_a_checkpoint_of_0_0_7_loads_under_this_librarys_keys(deferred: bool) ->
     assert all(key.startswith("partitions.") for key in saved)  # the caller's, as it was
 
 
+def test_a_meta_model_given_a_checkpoint_of_0_0_7_to_build_from_says_how_to_load_it() -> None:
+    # Every key was "one the model does not have", and it asked for the plain model's.
+    with torch.device("meta"):
+        layers = nn.Sequential(_Stash(), nn.BatchNorm2d(3), _Pop())
+    with pytest.raises(ValueError, match=r"torchgpipe 0\.0\.7 .* then call load_state_dict"):
+        GPipe(layers, [2, 1], chunks=2, state_dict=_saved_by_0_0_7())
+    model = GPipe(layers, [2, 1], chunks=2, deferred_batch_norm=True)  # the resets fill it
+    model.load_state_dict(_saved_by_0_0_7())  # as the message says
+    torch.testing.assert_close(
+        model[1].running_var, _saved_by_0_0_7()["partitions.0.1.running_var"]
+    )
+
+
 def test_a_checkpoint_of_0_0_7_with_a_key_the_model_lacks_is_refused_by_its_name() -> None:
     saved = _saved_by_0_0_7()
     saved["partitions.1.2.module.extra"] = torch.zeros(1)

@@ -28,7 +28,7 @@ from torchgpipe.clip import clip_grad_norm, counted_once
 from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
-from torchgpipe.legacy import watch_loads
+from torchgpipe.legacy import renamed_keys, watch_loads
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.rng import draw_seed
@@ -147,6 +147,13 @@ class GPipe(PlacedModule, StageHolder):
                 f"layers of your model in order into nn.Sequential(...)"
             )
         check_meta_arguments(module, init, state_dict)
+        if state_dict is not None and renamed_keys(list(state_dict), module):
+            raise ValueError(
+                "state_dict= is a checkpoint of torchgpipe 0.0.7 (its keys start with "
+                "'partitions.<j>.'), which a build reads as the plain model's keys: build the "
+                "GPipe with the layers' resets or init=, then call load_state_dict(checkpoint), "
+                "which reads 0.0.7's keys"
+            )
         self.balance = check_balance(balance, len(module))
         check_layers(module)
         verify_skippables(module)
