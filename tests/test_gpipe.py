@@ -337,6 +337,17 @@ def test_chunks_and_checkpoint_assigned_later_are_checked_at_once() -> None:
     torch.testing.assert_close(model(x), plain(x))
 
 
+def test_tensors_of_the_sequential_itself_are_refused() -> None:
+    # Kept by no partition: missing from the GPipe's state dict (a strict load of it into
+    # the plain model failed), left on meta where built there, refused from state_dict=.
+    module = _mlp()
+    module.register_buffer("step", torch.zeros(()))
+    with pytest.raises(ValueError, match=r"itself holds tensors \['step'\].*into a layer"):
+        GPipe(module, [2, 2])
+    module.register_buffer("step", None)  # none held: nothing lost
+    GPipe(module, [2, 2])
+
+
 def test_errors_come_before_any_work() -> None:
     module = _mlp()
     weight = module[0].weight

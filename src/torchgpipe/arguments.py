@@ -172,7 +172,8 @@ def check_flag(value: bool, name: str) -> bool:
 def check_layers(module: nn.Sequential) -> None:
     """Refuse a layer that appears twice (tensors shared by layers are fine: ties).
 
-    And a subclass with a forward of its own, which a pipeline would not call.
+    And a subclass with a forward of its own, which a pipeline would not call, and
+    tensors of the Sequential itself, which it would not keep.
     """
     if type(module).forward is not nn.Sequential.forward:
         raise TypeError(
@@ -180,6 +181,14 @@ def check_layers(module: nn.Sequential) -> None:
             f"call: it runs the layers one after another, each on the previous one's "
             f"output. Split the model with torchgpipe.split(model, example_input, ...), "
             f"or move what its forward adds into layers of their own"
+        )
+    held = {**module._parameters, **module._buffers}
+    own = [name for name, tensor in held.items() if tensor is not None]
+    if own:
+        raise ValueError(
+            f"the {type(module).__name__} itself holds tensors {own}, which no layer holds: a "
+            f"pipeline keeps only the layers (their partitions), so those would be lost from "
+            f"its state dict; move them into a layer (one that uses them)"
         )
     problems = []
     first_index: dict[int, int] = {}
