@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import OnBackward
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from torchgpipe import BalanceError, GPipe, Schedule1F1B, ScheduleGPipe
 
@@ -345,7 +346,13 @@ def test_tensors_of_the_sequential_itself_are_refused() -> None:
     with pytest.raises(ValueError, match=r"itself holds tensors \['step'\].*into a layer"):
         GPipe(module, [2, 2])
     module.register_buffer("step", None)  # none held: nothing lost
+    module.register_buffer("scratch", torch.zeros(()), persistent=False)  # in no state dict
     GPipe(module, [2, 2])
+    parametrized = _mlp()  # its ModuleDict of parametrizations was taken for a layer
+    parametrized.register_parameter("w", nn.Parameter(torch.ones(2)))
+    parametrize.register_parametrization(parametrized, "w", nn.Identity())
+    with pytest.raises(ValueError, match=r"itself holds tensors \['parametrizations'\]"):
+        GPipe(parametrized, [2, 3])  # four layers and the ModuleDict
 
 
 def test_errors_come_before_any_work() -> None:

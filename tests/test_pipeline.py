@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from torchgpipe import GPipe, is_checkpointing
 from torchgpipe.pipeline import clock_cycles
+from torchgpipe.skip import pop, skippable, stash
 
 
 def test_clock_cycles_match_the_diagram() -> None:
@@ -553,7 +554,7 @@ class _Pool(nn.Module):
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("jagged", [True, False])
 def test_a_nested_tensor_between_partitions_runs_or_is_refused_saying_why(
-    checkpoint: str, jagged: bool
+    checkpoint: str, jagged: bool, backward_by: str
 ) -> None:
     # Jagged: a checkpointed cell's backward failed on a shape mismatch of torch's words
     # (its recomputation made a new jagged dimension); strided: "NestedTensorImpl doesn't
@@ -561,18 +562,50 @@ def test_a_nested_tensor_between_partitions_runs_or_is_refused_saying_why(
     plain = nn.Sequential(_ToNested(jagged), _Pool())
     x, lengths = torch.randn(4, 3, 4), torch.tensor([1, 3, 2, 2])
     model = GPipe(copy.deepcopy(plain), [1, 1], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    with torch.no_grad():  # no graph: nothing aliased nor recomputed, both pass
+        torch.testing.assert_close(model((x, lengths)), plain((x, lengths)))
     if not jagged or checkpoint != "never":
         why = "jagged nested tensor reached a checkpointed" if jagged else "strided layout"
         with pytest.raises(TypeError, match=why):
             model((x, lengths))
-        with torch.no_grad():  # nothing recomputed: a jagged one passes
-            if jagged:
-                torch.testing.assert_close(model((x, lengths)), plain((x, lengths)))
         return
     model((x, lengths)).sum().backward()
     plain((x, lengths)).sum().backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@skippable(stash=["rows"])
+class _StashRows(nn.Module):
+    def forward(self, value: tuple[Tensor, Tensor]) -> Any:
+        x, lengths = value
+        rows = [row[: int(n)] for row, n in zip(x, lengths, strict=True)]
+        yield stash("rows", torch.nested.as_nested_tensor(rows, layout=torch.jagged))
+        return x
+
+
+@skippable(pop=["rows"])
+class _PopRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Any:
+        rows = yield pop("rows")
+        return self.linear(x).sum(1) + torch.stack([row.sum(0) for row in rows.unbind()])
+
+
+def test_a_jagged_skip_passes_where_nothing_is_recomputed(backward_by: str) -> None:
+    # Its version was read through its storage, which a nested tensor has none of.
+    plain = nn.Sequential(_StashRows(), nn.Identity(), _PopRows())
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1], chunks=2, checkpoint="never")
+    lengths = torch.tensor([1, 3, 2, 2])
+    x, y = (torch.randn(4, 3, 4).requires_grad_() for _ in range(2))
+    with torch.no_grad():
+        y.copy_(x)
+    model((x, lengths)).sum().backward()
+    plain((y, lengths)).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
 
 
 class _Doubling(torch.Tensor):
@@ -585,7 +618,9 @@ class _Doubling(torch.Tensor):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_a_tensor_subclass_is_seen_alike_by_a_cell_and_its_recomputation(checkpoint: str) -> None:
+def test_a_tensor_subclass_is_seen_alike_by_a_cell_and_its_recomputation(
+    checkpoint: str, backward_by: str
+) -> None:
     # The subclass's backward runs the engine with subclasses' __torch_function__ off:
     # the first partition, recomputed on the caller's thread, saw a plain tensor there
     # and the gradients were silently wrong.

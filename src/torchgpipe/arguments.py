@@ -182,8 +182,10 @@ def check_layers(module: nn.Sequential) -> None:
             f"output. Split the model with torchgpipe.split(model, example_input, ...), "
             f"or move what its forward adds into layers of their own"
         )
-    held = {**module._parameters, **module._buffers}
-    own = [name for name, tensor in held.items() if tensor is not None]
+    held = {**module._parameters, **module._buffers}  # not a non-persistent buffer: no key
+    kept = module._non_persistent_buffers_set
+    own = [name for name, t in held.items() if t is not None and name not in kept]
+    own += ["parametrizations"] if hasattr(module, "parametrizations") else []
     if own:
         raise ValueError(
             f"the {type(module).__name__} itself holds tensors {own}, which no layer holds: a "

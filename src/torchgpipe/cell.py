@@ -7,7 +7,8 @@ whose ``B`` runs on the rank's worker), and a cell in the caller's graph
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -200,6 +201,8 @@ class SkipVersions:
     def _version(self, x: Tensor) -> int | None:
         if not x.requires_grad:
             return None
+        if x.is_nested:  # not an input (those are dense), and no storage to compare
+            return x._version
         if self._inputs is None:
             leaves = flatten(self._batches)[0]
             self._inputs = {b.untyped_storage().data_ptr() for b in leaves if isinstance(b, Tensor)}
@@ -325,23 +328,22 @@ def checkpoints(run: StepRun, s: int, i: int, tensors: Sequence[Tensor]) -> bool
     over that wants one, which a recomputation from leaves that want none, or a node
     whose inputs are those leaves and the parameters, would leave without a gradient.
     """
-    checkpointed = i < run.checkpoint_stop and (
-        any(x.requires_grad for x in tensors) or run.trainable(s)
-    )
+    wants = any(x.requires_grad for x in tensors) or run.trainable(s)
+    checkpointed = i < run.checkpoint_stop and wants
     if any(x.is_nested for x in tensors):
-        _refuse_nested(tensors, checkpointed)
+        _refuse_nested(tensors, checkpointed, torch.is_grad_enabled() and wants)
     return checkpointed
 
 
-def _refuse_nested(tensors: Sequence[Tensor], checkpointed: bool) -> None:
-    """Refuse a nested tensor that a cell cannot take in (between partitions)."""
-    if any(x.is_nested and x.layout == torch.strided for x in tensors):
-        raise TypeError(
-            "torchgpipe: a nested tensor of strided layout reached a partition, which "
-            "cannot take it in (torch's strided nested tensors have no sizes to alias): "
-            "make it jagged (torch.nested.nested_tensor(..., layout=torch.jagged)) or pad "
-            "it (x.to_padded_tensor(0)) before it leaves the partition before"
-        )
+def _refuse_nested(tensors: Sequence[Tensor], checkpointed: bool, graph: bool) -> None:
+    """Refuse a nested tensor that a cell cannot take in (between partitions).
+
+    Strided ones where the cell records a graph (it cannot alias them), jagged ones where
+    it is recomputed; on the engine's path, the sending cell meets a strided one first
+    (:func:`_nested_words`).
+    """
+    if graph and any(x.is_nested and x.layout == torch.strided for x in tensors):
+        raise TypeError(_STRIDED)
     if checkpointed:
         raise TypeError(
             "torchgpipe: a jagged nested tensor reached a checkpointed cell, whose "
@@ -349,6 +351,25 @@ def _refuse_nested(tensors: Sequence[Tensor], checkpointed: bool) -> None:
             "does not match: use checkpoint='never', or pad it (x.to_padded_tensor(0)) "
             "before it leaves the partition before"
         )
+
+
+_STRIDED = (
+    "torchgpipe: a nested tensor of strided layout reached a partition, which cannot take "
+    "it in (torch's strided nested tensors have no sizes to alias): make it jagged "
+    "(torch.nested.nested_tensor(..., layout=torch.jagged)) or pad it "
+    "(x.to_padded_tensor(0)) before it leaves the partition before"
+)
+
+
+@contextmanager
+def _nested_words() -> Iterator[None]:
+    """Say our way what torch says of a strided nested tensor a cell hands on (engine's path)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "NestedTensorImpl doesn't support sizes" not in str(error):
+            raise
+        raise TypeError(_STRIDED) from error
 
 
 def connected_forward(
@@ -367,21 +388,22 @@ def connected_forward(
     tensors = [x for x in flatten(packed)[0] if isinstance(x, Tensor)]
     if checkpoints(run, s, i, tensors):
         params, withheld = _params(run, s)
-        result, run.phony[s] = checkpoint(
-            function,
-            packed,
-            state=run.state,
-            randomness=randomness,
-            device=run.devices[s],
-            after=phony,
-            fork=wants_phony,
-            guard=run.guards[s],
-            record=None if run.trace is None else partial(run.trace.record, s, i),
-            name=f"{s}B{i}",
-            trainable=run.trainable(s),
-            params=params,
-            withheld=withheld,
-        )
+        with _nested_words():
+            result, run.phony[s] = checkpoint(
+                function,
+                packed,
+                state=run.state,
+                randomness=randomness,
+                device=run.devices[s],
+                after=phony,
+                fork=wants_phony,
+                guard=run.guards[s],
+                record=None if run.trace is None else partial(run.trace.record, s, i),
+                name=f"{s}B{i}",
+                trainable=run.trainable(s),
+                params=params,
+                withheld=withheld,
+            )
         return result, True
     if s == 0 and grad:
         # Micro-batches are views of one input, sharing its version counter: a layer
@@ -400,5 +422,6 @@ def connected_forward(
     if span is not None:
         result = span.mark_output(result)
     if wants_phony:
-        result, run.phony[s] = fork(result)
+        with _nested_words():
+            result, run.phony[s] = fork(result)
     return result, False

@@ -80,8 +80,7 @@ class ThreadState:
             dtype = _autocast_dtype(device_type)
             if dtype is not None:
                 autocast.append((device_type, dtype))
-        # Tensor.backward of a subclass runs the engine with subclasses off: a cell's
-        # recomputation must see what its forward saw.
+        # A subclass's .backward() runs with subclasses off: a recomputation sees the forward's.
         off = 0 if torch._C._is_torch_function_enabled() else 1
         off += torch._C._is_torch_function_all_disabled()
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -104,6 +103,8 @@ class ThreadState:
             if self.function_off:
                 off = (torch._C.DisableTorchFunctionSubclass, torch._C.DisableTorchFunction)
                 stack.enter_context(off[self.function_off - 1]())
+            elif not torch._C._is_torch_function_enabled():  # in a subclass's .backward()
+                stack.enter_context(torch._C._EnableTorchFunction())
             yield
 
 
