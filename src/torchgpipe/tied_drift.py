@@ -61,10 +61,7 @@ class Drift:
             if not same:
                 continue
             changes = [b[2] - a[2] for a, b in zip(before, after, strict=True)]
-            owner, *copies = (p for p, _, _ in after)
-            with torch.no_grad():  # changed alike after all (or to what the others hold)?
-                equal = all(torch.equal(owner, c.to(owner.device)) for c in copies)
-            if len(set(changes)) > 1 and not equal:
+            if len(set(changes)) > 1 and not _equal([p for p, _, _ in after]):
                 named = " / ".join(names[g]) if g < len(names) and names[g] else f"group {g}"
                 raise RuntimeError(
                     f"torchgpipe: the copies of the tied weight {named} (one per partition "
@@ -79,3 +76,10 @@ class Drift:
                     f"copy). To make the copies equal again, load a state dict"
                 )
         self._seen = now
+
+
+def _equal(copies: list[Tensor]) -> bool:
+    """Whether the copies hold one value after all (read only where counts differ)."""
+    owner = copies[0]
+    with torch.no_grad():
+        return all(torch.equal(owner, c.to(owner.device)) for c in copies[1:])
