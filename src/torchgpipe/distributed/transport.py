@@ -51,6 +51,7 @@ _HEAD = 512  # bytes of the first transfer of a message: the header's length, th
 _LENGTH = 8
 _TAG = 0x7467  # the side channel's, apart from the user's own point-to-point messages
 _DATA_TAG = 0x7468  # the transfers' (gloo matches by tag; NCCL ignores tags)
+_GREETING_GRACE = 10.0  # seconds the word waits for busy peers to take it (``_greet``)
 
 
 def _frames(header: Any, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -192,6 +193,13 @@ class ProcessGroupTransport(Transport):
             except TransportError as error:
                 lost.setdefault(peer, error)
         if busy:
+            # Those peers learn why from the word: gloo delivers no send left unwaited,
+            # and this process may end as soon as it has raised.
+            waiter = threading.Thread(
+                target=_wait_all, args=([(work, word, peer) for peer, work in sent],), daemon=True
+            )
+            waiter.start()
+            waiter.join(_GREETING_GRACE)
             raise RuntimeError(
                 f"rank {self.rank} builds its PipelineStage while rank(s) {busy} of the "
                 f"pipeline make a call (a step) of a stage built before; {BUILD_FIRST}. "
