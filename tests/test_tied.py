@@ -379,6 +379,9 @@ def test_copies_an_optimizer_made_before_the_pipeline_changed_unequally_are_refu
         train(*_data(2))  # until they are equal again
     with torch.no_grad():  # an evaluation is not refused: it may run beside a step
         pipe(_data(2)[0])
+        if stepper is not None:  # a step trains under no_grad too: refused there as well
+            with pytest.raises(RuntimeError, match="one made before the model was wrapped"):
+                train(*_data(2))
     pipe.load_state_dict(pipe.state_dict())  # the first copy's value under both names
     train(*_data(2))
     torch.testing.assert_close(pipe[0].weight, pipe[4].weight, rtol=0, atol=0)

@@ -92,7 +92,8 @@ class DeferredBatchNorm(_BatchNorm):
         **kwargs: ``BatchNorm``'s keyword arguments.
 
     Raises:
-        TypeError: ``chunks`` is not an int, or ``track_running_stats`` not a bool.
+        TypeError: ``chunks`` is not a whole number (an int, or a float such as 4.0),
+            or ``track_running_stats`` not a bool.
         ValueError: ``chunks`` is not positive.
     """
 
@@ -180,7 +181,7 @@ class DeferredBatchNorm(_BatchNorm):
         expect ``chunks`` micro-batches too.
 
         Raises:
-            TypeError: ``chunks`` is not an int.
+            TypeError: ``chunks`` is not a whole number (an int, or a float such as 4.0).
             ValueError: ``chunks`` is not positive, or a layer cannot be deferred (see
                 :func:`convert_deferred_batch_norm`); nothing is converted then.
         """
@@ -216,7 +217,7 @@ def expect_micro_batches(layer: DeferredBatchNorm, chunks: int) -> None:
     ``chunks`` of its own, which this leaves alone.
 
     Raises:
-        TypeError: ``chunks`` is not an int.
+        TypeError: ``chunks`` is not a whole number (an int, or a float such as 4.0).
         ValueError: ``chunks`` is not positive.
     """
     layer._deferred_tally = Tally(chunks=check_chunks(chunks))

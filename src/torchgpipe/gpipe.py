@@ -344,7 +344,7 @@ class GPipe(PlacedModule, StageHolder):
                 nothing has changed.
         """
         with self.workers.exclusive():
-            self._ties.begin()
+            self._ties.begin(step=True)
             # The parameters' own hooks run once, after the ties are summed (grad_hooks.py):
             # the tied weights' copies get the sum of their gradients as the step ends.
             with hooks_once(self.parameters(), self._ties.groups), self._ties.summing():

@@ -3,8 +3,8 @@
 ``B`` backpropagates to the stage's inputs only and keeps the graph; on the way it records
 the gradient reaching each node where the path to the inputs branches off towards
 weights. ``W`` resumes from those nodes with those gradients, towards the weights only, so
-no part of the backward runs twice. (Before torch 2.4, whose engine cannot start from a
-node, ``W`` backpropagates from the stage's outputs to its weights again.)
+no part of the backward runs twice. (Before torch 2.10, ``W`` backpropagates from the
+stage's outputs to its weights again: see :data:`RESUMABLE`.)
 
 A node written in Python (a custom ``torch.autograd.Function``) computes all its
 gradients in one call, whichever the engine asks for: resumed from, it would run again
@@ -28,11 +28,12 @@ from torch.utils.checkpoint import CheckpointFunction
 __all__ = ["RESUMABLE", "Plan", "backward_inputs"]
 
 
-# Whether the engine can start a backward from a node (torch >= 2.4): W then resumes
-# where B left off instead of walking the stage's graph again.
+# Whether W resumes where B left off instead of walking the stage's graph again: the
+# engine starts a backward from a node since torch 2.4, but there the resumed W failed
+# the suite's tests; 2.10 is the oldest release seen to pass them (2.5 to 2.9 not run).
 RESUMABLE = hasattr(torch.autograd.graph, "get_gradient_edge") and tuple(
     int(part) for part in torch.__version__.split(".")[:2]
-) >= (2, 4)
+) >= (2, 10)
 
 
 # Splitting a backward into B and W.
@@ -60,7 +61,7 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]
         torch.autograd.backward(outputs, grads)
         return []
     whole: Plan = [(list(pairs), [])]
-    if not RESUMABLE:  # pragma: no cover - torch < 2.4
+    if not RESUMABLE:  # pragma: no cover - torch < 2.10
         torch.autograd.backward(outputs, grads, inputs=inputs, retain_graph=True)
         whole[0][1].extend(graph.weights)
         return whole
@@ -75,7 +76,7 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]
             handle.remove()
     if graph.tangled:
         # A weight reached both from a branch and, further down, from the way to the
-        # inputs (a weight used twice): resume from the outputs instead, as before 2.4.
+        # inputs (a weight used twice): resume from the outputs instead, as before 2.10.
         whole[0][1].extend(graph.weights)
         return whole
     plan: Plan = []

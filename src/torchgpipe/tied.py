@@ -196,8 +196,8 @@ class Ties:
         self._drift.forget()  # the copies changed here, unequally
         self.begin()  # every copy frozen where one is, and watched
 
-    def begin(self) -> None:
-        """Get ready for a forward or a step: every copy frozen where one is, and watched.
+    def begin(self, step: bool = False) -> None:
+        """Get ready for a forward or a ``step``: every copy frozen where one is, and watched.
 
         Shares no sum took are forgotten unless a pass or step is under way (see
         ``tied_sums.py``). Freezing or unfreezing a tied weight's name does it to the
@@ -206,7 +206,7 @@ class Ties:
         Raises:
             RuntimeError: the copies of a tied weight changed unequally (``tied_drift.py``).
         """
-        self._drift.check(self.groups, self.names)
+        self._drift.check(self.groups, self.names, step)
         with self._lock:
             if not self._in_flight:
                 self._pending.clear()

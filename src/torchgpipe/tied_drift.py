@@ -9,10 +9,11 @@ others, which drift apart silently, step after step.
 Every in-place change bumps a tensor's version counter (``Tensor._version``), and an
 optimizer changes each parameter it holds the same way. So between two forwards the
 copies of one weight must each have gone up by the same count; where they did not, the
-forward that records gradients is refused with what to do, unless the values are
-equal after all. Comparing counters costs a few integers per copy; the values are read
-only where the counts differ. Not checked: a forward under ``no_grad`` (an evaluation
-may run on another thread while an optimizer steps the copies one after another).
+forward that records gradients, or the step, is refused with what to do, unless the
+values are equal after all. Comparing counters costs a few integers per copy; the
+values are read only where the counts differ. Not checked: a forward under ``no_grad``
+(an evaluation may run on another thread while an optimizer steps the copies one after
+another); a schedule's step is, whatever the grad mode.
 Not seen: a change through ``.data`` (which torch does not count), or unequal changes
 that bump every copy alike (an optimizer stepping each copy from a hook of its own,
 with the share of the gradient that copy has seen so far).
@@ -39,18 +40,22 @@ class Drift:
         """Compare from the next :meth:`check` on (the library changed the copies itself)."""
         self._seen = []
 
-    def check(self, groups: Sequence[Sequence[Tensor]], names: Sequence[Sequence[str]]) -> None:
+    def check(
+        self, groups: Sequence[Sequence[Tensor]], names: Sequence[Sequence[str]], step: bool
+    ) -> None:
         """Refuse copies changed unequally since the last check; note their versions.
 
         ``groups`` holds each tied weight's copies, owner first; ``names``, its names in
-        the state dict. A group whose tensors were replaced (a meta model filled, a load
-        with ``assign=True``) or swapped (``torch.utils.swap_tensors``) is not compared.
+        the state dict. ``step``: a schedule's step, which trains under ``no_grad`` too,
+        so it is checked whatever the grad mode. A group whose tensors were replaced (a
+        meta model filled, a load with ``assign=True``) or swapped
+        (``torch.utils.swap_tensors``) is not compared.
 
         Raises:
             RuntimeError: the copies of a tied weight were changed unequally.
         """
         now = [[(p, vars(p), p._version) for p in group] for group in groups]
-        if not torch.is_grad_enabled():  # an evaluation: it may run beside an optimizer's step
+        if not step and not torch.is_grad_enabled():  # an evaluation: beside an optimizer?
             self._seen = self._seen or now  # where to compare from (built under no_grad)
             return
         for g, (before, after) in enumerate(zip(self._seen, now, strict=False)):

@@ -33,8 +33,8 @@ Splitting the backward (``W``). ``B`` backpropagates to the stage's inputs only 
 keeps the graph; on the way it records the gradient reaching each node where the path to
 the inputs branches off towards weights. ``W`` resumes from those nodes with those
 gradients, towards the weights only, so no part of the backward runs twice. (Before
-torch 2.4, whose engine cannot start from a node, ``W`` backpropagates from the stage's
-outputs to its weights again.)
+torch 2.10, ``W`` backpropagates from the stage's outputs to its weights again:
+``split_backward.RESUMABLE``.)
 """
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ class PipelineStage(PlacedModule, StageHolder):
         """This process's part of one step of ``steps``, in every process at once."""
         from torchgpipe.distributed.schedule import run_step  # it builds on this module
 
-        self._ties.begin()
+        self._ties.begin(step=True)
         with self._ties.summing(reduce=False):  # run_step sums them; a failed one's dropped
             return run_step(self, steps, input, target)
 
