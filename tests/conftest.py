@@ -1,6 +1,11 @@
 import pytest
 import torch
 
+# torch imports this (and sympy) at a process's first backward given gradients, which
+# the pipelines' backward is: seconds on a loaded machine, inside the tests' bounded
+# waits (a transport's receive of 2 s, say). Paid here, at collection.
+import torch.fx.experimental.symbolic_shapes  # isort: skip
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental.symbolic_shapes  # a rank's first backward's import (conftest.py)
 import torch.multiprocessing as mp
 from helpers import PopAdd, StashLinear  # tests/helpers.py
 from torch import Tensor, nn

@@ -853,3 +853,111 @@ def test_a_transport_that_says_it_reads_marks_off_a_cpu_wire_is_refused() -> Non
     transfers.follow(plan, {})  # known frames: following is fine, reading a mark is not
     with pytest.raises(RuntimeError, match=r"says it reads marks, but its wire is meta"):
         transfers.mark(buffer)
+
+
+class _Started:
+    """The work of a transfer that did start; notes that it was waited for."""
+
+    def __init__(self, waited: list[int], peer: int) -> None:
+        self._waited, self._peer = waited, peer
+
+    def wait(self) -> None:
+        self._waited.append(self._peer)
+
+
+class _HalfStarts(LocalTransport):
+    """Starts a group's first transfer, then fails to reach the next one's peer (gloo)."""
+
+    waited: list[int]
+
+    def issue(self, transfers: Any) -> list[Any]:
+        from torchgpipe.distributed.channel import TransportError
+
+        error = TransportError(f"rank 1 could not send to rank {transfers[1].peer}", 2)
+        error.started = [(transfers[0], _Started(self.waited, transfers[0].peer))]
+        raise error
+
+
+def test_a_round_that_fails_half_started_leaves_the_started_transfers_to_the_drain() -> None:
+    # On gloo the transfers of a round start one by one. Regression: where a dead peer's
+    # failed to start, those started before it (a send to a live rank) were dropped
+    # unwaited, which gloo never delivers: the live rank waited for its data in vain.
+    from torchgpipe.distributed.plan import Message, RankPlan
+    from torchgpipe.distributed.transfers import Transfers
+    from torchgpipe.mailbox import Stopped
+
+    transport = LocalTransport.mesh(3)[1]
+    transport.__class__ = _HalfStarts
+    transport.waited = []
+    messages = (Message(("F", 0, 0), 1, 0), Message(("F", 2, 0), 1, 2))
+    lost: list[int] = []
+    transfers = Transfers(
+        transport,
+        metadata=lambda message, draining: None,
+        arrived=lambda message: True,
+        consume=lambda key: None,
+        lose=lambda error: lost.append(error.peer),
+        lost=lambda peer: peer in lost,
+    )
+    transfers.follow(RankPlan(starts=(1.0,), rounds=((0.0, messages),), receives=frozenset()))
+    for m in messages:
+        transfers.hold(m.key, ("metadata", m.key, [], b""), torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(Stopped):
+        transfers.issue_before(0)
+    assert lost == [2]
+    transfers.drain()
+    assert transport.waited == [0]  # the live rank's send, waited for
+
+
+class _Unreached:
+    def wait(self) -> None:
+        from torchgpipe.distributed.channel import TransportError
+
+        raise TransportError("rank 0 could not send to rank 1: closed", 1)
+
+
+def test_a_tied_weight_sent_to_a_dead_holder_still_goes_to_the_live_ones() -> None:
+    # Regression: the owner's send to holder 1 failed (dead) and the one to holder 2 was
+    # dropped unwaited, never delivered: holder 2 waited on the owner until the group's
+    # timeout, then named the owner, not the dead holder.
+    from torchgpipe.distributed.channel import TransportError
+    from torchgpipe.distributed.ties import AcrossRanks
+
+    waited: list[int] = []
+    issued: list[tuple[str, int]] = []
+
+    class Owner:
+        rank, wire = 0, torch.device("cpu")
+
+        def issue(self, transfers: Any) -> list[Any]:
+            issued.extend((t.kind, t.peer) for t in transfers)
+            return [_Unreached(), _Started(waited, 2)]
+
+    ties = AcrossRanks(Owner())  # type: ignore[arg-type]
+    with pytest.raises(TransportError, match="rank 1"):
+        ties._from_owner((0, 1, 2), torch.ones(3))
+    assert issued == [("send", 1), ("send", 2)]
+    assert waited == [2]
+
+
+def test_why_a_peer_left_replaces_its_being_unreachable() -> None:
+    # A peer that builds a stage during a call says so (its greeting) and leaves: this
+    # rank's listener reads why while its own thread may fail a transfer to it first.
+    # Regression: the first reason stayed, and the step said the peer had died.
+    from torchgpipe.distributed.exchange import Exchange
+    from torchgpipe.worker import WorkerPool
+
+    here, there = LocalTransport.mesh(2, timeout=5.0)
+    pool = WorkerPool(1, name="test-listener")
+    exchange = Exchange(here, pool, owner=lambda key: 0, stages=[(0,), (1,)])
+    try:
+        exchange.lose(1, "died or cannot be reached", gone=True)
+        exchange.lose(1, "built a PipelineStage during this call")
+        exchange.lose(1, "died or cannot be reached", gone=True)
+        assert exchange.lost == {1: "built a PipelineStage during this call"}
+        assert exchange.halted
+    finally:
+        there.close()  # the listener's receive fails: it ends
+        pool.close()
+        for thread in pool.threads:
+            thread.join(timeout=10)

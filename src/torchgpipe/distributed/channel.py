@@ -7,6 +7,8 @@ the transport of threads of one process that tests use.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ __all__ = [
     "Transfer",
     "Transport",
     "TransportError",
+    "wait_apart",
 ]
 
 GREETING = ("greet",)  # the header of a transport's first message to each peer
@@ -38,11 +41,15 @@ class TransportError(ConnectionError):
 
     Attributes:
         peer: the rank that cannot be reached; -1 when it is not known which.
+        started: raised by :meth:`Transport.issue`, the transfers of the group that had
+            started before it failed, each with its :class:`Pending`: they must still
+            be waited for (gloo delivers no send left unwaited).
     """
 
     def __init__(self, message: str, peer: int) -> None:
         super().__init__(message)
         self.peer = peer
+        self.started: list[tuple[Transfer, Pending]] = []
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.peer))
@@ -126,7 +133,7 @@ class Transport(ABC):
         issued them. A send's buffer must not change until its transfer is done.
 
         Raises:
-            TransportError: a peer cannot be reached.
+            TransportError: a peer cannot be reached (``started``: those that did start).
         """
 
     def flush(self, grace: float | None = None) -> None:  # noqa: B027  # no-op: sends wait
@@ -162,3 +169,25 @@ class Transport(ABC):
                 f"call together. Start every process anew (torchrun can restart them) and "
                 f"resume from the last checkpoint"
             )
+
+
+def wait_apart(works: Sequence[Any], grace: float | None, *, keep: Any = None) -> None:
+    """Wait for each of ``works`` (its ``wait()``), whatever fails, ``grace`` s at most.
+
+    For what is in flight once one transfer failed: gloo never delivers a send whose work
+    is dropped unwaited, and the live peers would miss what was sent them. The waits run
+    on a thread of their own, left after ``grace`` seconds (None: as long as they take;
+    gloo's ``wait(timeout)`` would close every pair of the process), holding ``keep``
+    (the buffers, which gloo's works may not hold) until they are done.
+    """
+
+    def wait_all() -> None:
+        for work in works:
+            with contextlib.suppress(Exception):
+                work.wait()
+        del keep_alive[:]
+
+    keep_alive = [keep]
+    waiter = threading.Thread(target=wait_all, daemon=True)
+    waiter.start()
+    waiter.join(grace)

@@ -40,11 +40,11 @@ more at most): gloo never delivers a send left unwaited, and the live ranks woul
 each other's ends.
 
 Once a rank is known gone (this rank's transport failed to reach it, or an end says
-another's did), a wait on the others lasts :data:`LOST_GRACE` seconds at most: a death
-can leave a live process mute (gloo's event loop was seen spinning in one, its other
-connections starved; most such waits came from sends dropped unwaited, since fixed).
-Peers still silent then are given up, their listeners left in a receive that would take
-a later call's message: the transport refuses every later call.
+another's did), a wait on the others lasts :data:`LOST_GRACE` seconds at most (a death
+was seen to leave a live process mute). Peers still silent then are given up, their
+listeners left in a receive that would take a later call's message: the transport
+refuses every later call. A cause that comes after (a listener's news that the peer
+built a stage) replaces its being given up or unreachable.
 
 An exchange serves one call of every process (a step, ``collect.py``), tagged by its
 first key's first element; a wait on a peer in another call ends at once, and each
@@ -113,10 +113,10 @@ class Exchange(Mailbox):
         self.gone = False  # a rank is known gone: waits on the others are bounded
         self.abandoned: set[int] = set()  # peers whose listeners were left waiting
         self.given_up: set[int] = set()  # peers lost for that alone (_give_up)
+        self._unreached: set[int] = set()  # peers lost for the transport's failure alone
         self._listening = {p: threading.Event() for p in self.peers}  # set under _arrived
-        # Metadata that came ahead (wire key: frame), and the peers that will send no
-        # more of it (they ended or were lost); guarded by _arrived, which also wakes
-        # wait_for() when a side-channel value arrives.
+        # Metadata that came ahead (wire key: frame), and the peers that will send no more
+        # (ended or lost); guarded by _arrived, which also wakes wait_for() at a value.
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
         self._moved: dict[Key, tuple[Any, list[Tensor]]] = {}  # values sent whole
@@ -376,9 +376,12 @@ class Exchange(Mailbox):
     def lose(self, peer: int, reason: str, *, gone: bool = False) -> None:
         """Stop the step on a lost ``peer``; ``gone``: the transport could not reach it."""
         with self._arrived:
-            if peer in self.given_up:  # a cause found after giving it up: the cause
+            if peer in self.given_up or (not gone and peer in self._unreached):
                 self.given_up.discard(peer)
+                self._unreached.discard(peer)
                 del self.lost[peer]
+            if gone and peer not in self.lost:
+                self._unreached.add(peer)
             self.lost.setdefault(peer, reason)
             self.gone = self.gone or gone
         self._go_silent(peer)
@@ -484,11 +487,8 @@ class Exchange(Mailbox):
 
     def other_calls(self) -> dict[int, str]:
         """The peers whose ends name another call than this process's: their calls."""
-        return {
-            peer: status["call"]
-            for peer, (status, _) in sorted(self.ends.items())
-            if status.get("tag", self.tag) != self.tag
-        }
+        ends = sorted(self.ends.items())
+        return {p: s["call"] for p, (s, _) in ends if s.get("tag", self.tag) != self.tag}
 
 
 _PLANNED = frozenset({"F", "G", "S", "SG"})  # the kinds of key a step's plan transfers

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.distributed.channel import Transfer, Transport
+from torchgpipe.distributed.channel import Transfer, Transport, TransportError, wait_apart
+from torchgpipe.distributed.exchange import LOST_GRACE
 from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 
@@ -142,8 +143,27 @@ class AcrossRanks:
         return self._tensor(buffer, value)
 
     def _wait(self, transfers: list[Transfer]) -> None:
-        for pending in self.transport.issue(transfers):
-            pending.wait()
+        """Issue ``transfers``, wait for each; after a failure, the rest a while more.
+
+        A dead holder fails its own transfer alone: the others still go to the live
+        holders (:func:`~torchgpipe.distributed.channel.wait_apart`), which would
+        otherwise wait on this rank until the group's timeout, then name it, not the dead.
+
+        Raises:
+            TransportError: a transfer's peer cannot be reached.
+        """
+        buffers = [t.buffer for t in transfers]
+        try:
+            pending = self.transport.issue(transfers)
+        except TransportError as error:
+            wait_apart([work for _, work in error.started], LOST_GRACE, keep=buffers)
+            raise
+        for k, work in enumerate(pending):
+            try:
+                work.wait()
+            except TransportError:
+                wait_apart(pending[k + 1 :], LOST_GRACE, keep=buffers)
+                raise
 
     def _wire(self, value: Tensor) -> Tensor:
         """``value``'s bytes, flat, on the wire."""

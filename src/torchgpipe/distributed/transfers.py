@@ -91,7 +91,8 @@ class Transfers:
         self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
         # A message received: its frame, its bytes, their transfer, the sender.
         self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None, int]] = {}
-        self._sending: list[tuple[int, Pending]] = []  # sends issued, with their peer
+        # Sends issued (and receives of a round that failed half-started), with their peer.
+        self._sending: list[tuple[int, Pending]] = []
 
     def follow(
         self, plan: RankPlan, frames: dict[Key, Any] | None = None, *, strict: bool = True
@@ -287,6 +288,7 @@ class Transfers:
                 pending = self.transport.issue(transfers)
             except TransportError as error:  # some may have started: the round is spent
                 failure = error
+                self._sending += [(t.peer, work) for t, work in error.started]  # drain waits
         self._round += 1
         for key in sent:
             del self._outbox[key]

@@ -21,9 +21,7 @@ makes the buffers; ``local.py``'s :class:`LocalTransport` connects threads of on
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -38,6 +36,7 @@ from torchgpipe.distributed.channel import (
     Transfer,
     Transport,
     TransportError,
+    wait_apart,
 )
 from torchgpipe.distributed.groups import backends_of, check_member
 from torchgpipe.distributed.wire import as_bytes, pack, packed_size, unpack
@@ -193,13 +192,9 @@ class ProcessGroupTransport(Transport):
             except TransportError as error:
                 lost.setdefault(peer, error)
         if busy:
-            # Those peers learn why from the word: gloo delivers no send left unwaited,
-            # and this process may end as soon as it has raised.
-            waiter = threading.Thread(
-                target=_wait_all, args=([(work, word, peer) for peer, work in sent],), daemon=True
-            )
-            waiter.start()
-            waiter.join(_GREETING_GRACE)
+            # Those peers learn why from the word, which must leave before this process
+            # may end, as it may once this has raised.
+            wait_apart([work for _, work in sent], _GREETING_GRACE, keep=word)
             raise RuntimeError(
                 f"rank {self.rank} builds its PipelineStage while rank(s) {busy} of the "
                 f"pipeline make a call (a step) of a stage built before; {BUILD_FIRST}. "
@@ -277,20 +272,16 @@ class ProcessGroupTransport(Transport):
 
     def flush(self, grace: float | None = None) -> None:
         """Wait for the side-channel sends in flight; see :meth:`Transport.flush`."""
-        # Each one, even after one failed: gloo never delivers a send whose work is
-        # dropped unwaited (the live peers' ends would go with a dead one's). After a
-        # failure the rest wait on a thread left after ``grace`` s (gloo's wait(timeout)
-        # closes every pair of the process); a send before it, to a live peer posting no
-        # receive, still holds this rank until the group's timeout, as a stalled peer does.
+        # Each one, even after one failed (``wait_apart``: the live peers' ends would go
+        # with a dead one's); a send before it, to a live peer posting no receive, still
+        # holds this rank until the group's timeout, as a stalled peer does.
         pending, self._pending = self._pending, []
         for k, (work, _, peer) in enumerate(pending):
             try:
                 work.wait()
             except RuntimeError as error:
-                rest = pending[k + 1 :]  # their buffers too, which the works may not hold
-                waiter = threading.Thread(target=_wait_all, args=(rest,), daemon=True)
-                waiter.start()
-                waiter.join(grace)
+                rest = pending[k + 1 :]
+                wait_apart([w for w, _, _ in rest], grace, keep=[b for _, b, _ in rest])
                 raise TransportError(
                     f"rank {self.rank} could not send to rank {peer}: {error}", peer
                 ) from error
@@ -352,10 +343,15 @@ class ProcessGroupTransport(Transport):
         without ``torch.distributed``'s checks of each one, which cost more than a small
         transfer itself, several times per cell.
         """
-        return [
-            _Work(self._gloo(self.group, t.kind, t.buffer, t.peer, _DATA_TAG), t, self.rank)
-            for t in transfers
-        ]
+        started: list[tuple[Transfer, Pending]] = []
+        for t in transfers:
+            try:
+                work = self._gloo(self.group, t.kind, t.buffer, t.peer, _DATA_TAG)
+            except TransportError as error:
+                error.started = started  # to live peers, say: to be waited for
+                raise
+            started.append((t, _Work(work, t, self.rank)))
+        return [pending for _, pending in started]
 
     def _side(self, op: Literal["send", "recv"], buffer: Tensor, peer: int) -> Any:
         """A side-channel send (its work), or a receive, waited for (None)."""
@@ -401,10 +397,3 @@ class _Work:
             raise TransportError(
                 f"rank {self._rank} could not {kind} {direction} rank {peer}: {error}", peer
             ) from error
-
-
-def _wait_all(sends: list[tuple[Any, Tensor, int]]) -> None:
-    """Wait for each of ``sends`` (work, buffer, peer), whatever fails (``flush`` told)."""
-    for work, _, _ in sends:
-        with contextlib.suppress(RuntimeError):
-            work.wait()
