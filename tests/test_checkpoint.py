@@ -242,3 +242,40 @@ def test_a_recomputation_that_makes_other_shapes_is_named_as_such(backward_by: s
     shapes = r"made outputs of shapes \[\(2, 4\), \(2, 2\)\].*\[\(2, 4\), \(2, 1\)\]"
     with pytest.raises(RuntimeError, match=shapes):
         out.sum().backward()
+
+
+class _Reverse(nn.Module):
+    """Gradient reversal (domain-adversarial training): a tensor hook in the forward."""
+
+    def __init__(self, guarded: bool) -> None:
+        super().__init__()
+        self.guarded = guarded
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * 1.0
+        if not self.guarded or y.requires_grad:
+            y.register_hook(lambda g: -g)
+        return y
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_tensor_hook_in_a_forward_works_where_a_graph_is_recorded(
+    checkpoint: str, backward_by: str
+) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), _Reverse(guarded=True), nn.Linear(8, 3))
+    model = GPipe(copy.deepcopy(plain), [1, 2], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_tensor_hook_in_a_checkpointed_forward_says_why_it_fails() -> None:
+    # The plain model takes it; a checkpointed forward runs without a graph, where torch
+    # refuses it, and said only that.
+    model = GPipe(nn.Sequential(nn.Linear(4, 8), _Reverse(guarded=False)), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match="doesn't require gradient") as failed:
+        model(torch.randn(6, 4))
+    assert any("do it only where the tensor requires grad" in n for n in failed.value.__notes__)

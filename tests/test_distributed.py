@@ -1070,3 +1070,32 @@ def test_dropout_across_processes_follows_the_seed_rank_0_draws() -> None:
     for name, grad in _grads(one).items():
         torch.testing.assert_close(grads[name], grad, msg=name)
     torch.testing.assert_close(results[1]["output"], output)
+
+
+def _ddp_rank(rank: int, world: int, checkpoint: str) -> float:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    plain = build()
+    reference = nn.parallel.DistributedDataParallel(plain)
+    pipe = GPipe(build(), [1, 2], chunks=4, checkpoint=checkpoint)
+    # A gradient per micro-batch reaches each parameter: static_graph takes it (README).
+    wrapped = nn.parallel.DistributedDataParallel(pipe, static_graph=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, pipe)]
+    for k in range(3):
+        x, y = _batch(10 * k + rank, 8, 4), _batch(10 * k + rank + 1, 8, 3)
+        for model, optimizer in zip((reference, wrapped), optimizers, strict=True):
+            optimizer.zero_grad()
+            _mse(model(x), y).backward()
+            optimizer.step()
+    pairs = zip(plain.parameters(), pipe.parameters(), strict=True)
+    return max(float((p - q).abs().max()) for p, q in pairs)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_distributed_data_parallel_around_a_gpipe_averages_as_around_the_plain_model(
+    checkpoint: str,
+) -> None:
+    for difference in spawn(_ddp_rank, 2, checkpoint):
+        assert difference < 1e-6

@@ -1619,3 +1619,21 @@ def test_a_reset_that_must_run_beside_a_state_dict_points_to_init_alone() -> Non
         GPipe(meta, [1], state_dict=plain.state_dict())
     (note,) = [n for n in info.value.__notes__ if "reset_parameters()" in n]
     assert "a persistent=False buffer): pass init= to fill that layer instead" in note
+
+
+class _Idle(nn.Linear):
+    def reset_parameters(self) -> None:  # leaves its weights as allocated
+        pass
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")
+def test_a_refusal_leaves_a_model_with_torchscript_layers_as_it_was() -> None:
+    # Regression: putting a scripted module's tables back cleared them, which TorchScript's
+    # tables cannot do (AttributeError), hiding the refusal.
+    scripted = torch.jit.script(nn.Linear(4, 4))
+    with torch.device("meta"):
+        rest = nn.Sequential(nn.Linear(4, 4), _Idle(4, 4))
+    weight = scripted.weight
+    with pytest.raises(ValueError, match=r"left 2\.weight, 2\.bias as allocated"):
+        GPipe(nn.Sequential(scripted, *rest), [1, 2])
+    assert scripted.weight is weight

@@ -669,3 +669,34 @@ def test_a_frozen_partition_keeps_no_input_or_output_until_the_backward(checkpoi
     gc.collect()
     assert [ref() for ref in kept.refs] == [None] * 8
     out.sum().backward()
+
+
+def _scripted_net() -> nn.Sequential:
+    torch.manual_seed(3)
+    traced = torch.jit.trace(nn.Linear(6, 6).double(), torch.zeros(2, 6, dtype=torch.float64))
+    return nn.Sequential(
+        nn.Linear(4, 6),
+        torch.jit.script(nn.BatchNorm1d(6)),
+        nn.Tanh(),
+        traced,
+        torch.jit.script(nn.Linear(6, 3)),
+    ).double()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_torchscript_layers_match_the_plain_model(checkpoint: str, backward_by: str) -> None:
+    # Regression: a checkpointed cell read a scripted module's parameters and buffers by
+    # a get() that their TorchScript tables do not have (AttributeError).
+    plain = _scripted_net()  # twice: a deep copy of a scripted module holds no leaves
+    model = GPipe(_scripted_net(), [2, 3], chunks=3, checkpoint=checkpoint)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    out = model(x)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    # Batch norm sees each micro-batch apart: so does the plain model here.
+    expected = torch.cat([plain(part) for part in x.chunk(3)])
+    expected.backward(grad_out)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(model[1].running_mean, plain[1].running_mean)
+    _assert_same_grads(model, plain, exact=False)

@@ -104,8 +104,25 @@ class set_flag:  # lower case: used as a function: `with set_flag("recomputing")
         self._previous = getattr(_flags, self._name, False)
         setattr(_flags, self._name, self._value)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
         setattr(_flags, self._name, self._previous)
+        if error is not None and self._name == "checkpointing" and _needs_graph(error):
+            add_note(
+                error,
+                "torchgpipe: this cell is checkpointed: its forward runs without a graph "
+                "(is_checkpointing()), which its recomputation in the backward records. "
+                "Where a layer needs one in its forward (a tensor hook, retain_grad()), "
+                "do it only where the tensor requires grad (the recomputation does), "
+                "or use checkpoint='never'",
+            )
+
+
+# What torch says of a tensor hook, retain_grad() or a backward without a graph.
+_NO_GRAPH = ("doesn't require gradient", "requires_grad=False", "does not require grad")
+
+
+def _needs_graph(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _NO_GRAPH)
 
 
 Flags = tuple[AbstractContextManager[None], AbstractContextManager[None]]

@@ -73,6 +73,13 @@ Restore = list[tuple[nn.Module, str, Tensor]]
 Swaps = list[tuple[dict[str, Any], str, Tensor]]
 
 
+def _held(slots: Any, name: str) -> Any:
+    """``slots[name]``, None where absent (a TorchScript module's slots have no ``get``)."""
+    if type(slots) is dict:
+        return slots.get(name)
+    return slots[name] if name in slots else None  # noqa: SIM401  # it has no get
+
+
 class RecomputeGuard:
     """What a partition's recomputations have learned: the buffers its forwards change."""
 
@@ -111,7 +118,7 @@ class RunGuard:
                 self.before_step += [
                     (module, n, b.clone())
                     for n in _RUNNING_STATS
-                    if (b := module._buffers.get(n)) is not None
+                    if (b := _held(module._buffers, n)) is not None
                 ]
             self.buffers += [
                 (module, n, stats and n in _RUNNING_STATS)
@@ -124,13 +131,13 @@ class RunGuard:
     def before_forward(self) -> Kept | None:
         """What a checkpointed forward keeps of the buffers before it runs."""
         if self.used is None:
-            self.used = [module._parameters.get(name) for module, name in self.parameters]
+            self.used = [_held(module._parameters, name) for module, name in self.parameters]
         if not self.buffers:
             return None
         changing = self.guard.changing
         kept: Kept = []
         for module, name, uncounted in self.buffers:
-            b = module._buffers.get(name)
+            b = _held(module._buffers, name)
             if b is None:  # removed or set to None since the run began: nothing to keep
                 return None
             known = changing is None or (id(module), name) in changing
@@ -157,7 +164,7 @@ class RunGuard:
         for (module, name, uncounted), (b, version, copy, lazy) in zip(
             self.buffers, kept, strict=True
         ):
-            now = module._buffers.get(name)
+            now = _held(module._buffers, name)
             updated = uncounted and module.training  # with no version to show for it
             same = now is b and b._version == version
             if same and not updated and learning and copy is not None:
@@ -206,7 +213,7 @@ class RunGuard:
 
     @contextmanager
     def _swapped(self, swaps: Swaps, flips: list[tuple[nn.Module, bool]]) -> Iterator[None]:
-        now = [(slots, name, slots.get(name)) for slots, name, _ in swaps]
+        now = [(slots, name, _held(slots, name)) for slots, name, _ in swaps]
         for slots, name, before in swaps:
             slots[name] = before
         for module, mode in flips:
@@ -225,7 +232,7 @@ class RunGuard:
             return []
         swaps: Swaps = []
         for (module, name), p in zip(self.parameters, self.used, strict=True):
-            if p is None or module._parameters.get(name) is p:
+            if p is None or _held(module._parameters, name) is p:
                 continue
             if p.grad_fn is not None:
                 raise RuntimeError(

@@ -72,5 +72,9 @@ V = TypeVar("V")
 
 
 def _refill(table: dict[str, V], kept: dict[str, V]) -> None:
+    if not isinstance(table, dict):  # a TorchScript module's: its names are fixed
+        for name, value in kept.items():
+            table[name] = value
+        return
     table.clear()
     table.update(kept)
