@@ -279,3 +279,19 @@ def test_a_tensor_hook_in_a_checkpointed_forward_says_why_it_fails() -> None:
     with pytest.raises(RuntimeError, match="doesn't require gradient") as failed:
         model(torch.randn(6, 4))
     assert any("do it only where the tensor requires grad" in n for n in failed.value.__notes__)
+
+
+class _OwnBackward(nn.Module):
+    """A layer whose own backward fails, as it would in the plain model."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.enable_grad():
+            torch.autograd.grad(torch.ones(2).sum(), [x])
+        return x
+
+
+def test_a_layers_own_failure_to_backward_gets_no_note_on_checkpointing() -> None:
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), _OwnBackward()), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match="does not require grad") as failed:
+        model(torch.randn(6, 4))
+    assert not any("this cell is checkpointed" in n for n in failed.value.__notes__)

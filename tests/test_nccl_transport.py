@@ -10,6 +10,7 @@ model's loss, output and gradients: the same data, moved by the new transfers.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -865,30 +866,46 @@ class _Started:
         self._waited.append(self._peer)
 
 
+class _Unmatched:
+    """The work of a transfer that started and never completes: its peer failed first."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self.returned = False
+
+    def wait(self) -> None:
+        self.entered.set()
+        self.released.wait(timeout=10)
+        self.returned = True
+
+
 class _HalfStarts(LocalTransport):
     """Starts a group's first transfer, then fails to reach the next one's peer (gloo)."""
 
-    waited: list[int]
+    started: _Unmatched
 
     def issue(self, transfers: Any) -> list[Any]:
         from torchgpipe.distributed.channel import TransportError
 
         error = TransportError(f"rank 1 could not send to rank {transfers[1].peer}", 2)
-        error.started = [(transfers[0], _Started(self.waited, transfers[0].peer))]
+        error.started = [(transfers[0], self.started)]
         raise error
 
 
-def test_a_round_that_fails_half_started_leaves_the_started_transfers_to_the_drain() -> None:
+def test_a_round_that_fails_half_started_still_waits_for_the_started_transfers() -> None:
     # On gloo the transfers of a round start one by one. Regression: where a dead peer's
     # failed to start, those started before it (a send to a live rank) were dropped
     # unwaited, which gloo never delivers: the live rank waited for its data in vain.
+    # They are waited for apart: the peer's own round may have failed before their
+    # match, and the drain must not wait for them.
     from torchgpipe.distributed.plan import Message, RankPlan
     from torchgpipe.distributed.transfers import Transfers
     from torchgpipe.mailbox import Stopped
 
     transport = LocalTransport.mesh(3)[1]
     transport.__class__ = _HalfStarts
-    transport.waited = []
+    transport.started = started = _Unmatched()
     messages = (Message(("F", 0, 0), 1, 0), Message(("F", 2, 0), 1, 2))
     lost: list[int] = []
     transfers = Transfers(
@@ -905,8 +922,10 @@ def test_a_round_that_fails_half_started_leaves_the_started_transfers_to_the_dra
     with pytest.raises(Stopped):
         transfers.issue_before(0)
     assert lost == [2]
-    transfers.drain()
-    assert transport.waited == [0]  # the live rank's send, waited for
+    transfers.drain()  # returns: the started send is not its to wait for
+    assert not started.returned
+    assert started.entered.wait(timeout=30)  # waited for all the same
+    started.released.set()
 
 
 class _Unreached:
@@ -947,17 +966,23 @@ def test_why_a_peer_left_replaces_its_being_unreachable() -> None:
     from torchgpipe.distributed.exchange import Exchange
     from torchgpipe.worker import WorkerPool
 
-    here, there = LocalTransport.mesh(2, timeout=5.0)
-    pool = WorkerPool(1, name="test-listener")
-    exchange = Exchange(here, pool, owner=lambda key: 0, stages=[(0,), (1,)])
+    here, *there = LocalTransport.mesh(3, timeout=5.0)
+    pool = WorkerPool(2, name="test-listener")
+    exchange = Exchange(here, pool, owner=lambda key: 0, stages=[(0,), (1,), (2,)])
     try:
         exchange.lose(1, "died or cannot be reached", gone=True)
+        exchange.lose(2, "died or cannot be reached", gone=True)
         exchange.lose(1, "built a PipelineStage during this call")
         exchange.lose(1, "died or cannot be reached", gone=True)
-        assert exchange.lost == {1: "built a PipelineStage during this call"}
+        # In place: the order of the losses names the first one lost.
+        assert list(exchange.lost.items()) == [
+            (1, "built a PipelineStage during this call"),
+            (2, "died or cannot be reached"),
+        ]
         assert exchange.halted
     finally:
-        there.close()  # the listener's receive fails: it ends
+        for peer in there:
+            peer.close()  # the listeners' receives fail: they end
         pool.close()
         for thread in pool.threads:
             thread.join(timeout=10)

@@ -106,7 +106,7 @@ class set_flag:  # lower case: used as a function: `with set_flag("recomputing")
 
     def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
         setattr(_flags, self._name, self._previous)
-        if error is not None and self._name == "checkpointing" and _needs_graph(error):
+        if error is not None and self._name == "recomputes" and self._value and _needs_graph(error):
             add_note(
                 error,
                 "torchgpipe: this cell is checkpointed: its forward runs without a graph "
@@ -117,8 +117,11 @@ class set_flag:  # lower case: used as a function: `with set_flag("recomputing")
             )
 
 
-# What torch says of a tensor hook, retain_grad() or a backward without a graph.
-_NO_GRAPH = ("doesn't require gradient", "requires_grad=False", "does not require grad")
+# What torch says of a tensor hook or retain_grad() where no graph is recorded.
+_NO_GRAPH = (
+    "cannot register a hook on a tensor that doesn't require gradient",
+    "can't retain_grad on Tensor that has requires_grad=False",
+)
 
 
 def _needs_graph(error: BaseException) -> bool:

@@ -43,8 +43,8 @@ Once a rank is known gone (this rank's transport failed to reach it, or an end s
 another's did), a wait on the others lasts :data:`LOST_GRACE` seconds at most (a death
 was seen to leave a live process mute). Peers still silent then are given up, their
 listeners left in a receive that would take a later call's message: the transport
-refuses every later call. A cause that comes after (a listener's news that the peer
-built a stage) replaces its being given up or unreachable.
+refuses every later call. A cause that comes after (a listener's news: the peer built a
+stage, or sent what cannot be read) replaces its being given up or unreachable.
 
 An exchange serves one call of every process (a step, ``collect.py``), tagged by its
 first key's first element; a wait on a peer in another call ends at once, and each
@@ -115,8 +115,7 @@ class Exchange(Mailbox):
         self.given_up: set[int] = set()  # peers lost for that alone (_give_up)
         self._unreached: set[int] = set()  # peers lost for the transport's failure alone
         self._listening = {p: threading.Event() for p in self.peers}  # set under _arrived
-        # Metadata that came ahead (wire key: frame), and the peers that will send no more
-        # (ended or lost); guarded by _arrived, which also wakes wait_for() at a value.
+        # Guards what came ahead (metadata, whole values), the silent peers; wakes wait_for().
         self._arrived = threading.Condition()
         self._metadata: dict[Key, Any] = {}
         self._moved: dict[Key, tuple[Any, list[Tensor]]] = {}  # values sent whole
@@ -376,10 +375,12 @@ class Exchange(Mailbox):
     def lose(self, peer: int, reason: str, *, gone: bool = False) -> None:
         """Stop the step on a lost ``peer``; ``gone``: the transport could not reach it."""
         with self._arrived:
-            if peer in self.given_up or (not gone and peer in self._unreached):
+            if peer in self.given_up:
                 self.given_up.discard(peer)
-                self._unreached.discard(peer)
                 del self.lost[peer]
+            elif not gone and peer in self._unreached:  # in place: the order names the first
+                self._unreached.discard(peer)
+                self.lost[peer] = reason
             if gone and peer not in self.lost:
                 self._unreached.add(peer)
             self.lost.setdefault(peer, reason)
@@ -396,8 +397,7 @@ class Exchange(Mailbox):
         if not self.gone:
             self._arrived.wait()
             return None
-        if deadline is None:
-            deadline = time.monotonic() + LOST_GRACE
+        deadline = time.monotonic() + LOST_GRACE if deadline is None else deadline
         left = deadline - time.monotonic()
         if left > 0:
             self._arrived.wait(left)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.distributed import exchange
 from torchgpipe.distributed.channel import Transfer, Transport, TransportError, wait_apart
-from torchgpipe.distributed.exchange import LOST_GRACE
 from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 
@@ -156,13 +156,13 @@ class AcrossRanks:
         try:
             pending = self.transport.issue(transfers)
         except TransportError as error:
-            wait_apart([work for _, work in error.started], LOST_GRACE, keep=buffers)
+            wait_apart([work for _, work in error.started], exchange.LOST_GRACE, keep=buffers)
             raise
         for k, work in enumerate(pending):
             try:
                 work.wait()
             except TransportError:
-                wait_apart(pending[k + 1 :], LOST_GRACE, keep=buffers)
+                wait_apart(pending[k + 1 :], exchange.LOST_GRACE, keep=buffers)
                 raise
 
     def _wire(self, value: Tensor) -> Tensor:

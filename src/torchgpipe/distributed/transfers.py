@@ -42,7 +42,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.channel import Pending, Transfer, Transport, TransportError
+from torchgpipe.distributed.channel import (
+    Pending,
+    Transfer,
+    Transport,
+    TransportError,
+    wait_apart,
+)
 from torchgpipe.distributed.plan import Key, Message, RankPlan
 from torchgpipe.distributed.wire import DATA, FAILED, MARK, packed_size
 from torchgpipe.mailbox import Stopped
@@ -91,8 +97,7 @@ class Transfers:
         self._outbox: dict[Key, Tensor | None] = {}  # the bytes of a sent message
         # A message received: its frame, its bytes, their transfer, the sender.
         self._incoming: dict[Key, tuple[Any, Tensor | None, Pending | None, int]] = {}
-        # Sends issued (and receives of a round that failed half-started), with their peer.
-        self._sending: list[tuple[int, Pending]] = []
+        self._sending: list[tuple[int, Pending]] = []  # sends issued, with their peer
 
     def follow(
         self, plan: RankPlan, frames: dict[Key, Any] | None = None, *, strict: bool = True
@@ -288,7 +293,11 @@ class Transfers:
                 pending = self.transport.issue(transfers)
             except TransportError as error:  # some may have started: the round is spent
                 failure = error
-                self._sending += [(t.peer, work) for t, work in error.started]  # drain waits
+                # Waited for on a thread of their own, as long as they take, not by this
+                # one: a peer's round may have failed before their match, and gloo
+                # delivers no send left unwaited.
+                started = error.started
+                wait_apart([w for _, w in started], 0.0, keep=[t.buffer for t, _ in started])
         self._round += 1
         for key in sent:
             del self._outbox[key]
