@@ -1697,3 +1697,83 @@ def test_an_unused_module_moved_to_meta_is_left_out_of_a_model_with_values() -> 
     assert list(stages.state_dict()) == ["a.weight", "a.bias", "b.weight", "b.bias"]
     pipe = GPipe(stages, [1, 1], chunks=2)
     torch.testing.assert_close(pipe(x), plain(x))
+
+
+class _Reversal(torch.autograd.Function):
+    """Gradient reversal: the identity forward, the negated gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return -grad
+
+
+class _Reverses(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _Reversal.apply(x)  # type: ignore[no-any-return]
+
+
+class _Adversarial(nn.Module):
+    def __init__(self, whole: bool) -> None:
+        super().__init__()
+        self.features, self.head, self.whole = nn.Linear(4, 4), nn.Linear(4, 2), whole
+        self.reverse = _Reverses()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.features(x)
+        return self.head(self.reverse(h) if self.whole else _Reversal.apply(h))
+
+
+def test_split_refuses_a_custom_autograd_function_in_captured_code() -> None:
+    # Regression: fx kept what its forward computed (nothing, here) and no backward:
+    # the stages' outputs were the model's, their gradients were not, silently.
+    before = torch.autograd.Function.__dict__["apply"]
+    with pytest.raises(SplitError, match=r"_Reversal\.apply\(\.\.\.\) at .*test_split\.py:\d+"):
+        split(_Adversarial(whole=False), torch.randn(3, 4), at=["head"])
+    assert torch.autograd.Function.__dict__["apply"] is before  # put back
+
+
+def test_a_custom_autograd_function_in_a_module_split_calls_whole_keeps_its_backward() -> None:
+    model = _Adversarial(whole=True)
+    stages = split(model, torch.randn(3, 4), at=["head"])
+    x = torch.randn(6, 4)
+    GPipe(stages, [1, 1], chunks=2)(x).sum().backward()
+    grads = [p.grad.clone() for p in model.features.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, want in zip(grads, model.features.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad)
+
+
+def test_a_failure_inside_a_function_of_torch_names_the_line_that_called_it() -> None:
+    class Packs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = nn.GRU(4, 4, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+            return self.head(self.rnn(packed)[1][0])
+
+    example = (torch.randn(2, 3, 4), torch.tensor([3, 2]))
+    with pytest.raises(SplitError, match=r"in pack_padded_sequence .*, called at .*test_split"):
+        split(Packs(), example, at=["head"])
+
+
+@pytest.mark.parametrize(("star", "written"), [("args", r"\*args"), ("kwargs", r"\*\*kwargs")])
+def test_split_refuses_a_variadic_forward_naming_it_as_written(star: str, written: str) -> None:
+    class Variadic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            return self.b(self.a(x))
+
+    if star == "kwargs":  # **kwargs alone
+        Variadic.forward = lambda self, x, **kwargs: self.b(self.a(x))  # type: ignore[method-assign]
+    with pytest.raises(SplitError, match=rf"forward takes {written}; split needs named"):
+        split(Variadic(), torch.randn(6, 4), at=["b"])

@@ -20,10 +20,11 @@ __all__ = ["inputs_of"]
 def inputs_of(module: nn.Module, example: Any) -> tuple[InputKind, tuple[str, ...], dict[str, Any]]:
     """How the split model takes its input, the names it fills, and the defaults kept."""
     parameters = list(inspect.signature(module.forward).parameters.values())
-    variadic = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    variadic = [stars[p.kind] + p.name for p in parameters if p.kind in stars]
     if variadic:
         raise SplitError(
-            f"{type(module).__name__}.forward takes *{variadic[0]}; split needs named "
+            f"{type(module).__name__}.forward takes {variadic[0]}; split needs named "
             f"parameters: wrap the module in one whose forward names its arguments"
         )
     kind: InputKind

@@ -3,7 +3,8 @@
 fx runs the Python of a forward once, at trace time, and records only the calls on
 proxies: a random draw on no traced value, or from Python's ``random``, would be kept
 as a constant (or a branch) for every call; a value the forward stores on a module
-would be a proxy the module keeps. These refuse them, naming the user's line.
+would be a proxy the module keeps; a custom ``autograd.Function`` would lose its
+backward. These refuse them, naming the user's line.
 :func:`refuse_lost_state` refuses what the stages would not keep of the model's state.
 """
 
@@ -135,6 +136,27 @@ def _refusing(name: str, original: Any) -> Any:
     return draw
 
 
+_FUNCTION = torch.autograd.Function
+_APPLY = _FUNCTION.__dict__["apply"]  # a classmethod: what every subclass's apply is
+
+
+def _apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Function.apply``, refused on a traced value (fx would keep no backward)."""
+    model = _TRACING.model
+    if model is not None and any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves(args)):
+        raise SplitError(
+            f"cannot split {model}: {cls.__name__}.apply(...){user_line()} calls a custom "
+            f"torch.autograd.Function, whose backward torch.fx cannot capture (it records "
+            f"what the forward computes, if anything: a gradient reversal would vanish, "
+            f"silently); call it from a submodule that split calls whole (one with no "
+            f"split point inside)"
+        )
+    return _APPLY.__func__(cls, *args, **kwargs)
+
+
+_APPLY_REFUSING = classmethod(_apply)
+
+
 @contextmanager
 def python_draws_refused(model: str) -> Iterator[None]:
     """Refuse a draw from Python's ``random`` module by the traced forward.
@@ -144,6 +166,8 @@ def python_draws_refused(model: str) -> Iterator[None]:
     functions are wrapped while any split is under way; a wrapper refuses only in a
     thread that is tracing, so other threads (and code that imported a wrapper) keep
     drawing as they did. The last split to end puts back each function still wrapped.
+    ``torch.autograd.Function.apply`` is wrapped alike: fx would record what a custom
+    function's forward computes, and never its backward.
     """
     with _LOCK:
         if not _USERS[0]:
@@ -151,6 +175,8 @@ def python_draws_refused(model: str) -> Iterator[None]:
                 original = getattr(random, name)
                 _INSTALLED[name] = original
                 setattr(random, name, _refusing(name, original))
+            if _FUNCTION.__dict__["apply"] is _APPLY:
+                _FUNCTION.apply = _APPLY_REFUSING  # type: ignore[method-assign,assignment]
         _USERS[0] += 1
     outer, _TRACING.model = _TRACING.model, model
     drawn: list[str] = []  # where, in the user's code
@@ -170,6 +196,8 @@ def python_draws_refused(model: str) -> Iterator[None]:
                     if getattr(getattr(random, name), "__torchgpipe_wraps__", None) is original:
                         setattr(random, name, original)  # not if someone replaced it since
                 _INSTALLED.clear()
+                if _FUNCTION.__dict__["apply"] is _APPLY_REFUSING:
+                    _FUNCTION.apply = _APPLY  # type: ignore[method-assign]
     if drawn:  # through a name imported before the split, or a generator of its own
         raise SplitError(
             f"cannot split {model}: its forward draws Python random numbers (by a name "
@@ -394,6 +422,7 @@ _MACHINERY = (
     os.path.join(TORCH_DIR, "__init__.py"),
     os.path.join(TORCH_DIR, "_tensor.py"),
     os.path.join(_HERE, "split_capture.py"),
+    os.path.join(_HERE, "split_refusals.py"),  # ConstantDraws, around every torch call
 )
 
 
@@ -408,6 +437,10 @@ def trace_failure(module: nn.Module, error: Exception, through: set[str]) -> str
     if frames:  # the last line run before the tracer's machinery: a forward's
         f = frames[-1]
         where = f" at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
+        users = [g for g in frames if not g.filename.startswith(_THEIRS)]
+        if f.filename.startswith(TORCH_DIR) and users:  # a function of torch's: from where
+            g = users[-1]
+            where += f", called at {g.filename}:{g.lineno} (`{(g.line or '').strip()}`)"
     if "control flow" in str(error) or "iterate" in str(error):
         cause = (
             "The likely cause: code that branches on, or loops over, a value made from "
