@@ -897,3 +897,42 @@ def test_a_step_whose_output_holds_a_0_dim_tensor_gives_one_per_micro_batch() ->
     expected = [loss_fn(plain(half), t) for half, t in zip(x.chunk(2), y.chunk(2), strict=True)]
     torch.testing.assert_close(aux, torch.stack([plain(half)[1] for half in x.chunk(2)]))
     torch.testing.assert_close(result.loss, torch.stack(expected).mean())
+
+
+class _Hooked(nn.Module):
+    """A linear layer whose output's gradient a hook scales: on the tensor or its node."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear, self.how = nn.Linear(4, 4), how
+        self.retained: list[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear(x)  # its node branches off towards the weights: W resumes there
+        if h.requires_grad:  # in a recomputation, where a checkpointed cell has a graph
+            if self.how == "tensor":
+                h.register_hook(lambda g: -0.5 * g)
+            elif self.how == "node":
+                h.grad_fn.register_prehook(lambda gs: tuple(-0.5 * g for g in gs))  # type: ignore[union-attr]
+            else:
+                h.retain_grad()
+                self.retained.append(h)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("how", ["tensor", "node", "retain_grad"])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_zero_bubble_runs_a_hook_of_the_forward_once(how: str, checkpoint: Checkpoint) -> None:
+    # Regression: W resumed from the hooked node, which ran the hook again: the weights
+    # below it got the gradient scaled twice (a reversal undone), retain_grad twice the sum.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), _Hooked(how), nn.Linear(4, 2)).double()
+    model = GPipe(copy.deepcopy(plain), [1, 1, 1], chunks=2, checkpoint=checkpoint)
+    x, target = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    ScheduleZeroBubble(model, _mse).step(x, target)
+    _mse(plain(x), target).backward()
+    _assert_same_grads(model, plain, exact=False)
+    if how == "retain_grad":  # a micro-batch's gradient each, in the plain model's share
+        got = torch.cat([h.grad for h in model[1].retained if h.grad is not None])
+        (want,) = (h.grad for h in plain[1].retained)
+        torch.testing.assert_close(got, want)

@@ -53,7 +53,7 @@ from torchgpipe.microbatch import count_tensors, flatten, map_tensors, per_tenso
 from torchgpipe.rng import CellRandomness, cell_seed, draw_seed
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.skippable import SkipKey
-from torchgpipe.split_backward import backward_inputs
+from torchgpipe.split_backward import HookWatch, backward_inputs
 from torchgpipe.stages import Stages
 from torchgpipe.steps import LossFn, one_number, refuse_cached_parametrizations, untrained
 from torchgpipe.stream import (
@@ -151,7 +151,7 @@ class StepRun:
         self.n = len(stages.inbound)
         self.trace = stages.tracer
         self.state = ThreadState.capture()
-        self.split = table.splits_backward
+        self.split, self.hooked = table.splits_backward, set[int]()  # stages W must not split
         self.checkpoint_stop = stages.checkpoint_stop
         graphs = self.state.grad_enabled or loss_fn is not None  # a step records them
         refuse_cached_parametrizations(stages.partitions.values(), graphs)
@@ -366,7 +366,8 @@ class StepRun:
 
     def _call(self, s: int, packed: Any) -> tuple[Any, dict[SkipKey, Any]]:
         """Partition ``s`` on its input; return its output and the skips it stashed."""
-        return call_stage(self.partitions[s], bool(self.inbound[s]), self.outbound[s], packed)
+        with HookWatch(self.hooked, s) if self.split else nullcontext():  # B's split, or not
+            return call_stage(self.partitions[s], bool(self.inbound[s]), self.outbound[s], packed)
 
     # B
 
@@ -391,7 +392,7 @@ class StepRun:
                         torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
                     self._release(s, i)
                 elif pairs and wanted:
-                    cell.plan = backward_inputs(pairs, wanted)
+                    cell.plan = backward_inputs(pairs, wanted, unsplit=s in self.hooked)
                 elif pairs:  # nothing to hand back: W does all of it
                     cell.plan = [(pairs, [])]
         input_grads = take_input_grads(cell.inputs)

@@ -12,7 +12,8 @@ gradients in one call, whichever the engine asks for: resumed from, it would run
 context cannot make). And torch's reentrant checkpoint refuses a backward given
 ``inputs=``. Where the stage's graph has such a node at a branch, or that checkpoint
 anywhere, ``B`` runs the stage's whole backward, weights included, and leaves ``W``
-nothing: the split is lost for that stage's cell, not the gradients.
+nothing: the split is lost for that stage's cell, not the gradients. So too for a stage
+whose forward hooks its tensors (:class:`HookWatch`): W would run the hooks again.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 
-__all__ = ["RESUMABLE", "Plan", "backward_inputs"]
+__all__ = ["RESUMABLE", "HookWatch", "Plan", "backward_inputs"]
 
 
 # Whether W resumes where B left off instead of walking the stage's graph again: the
@@ -38,16 +40,45 @@ RESUMABLE = hasattr(torch.autograd.graph, "get_gradient_edge") and tuple(
 
 # Splitting a backward into B and W.
 
+
+class HookWatch(TorchFunctionMode):
+    """Notes, in ``hooked``, stage ``s`` when its forward hooks a tensor of its graph.
+
+    A hook on a tensor (``register_hook``, ``retain_grad``) is one on the node that made
+    it, which the engine runs each time it starts from that node: where W resumes from
+    it, the hook would run twice (a gradient reversal reversing the weights' gradients
+    back). A stage that hooks its tensors, or reads a tensor's ``grad_fn`` (to hook the
+    node itself), is not split (:func:`backward_inputs`'s ``unsplit``).
+    """
+
+    def __init__(self, hooked: set[int], s: int) -> None:
+        super().__init__()
+        self._hooked, self._s = hooked, s
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func in _HOOKS:
+            self._hooked.add(self._s)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+# Reading a tensor's grad_fn too: hooks put on the node itself (y.grad_fn.register_hook).
+_HOOKS = (Tensor.register_hook, Tensor.retain_grad, getattr(Tensor, "grad_fn").__get__)  # noqa: B009
+
+
 # W's work: engine calls, each from roots (a tensor or a node's input, with the gradient
 # it starts from) to the leaves it fills.
 Plan: TypeAlias = list[tuple[list[tuple[Any, Tensor]], list[Tensor]]]
 
 
-def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]) -> Plan:
+def backward_inputs(
+    pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor], unsplit: bool = False
+) -> Plan:
     """Backpropagate ``pairs`` to ``inputs`` only; return the plan of W, which finishes.
 
-    Or, where the graph cannot be split (see the module's documentation), backpropagate
-    all of it and return an empty plan.
+    Or, where the graph cannot be split (see the module's documentation) or ``unsplit``
+    says so (:class:`HookWatch`), backpropagate all of it and return an empty plan.
 
     Where the way to the inputs branches off towards weights, the node there gets its
     gradient recorded; W resumes from each such node towards the weights of its own
@@ -57,7 +88,7 @@ def backward_inputs(pairs: Sequence[tuple[Tensor, Tensor]], inputs: list[Tensor]
     outputs = [y for y, _ in pairs]
     grads = [g for _, g in pairs]
     graph = _Graph(outputs, inputs)
-    if graph.unsplittable:  # see the module's documentation: all of it now, W does nothing
+    if unsplit or graph.unsplittable:  # see the module's documentation: all now, W nothing
         torch.autograd.backward(outputs, grads)
         return []
     whole: Plan = [(list(pairs), [])]
