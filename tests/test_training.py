@@ -503,8 +503,14 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
     def per_sample(output: Tensor, target: Tensor) -> Tensor:
         return nn.functional.mse_loss(output, target, reduction="none")
 
-    with pytest.raises(TypeError, match="one element"):
+    with pytest.raises(TypeError, match=r"one element.*use a reduction"):
         Schedule1F1B(model, per_sample).step(torch.randn(4, 2), torch.randn(4, 2))
+
+    def terms(output: Tensor, target: Tensor) -> dict[str, Tensor]:
+        return {"mse": _mse(output, target), "aux": output.abs().mean()}
+
+    with pytest.raises(TypeError, match=r"got dict; return their sum \(auxiliary"):
+        Schedule1F1B(model, terms).step(torch.randn(4, 2), torch.randn(4, 2))
 
 
 def test_a_complex_loss_is_refused_as_the_plain_model_refuses_it() -> None:

@@ -164,10 +164,15 @@ def one_number(loss: Any, targets: Sequence[Any] = ()) -> Tensor:
             per sample.
     """
     if not isinstance(loss, Tensor) or loss.numel() != 1:
+        advice = (  # a dict or tuple of loss terms, or a loss per sample
+            "return their sum (auxiliary losses added in) as one tensor"
+            if isinstance(loss, (dict, tuple, list))
+            else "use a reduction of 'mean' or 'sum' in the loss"
+        )
         raise TypeError(
             f"loss_fn must return a tensor with one element, got "
             f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}"
-            f"; use a reduction of 'mean' or 'sum' in the loss"
+            f"; {advice}"
         )
     if loss.is_complex():  # the plain model's loss.backward() refuses it too
         raise TypeError(
