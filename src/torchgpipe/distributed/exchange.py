@@ -366,8 +366,7 @@ class Exchange(Mailbox):
         self._heard_all(peer)
         self.halt()
 
-    def _heard_all(self, peer: int) -> None:
-        """``peer``'s listener is over: it ended, or was lost."""
+    def _heard_all(self, peer: int) -> None:  # peer's listener is over: ended, or lost
         with self._arrived:
             self._listening[peer].set()
             self._arrived.notify_all()
@@ -466,8 +465,7 @@ class Exchange(Mailbox):
             RemoteError: another process failed, or was lost.
         """
         self.finish({"failed": self.halted, "error": None}, [])
-        remote = self.remote_failure()
-        if remote is not None:
+        if (remote := self.remote_failure()) is not None:
             raise remote
 
     def remote_failure(self) -> RemoteError | None:
@@ -496,5 +494,7 @@ _PLANNED = frozenset({"F", "G", "S", "SG"})  # the kinds of key a step's plan tr
 
 def _unreachable(error: TransportError) -> str:
     return (
-        f"died or cannot be reached; see its own output for the cause. The transport said: {error}"
+        f"died or cannot be reached (or waits in a call of another kind, a collective of its "
+        f"own, say: do the ranks run as many steps?); see its own output for the cause. "
+        f"The transport said: {error}"
     )
