@@ -1717,22 +1717,25 @@ class _Reverses(nn.Module):
 
 
 class _Adversarial(nn.Module):
-    def __init__(self, whole: bool) -> None:
+    def __init__(self, whole: bool, keyword: bool = False) -> None:
         super().__init__()
         self.features, self.head, self.whole = nn.Linear(4, 4), nn.Linear(4, 2), whole
-        self.reverse = _Reverses()
+        self.reverse, self.keyword = _Reverses(), keyword
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.features(x)
-        return self.head(self.reverse(h) if self.whole else _Reversal.apply(h))
+        if self.whole:
+            return self.head(self.reverse(h))
+        return self.head(_Reversal.apply(x=h) if self.keyword else _Reversal.apply(h))
 
 
-def test_split_refuses_a_custom_autograd_function_in_captured_code() -> None:
+@pytest.mark.parametrize("keyword", [False, True])
+def test_split_refuses_a_custom_autograd_function_in_captured_code(keyword: bool) -> None:
     # Regression: fx kept what its forward computed (nothing, here) and no backward:
     # the stages' outputs were the model's, their gradients were not, silently.
     before = torch.autograd.Function.__dict__["apply"]
     with pytest.raises(SplitError, match=r"_Reversal\.apply\(\.\.\.\) at .*test_split\.py:\d+"):
-        split(_Adversarial(whole=False), torch.randn(3, 4), at=["head"])
+        split(_Adversarial(whole=False, keyword=keyword), torch.randn(3, 4), at=["head"])
     assert torch.autograd.Function.__dict__["apply"] is before  # put back
 
 

@@ -143,7 +143,9 @@ _APPLY = _FUNCTION.__dict__["apply"]  # a classmethod: what every subclass's app
 def _apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """``Function.apply``, refused on a traced value (fx would keep no backward)."""
     model = _TRACING.model
-    if model is not None and any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves(args)):
+    if model is not None and any(
+        isinstance(x, fx.Proxy) for x in pytree.tree_leaves((args, kwargs))
+    ):
         raise SplitError(
             f"cannot split {model}: {cls.__name__}.apply(...){user_line()} calls a custom "
             f"torch.autograd.Function, whose backward torch.fx cannot capture (it records "
