@@ -1644,3 +1644,46 @@ def test_a_dropped_stage_goes_without_the_collector() -> None:
         assert [ref() for ref in refs] == [None, None]
     finally:
         gc.enable()
+
+
+class _CastingHead(nn.Module):
+    """A head that takes its input in its own weight's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 10, bias=False)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.linear(h.to(self.linear.weight.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_tied_weight_converted_on_one_rank_alone_is_refused_on_every_rank(
+    dtype: torch.dtype,
+) -> None:
+    # Regression: the gradients travel as bytes: of another size, gloo ended a process;
+    # of the same size (float16 against bfloat16), each read the other's as its own.
+    def tied() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding, head = nn.Embedding(10, 4), _CastingHead()
+        head.linear.weight = embedding.weight
+        return nn.Sequential(embedding, nn.Linear(4, 4), head)
+
+    models = [tied() for _ in range(3)]
+    ids = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
+
+    def loss(output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output.float(), target)
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [1, 1, 1], transport=transport, chunks=2)
+        if dtype == torch.bfloat16:
+            stage.half()
+        if stage.rank == 2:
+            stage.to(dtype)
+        return _outcome(lambda: _step(Schedule1F1B(stage, loss), ids, ids))
+
+    for out in run_threads(rank, 3, timeout=20.0):
+        assert isinstance(out, TypeError), repr(out)
+        assert "tied weight 0.weight have other dtypes" in str(out)
+        assert f"rank 2: {dtype}" in str(out)

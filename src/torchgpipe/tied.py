@@ -72,6 +72,7 @@ class _Sum(NamedTuple):
     move: Callable[[], Tensor] | None  # the transfers across processes, which give it
     grads: list[tuple[Tensor, bool]]  # each copy's .grad to be, and whether to write it
     frozen: str | None = None  # held across processes and frozen here: its first name
+    held: tuple[str, torch.dtype] | None = None  # held across processes: name, dtype here
 
 
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter (or buffer) in it
@@ -296,9 +297,11 @@ class Ties:
                     # Frozen here too: the transfers go unless every holder froze it
                     # (finish's skip), so that one that disagrees waits on none.
                     move = across(ranks, total, mine)
+                name = self.names[g][0] if move is not None and self.names[g] else None
+                held = (name, owner.dtype) if name is not None else None
                 if total is None or not owner.requires_grad:
-                    name = self.names[g][0] if move is not None and self.names[g] else None
-                    sums.append(_Sum(g, None, move, [], None if owner.requires_grad else name))
+                    frozen = None if owner.requires_grad else name
+                    sums.append(_Sum(g, None, move, [], frozen, held))
                     continue
                 # Each copy's .grad: its own, written in place, or made here.
                 grads = [
@@ -307,7 +310,7 @@ class Ties:
                     else (total.to(copy.device, copy=True), move is not None)
                     for copy in copies
                 ]
-                sums.append(_Sum(g, total, move, grads))
+                sums.append(_Sum(g, total, move, grads, held=held))
         return sums
 
     def finish(self, sums: list[_Sum], skip: Collection[int] = ()) -> None:

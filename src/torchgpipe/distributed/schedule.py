@@ -276,6 +276,7 @@ def _run(
             "peaks": {s: step.peak[s] for s in stage.stages} if step is not None else {},
             "after": after,
             "frozen": [s.frozen for s in tie_sums if s.frozen is not None],
+            "tie_dtypes": dict(s.held for s in tie_sums if s.held is not None),
             "abandoned": stage.transport.abandoned,  # the others give theirs up too
         },
         [torch.stack(losses).cpu()] if losses else [],

@@ -40,7 +40,7 @@ from torchgpipe.distributed.channel import Transfer, Transport, TransportError, 
 from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 
-__all__ = ["AcrossRanks", "frozen_everywhere", "tied_ranks"]
+__all__ = ["AcrossRanks", "frozen_everywhere", "tied_ranks", "unlike_dtypes"]
 
 
 def tied_ranks(
@@ -78,6 +78,35 @@ def frozen_everywhere(
         if s.frozen is not None
         and all(s.frozen in said.get(peer, ()) for peer in ranks[s.group] or () if peer != rank)
     }
+
+
+def unlike_dtypes(sums: Sequence[Any], rank: int, ends: Mapping[int, Any]) -> None:
+    """Refuse the sums when a tied weight's copies have other dtypes on other ranks.
+
+    Its gradients travel as bytes: a copy converted on one rank alone (``stage.half()``
+    here, ``.bfloat16()`` there) would read another's bytes as its own dtype, or, of
+    another size, end a process in gloo. Each end of the step names the dtype of each
+    weight its rank holds with others (``tie_dtypes``); every rank reads every end, so
+    every rank refuses alike, before any transfer, holder of that weight or not.
+
+    Raises:
+        TypeError: the copies of a tied weight differ in dtype between ranks.
+    """
+    said: dict[str, dict[int, Any]] = {}
+    for s in sums:
+        if s.held is not None:
+            said.setdefault(s.held[0], {})[rank] = s.held[1]
+    for peer, (status, _) in ends.items():
+        for name, dtype in status.get("tie_dtypes", {}).items():
+            said.setdefault(name, {})[peer] = dtype
+    for name, by_rank in said.items():
+        if len(set(by_rank.values())) > 1:
+            each = ", ".join(f"rank {r}: {d}" for r, d in sorted(by_rank.items()))
+            raise TypeError(
+                f"torchgpipe: the copies of the tied weight {name} have other dtypes on "
+                f"the ranks that hold it ({each}); convert the stages alike in every "
+                f"process (stage.half() in each), and load a checkpoint to make them one"
+            )
 
 
 class AcrossRanks:
