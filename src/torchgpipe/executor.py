@@ -366,7 +366,7 @@ class StepRun:
 
     def _call(self, s: int, packed: Any) -> tuple[Any, dict[SkipKey, Any]]:
         """Partition ``s`` on its input; return its output and the skips it stashed."""
-        with HookWatch(self.hooked, s) if self.split else nullcontext():  # B's split, or not
+        with HookWatch(self.hooked, s) if self.split and s not in self.hooked else nullcontext():
             return call_stage(self.partitions[s], bool(self.inbound[s]), self.outbound[s], packed)
 
     # B
