@@ -61,6 +61,18 @@ def test_partitions_are_a_module_list_that_adds_no_state() -> None:
     assert list(model.state_dict()) == list(_mlp().state_dict())
 
 
+def test_partitions_keep_the_layers_names_as_in_0_0_7() -> None:
+    # The bug: each partition renumbered its layers from 0, where 0.0.7's kept their names
+    # (partitions[1].fc, and a partition's state dict under the layers' keys).
+    module = nn.Sequential(OrderedDict(a=nn.Linear(2, 2), b=nn.ReLU(), fc=nn.Linear(2, 2)))
+    model = GPipe(module, [2, 1])
+    assert model.partitions[1].fc is module.fc
+    assert model.partitions[1][0] is module.fc
+    assert list(model.partitions[0].state_dict()) == ["a.weight", "a.bias"]
+    numbered = GPipe(_mlp(), [1, 3])
+    assert [name for name, _ in numbered.partitions[1].named_children()] == ["1", "2", "3"]
+
+
 def test_partitions_follow_the_models_training_flag_and_leave_the_layers_theirs() -> None:
     # The bug: after model.eval() each partition still said training (0.0.7's registered
     # partitions followed the model).
@@ -374,6 +386,10 @@ def test_len_indexing_and_iteration() -> None:
     assert model[-1] is module[3]
     assert list(model) == list(module)
     assert list(model[1:3]) == [module[1], module[2]]
+    with pytest.raises(IndexError, match="index 4 is out of range: the model has 4 layers"):
+        model[4]
+    with pytest.raises(IndexError, match="index -5 is out of range"):
+        model[-5]
     # A slice keeps the layers' names, as the Sequential's own slice does.
     named = nn.Sequential(OrderedDict(a=nn.Linear(2, 2), b=nn.ReLU(), c=nn.Linear(2, 2)))
     sliced = GPipe(named, [2, 1])[::2]

@@ -559,6 +559,31 @@ def test_rng_a_layers_own_generator_is_replayed_and_advanced_once(
     assert torch.equal(model[1].generator.get_state(), plain[1].generator.get_state())
 
 
+def test_rng_a_generator_given_and_drawn_from_by_another_thread_is_replayed() -> None:
+    # The bug: the forward noted the generator's state, then drew from the generator
+    # itself; a data thread drawing from it in between (torch.default_generator, passed
+    # on explicitly) made the recomputation replay a state the forward never drew from.
+    # The input's gradient shows the recomputation's mask, the output the forward's.
+    class Given(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x * (torch.rand(x.shape, generator=torch.default_generator) < 0.5)
+
+    model = GPipe(nn.Sequential(nn.Identity(), Given(), Given()), [1, 1, 1], chunks=8,
+                  checkpoint="always")  # fmt: skip
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the gap is hit within a few steps
+    try:
+        with drawing_elsewhere():
+            for _ in range(10):
+                x = torch.ones(16, 512, requires_grad=True)
+                out = model(x)
+                out.sum().backward()
+                assert x.grad is not None
+                assert torch.equal(x.grad, out.detach())
+    finally:
+        sys.setswitchinterval(switch)
+
+
 @pytest.mark.parametrize("where", ["layer", "loss"])
 def test_rng_a_recomputation_drawing_more_from_its_own_generator_fails(where: str) -> None:
     generator = torch.Generator().manual_seed(3)

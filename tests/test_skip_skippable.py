@@ -74,6 +74,12 @@ def test_verify_skippables_imports_from_where_0_0_7_had_it() -> None:
         module.nothing  # noqa: B018
 
 
+def test_namespace_imports_from_where_0_0_7_had_it() -> None:
+    from torchgpipe.skip.namespace import Namespace as old_path
+
+    assert old_path is Namespace
+
+
 def test_the_0_0_7_name_sets_are_read_only() -> None:
     layer = Stash()
     with pytest.raises(AttributeError, match=r"stashable_names is read-only.*@skippable"):

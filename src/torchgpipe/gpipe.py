@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from torchgpipe.devices import Device, PlacedModule, check_devices
 from torchgpipe.grad_hooks import hooks_once
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.legacy import renamed_keys, watch_loads
-from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
+from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, partition
 from torchgpipe.microbatch import gather, scatter
 from torchgpipe.rng import draw_seed
 from torchgpipe.schedules import Schedule
@@ -195,8 +196,7 @@ class GPipe(PlacedModule, StageHolder):
             self._ties = Ties.untie(parts, self.devices, names=state_names(module))
             for size, device in zip(self.balance, self.devices, strict=True):
                 part, layers = layers[:size], layers[size:]
-                materialize(part, device, fill)  # meta layers; a state dict's keys
-                partitions.append(nn.Sequential(*(layer for _, layer in part)).to(device))
+                partitions.append(partition(part, device, fill))  # meta layers filled
             self._ties.align()
         except BaseException:
             undo()
@@ -276,7 +276,10 @@ class GPipe(PlacedModule, StageHolder):
     def __getitem__(self, index: int | slice) -> nn.Module:
         if isinstance(index, slice):  # under the layers' names, as a Sequential's slice
             return nn.Sequential(OrderedDict(list(self._modules.items())[index]))  # type: ignore[arg-type]
-        layer = list(self._modules.values())[index]
+        layers = list(self._modules.values())
+        if not -len(layers) <= operator.index(index) < len(layers):
+            raise IndexError(f"index {index} is out of range: the model has {len(layers)} layers")
+        layer = layers[index]
         assert layer is not None  # add_module was never given None
         return layer
 

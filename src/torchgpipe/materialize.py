@@ -89,9 +89,23 @@ __all__ = [
     "materialize",
     "named_tensors",
     "on_meta",
+    "partition",
     "state_names",
     "tied_state_dict",
 ]
+
+
+def partition(
+    layers: list[tuple[str, nn.Module]], device: torch.device, fill: Fill
+) -> nn.Sequential:
+    """The partition of ``layers`` (``(name, layer)`` pairs) on ``device``.
+
+    An ``nn.Sequential`` of the layers under their names in the plain model, as
+    torchgpipe 0.0.7's partitions were (``partitions[1].fc``; keys ``fc.weight``), its
+    meta layers allocated and filled first (:func:`materialize`).
+    """
+    materialize(layers, device, fill)
+    return nn.Sequential(OrderedDict(layers)).to(device)
 
 
 def materialize(layers: list[tuple[str, nn.Module]], device: torch.device, fill: Fill) -> None:

@@ -191,11 +191,14 @@ class _CellGenerators(TorchFunctionMode):
     def _given(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with a generator of the caller's own (a layer's ``self.generator``).
 
-        The forward draws from it, as the unwrapped model does, and notes its state
-        first; the recomputation draws from a new generator in that state, so it draws
-        what the forward drew and leaves the caller's generator where the forward left it.
-        Layers of several partitions sharing one generator draw from it in the order
-        their cells run, which the threads' timing decides, as it would for any threads.
+        The forward notes its state, draws from a new generator in that state and moves
+        the caller's on to where that one ended, as the unwrapped model's draw would; the
+        recomputation draws from a new generator in the noted state. Neither draws from
+        the caller's itself: a thread outside the pipeline drawing from it (a data thread
+        given the default generator) could move it between the note and the draw, and
+        the recomputation would replay another state than the forward drew from. Layers
+        of several partitions sharing one generator draw from it in the order their
+        cells run, which the threads' timing decides, as it would for any threads.
         """
         given = kwargs.get("generator")
         if not isinstance(given, torch.Generator):
@@ -203,12 +206,16 @@ class _CellGenerators(TorchFunctionMode):
         if given is None:  # not a generator: the function says what it takes
             return func(*args, **kwargs)
         if self._record is not None:
-            with _GIVEN:  # no other worker draws from it between the two
-                self._record.append(given.get_state())
-                return func(*args, **kwargs)
+            with _GIVEN:  # no other worker moves it on between the note and the update
+                state = given.get_state()
+                twin = _twin(given, state)
+                result = _drawn_from(twin, given, func, args, kwargs)
+                given.set_state(twin.get_state())
+            self._record.append(state)
+            return result
         assert self._replay is not None
-        state = next(self._replay, None)
-        if state is None:  # the recomputation draws more than the forward did
+        noted = next(self._replay, None)
+        if noted is None:  # the recomputation draws more than the forward did
             raise RuntimeError(
                 f"torchgpipe: the recomputation of a checkpointed cell called "
                 f"{getattr(func, '__name__', func)} with a generator of its own more "
@@ -218,11 +225,27 @@ class _CellGenerators(TorchFunctionMode):
                 f"only). Draw the same in both, let the loss draw from torch's default "
                 f"generator (the cell's then), or use checkpoint='never'"
             )
-        twin = torch.Generator(device=given.device)
-        twin.set_state(state)
-        args = tuple(twin if a is given else a for a in args)
-        kwargs = {k: twin if v is given else v for k, v in kwargs.items()}
-        return func(*args, **kwargs)
+        return _drawn_from(_twin(given, noted), given, func, args, kwargs)
+
+
+def _twin(given: torch.Generator, state: Tensor) -> torch.Generator:
+    """A new generator on ``given``'s device, in ``state``."""
+    twin = torch.Generator(device=given.device)
+    twin.set_state(state)
+    return twin
+
+
+def _drawn_from(
+    twin: torch.Generator,
+    given: torch.Generator,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``func`` called with ``twin`` wherever its arguments hold ``given``."""
+    args = tuple(twin if a is given else a for a in args)
+    kwargs = {k: twin if v is given else v for k, v in kwargs.items()}
+    return func(*args, **kwargs)
 
 
 class _RandomOperators(TorchDispatchMode):

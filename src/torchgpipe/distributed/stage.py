@@ -45,7 +45,7 @@ from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key
 from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks, unlike_dtypes
 from torchgpipe.guards import RecomputeGuard
-from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, materialize
+from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, partition
 from torchgpipe.schedules import Schedule
 from torchgpipe.skip.layout import SkipLayout, skip_layout, verify_skippables
 from torchgpipe.split_stage import Stage, keep_plain_keys
@@ -238,10 +238,9 @@ class PipelineStage(PlacedModule, StageHolder):
         for s in self.stages:
             part = layers[starts[s] : starts[s + 1]]
             # Only this process's layers are allocated, when built on the meta device.
-            materialize(part, self.device, fill)
+            self.partitions[s] = partition(part, self.device, fill)
             for name, layer in part:
                 self.add_module(name, layer)
-            self.partitions[s] = nn.Sequential(*[layer for _, layer in part]).to(self.device)
         if any(isinstance(layer, Stage) for layer in module):
             keep_plain_keys(self)  # a split model's keys: the model's own
         if self._ties:  # load the whole model's state dict on every rank (strict=False)

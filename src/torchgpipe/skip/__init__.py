@@ -7,7 +7,8 @@ partition that stashes it to the one that pops it. See ``skippable.py`` for an e
 
 from torchgpipe.skip.errors import SkipError
 from torchgpipe.skip.layout import SkipLayout, SkipRoute, verify_skippables
-from torchgpipe.skip.skippable import Namespace, pop, skippable, stash
+from torchgpipe.skip.namespace import Namespace
+from torchgpipe.skip.skippable import pop, skippable, stash
 
 __all__ = [
     "Namespace",

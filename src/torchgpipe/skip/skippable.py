@@ -41,57 +41,10 @@ from typing import Any, NoReturn, TypeVar, cast
 from torch import Tensor, nn
 
 from torchgpipe.skip.errors import SkipError, declared_names
+from torchgpipe.skip.namespace import GLOBAL_NAMESPACE, Namespace
 from torchgpipe.skip.tracker import current_tracker
 
 __all__ = ["Namespace", "SkipKey", "Skippable", "pop", "skippable", "stash"]
-
-
-class Namespace:
-    """A scope for skip names, so that one skippable class can be used many times.
-
-    Two ``Namespace()`` are always different. A copy of one (``copy.deepcopy``, pickle,
-    ``torch.save``) equals it, as in torchgpipe 0.0.7: layers isolated in one namespace
-    and copied one by one still find each other's skips.
-
-    Example::
-
-        ns1, ns2 = Namespace(), Namespace()
-        model = nn.Sequential(Down().isolate(ns1), Down().isolate(ns2),
-                              Up().isolate(ns2), Up().isolate(ns1))
-    """
-
-    def __init__(self, label: str | None = None) -> None:
-        self.label = label
-        self._id = uuid.uuid4()
-
-    def __repr__(self) -> str:
-        return f"Namespace({self.label!r})" if self.label else f"<Namespace {self._id.hex[:8]}>"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Namespace) and other._id == self._id
-
-    def __hash__(self) -> int:
-        return hash(self._id)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # deepcopy and pickle keep the identity; the global namespace stays the one object.
-        if self is GLOBAL_NAMESPACE:
-            return (_global_namespace, ())
-        return (_restore_namespace, (self.label, self._id))
-
-
-def _restore_namespace(label: str | None, id: uuid.UUID) -> Namespace:
-    namespace = Namespace(label)
-    namespace._id = id
-    return namespace
-
-
-def _global_namespace() -> Namespace:
-    return GLOBAL_NAMESPACE
-
-
-GLOBAL_NAMESPACE = Namespace("global")
-"""Where names live that no :meth:`Skippable.isolate` put in a namespace of their own."""
 
 
 @dataclass(frozen=True)
