@@ -354,6 +354,20 @@ def test_copies_stay_equal_over_fifty_adam_steps(schedule: type | None) -> None:
     torch.testing.assert_close(pipe[2].weight, plain[2].weight, rtol=1e-4, atol=1e-5)
 
 
+def test_copies_in_optimizer_groups_of_different_settings_are_refused_saying_so() -> None:
+    # minGPT's groups: no weight decay for embeddings, decay for linear layers; the
+    # embedding's copy and the head's land in different groups, every copy held.
+    pipe = GPipe(_language_model(), [2, 3], chunks=4)
+    embeddings = [p for m in pipe.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+    rest = [p for p in pipe.parameters() if all(p is not e for e in embeddings)]
+    groups = [{"params": embeddings, "weight_decay": 0.0}, {"params": rest, "weight_decay": 0.1}]
+    optimizer = torch.optim.AdamW(groups, lr=0.01)
+    F.cross_entropy(pipe(_data(1)[0]), _data(1)[1]).backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"groups of different settings .* every copy of a"):
+        pipe(_data(2)[0])
+
+
 @pytest.mark.parametrize("schedule", [None, Schedule1F1B])
 def test_copies_an_optimizer_made_before_the_pipeline_changed_unequally_are_refused(
     schedule: type | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, overload
 
@@ -305,12 +305,11 @@ class GPipe(PlacedModule, StageHolder):
         m = len(batches)
         training = self.training and pipeline.records()
         stages = self._stages(m, checkpoint_stop(self.checkpoint, m) if training else 0)
-        if self._ties:
-            self._ties.begin()
         # Deferred batch norm learns m once the workers are this call's, not before: a
         # call of another thread may be running.
         expect = partial(self.expect_micro_batches, m)
-        outputs = pipeline.run(stages, self.workers, batches, expect)
+        with self._ties.using() if self._ties else nullcontext():
+            outputs = pipeline.run(stages, self.workers, batches, expect)
         return gather(self._ties.after_backward(outputs) if self._ties else outputs)
 
     # What the schedules of torchgpipe.training ask of the stages they step (StageHolder).
@@ -346,12 +345,15 @@ class GPipe(PlacedModule, StageHolder):
             RuntimeError: a layer of this GPipe called it (it would wait for itself);
                 nothing has changed.
         """
-        with self.workers.exclusive():
-            self._ties.begin(step=True)
-            # The parameters' own hooks run once, after the ties are summed (grad_hooks.py):
-            # the tied weights' copies get the sum of their gradients as the step ends.
-            with hooks_once(self.parameters(), self._ties.groups), self._ties.summing():
-                result = pipeline.step(self, steps, input, target)
+        # The parameters' own hooks run once, after the ties are summed (grad_hooks.py):
+        # the tied weights' copies get the sum of their gradients as the step ends.
+        with (
+            self.workers.exclusive(),
+            self._ties.using(step=True),
+            hooks_once(self.parameters(), self._ties.own),
+            self._ties.summing(),
+        ):
+            result = pipeline.step(self, steps, input, target)
         return result
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:

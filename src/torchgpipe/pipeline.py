@@ -60,8 +60,7 @@ from torchgpipe.steps import (
     refuse_inference_mode,
     weighted,
 )
-from torchgpipe.tied import tie_groups
-from torchgpipe.tied_sums import refuse_ties_named_apart
+from torchgpipe.tied_sums import refuse_ties_named_apart, tie_groups
 from torchgpipe.worker import Before, Workers
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -48,9 +48,10 @@ from torchgpipe.grad_hooks import dense, summed
 from torchgpipe.materialize import every_name_fits, loaded_value, state_names, tied_state_dict
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.tied_drift import Drift
+from torchgpipe.tied_given import Filled, fill, put_back, replaced
 from torchgpipe.tied_sums import Record, ReduceAtEnd
 
-__all__ = ["Ties", "loaded_value", "state_names", "tie_groups", "tied_state_dict"]
+__all__ = ["Ties", "loaded_value", "state_names", "tied_state_dict"]
 
 
 Across = Callable[[tuple[int, ...], Tensor, Tensor], Callable[[], Tensor]]
@@ -105,6 +106,9 @@ class Ties:
         self._handles: list[RemovableHandle] = []
         # What _hook() hooked: (group, copy, parameter, its __dict__ then).
         self._hooked: list[tuple[int, int, Tensor, dict[str, Any]]] = []
+        # Per group: the copies the sums and hooks are on, which the slots hold but in a
+        # call that functional_call gives tensors of its own (tied_given.py).
+        self.own = self.groups
 
     @property
     def groups(self) -> list[list[Tensor]]:
@@ -185,6 +189,7 @@ class Ties:
         Called once the owners hold their values (a meta model's are filled by then). A
         shared buffer's copies take its owner's values here, once (see the module's doc).
         """
+        self.own = self.groups  # a meta model's were replaced, filled
         with torch.no_grad():
             for owner, *copies in self.groups:
                 for copy in copies:
@@ -207,11 +212,16 @@ class Ties:
         Raises:
             RuntimeError: the copies of a tied weight changed unequally (``tied_drift.py``).
         """
-        self._drift.check(self.groups, self.names, step)
+        for g, now in enumerate(self.groups):
+            own = self.own[g]
+            changed = any(a is not b for a, b in zip(own, now, strict=True))
+            if changed and (self.ranks[g] is not None or replaced(own, now)):
+                self.own[g] = now  # replaced for good (tied_given.py)
+        self._drift.check(self.own, self.names, step)
         with self._lock:
             if not self._in_flight:
                 self._pending.clear()
-        for g, group in enumerate(self.groups):
+        for g, group in enumerate(self.own):
             last = self._flags[g]
             flag = next((p.requires_grad for p in group if p.requires_grad != last), last)
             for p in group:
@@ -224,6 +234,24 @@ class Ties:
             for a, b in zip(wanted, self._hooked, strict=False)
         ):
             self._hook()
+
+    @contextmanager
+    def using(self, step: bool = False) -> Iterator[None]:
+        """Around a forward or a ``step``: :meth:`begin`, and given tensors (tied_given.py).
+
+        Raises:
+            RuntimeError: as :meth:`begin`.
+            ValueError: several tensors given for some copies of a tied weight.
+        """
+        self.begin(step)
+        filled: Filled = []
+        try:
+            for g, slots in enumerate(self.slots):
+                if self.ranks[g] is None:
+                    filled += fill(slots, self.own[g], self.names[g])
+            yield
+        finally:
+            put_back(filled)
 
     def passing(self) -> None:
         """A backward pass or step begins (after a sum under way: ``tied_sums.py``)."""
@@ -278,7 +306,7 @@ class Ties:
             pending, self._pending = self._pending, {}
         sums: list[_Sum] = []
         with torch.no_grad():
-            for g, (owner, *copies) in enumerate(self.groups):
+            for g, (owner, *copies) in enumerate(self.own):
                 ranks = self.ranks[g]
                 if ranks is None and not owner.requires_grad:  # frozen: no gradient
                     continue
@@ -325,7 +353,7 @@ class Ties:
                 total = entry.move() if entry.move is not None else entry.total
                 if entry.total is None or total is None:
                     continue
-                owner, *copies = self.groups[entry.group]
+                owner, *copies = self.own[entry.group]
                 owner.grad = total
                 for copy, (grad, write) in zip(copies, entry.grads, strict=True):
                     if write:
@@ -355,7 +383,7 @@ class Ties:
         """
         return [
             (g, c, parameter)
-            for g, group in enumerate(self.groups)
+            for g, group in enumerate(self.own)
             for c, parameter in enumerate(group)
             if parameter.requires_grad and (c > 0 or self.ranks[g] is not None)
         ]
@@ -428,6 +456,7 @@ class Ties:
                     state_dict[key] = copy
 
     def _loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self.own = self.groups  # ``assign=True``: new parameters
         self._drift.forget()  # a copy under two names was loaded twice
         self.begin()  # ``assign=True`` puts new parameters in place: watch them
 
@@ -449,20 +478,6 @@ class Ties:
         self.__init__(*args)  # type: ignore[misc]
         self._flags = state["flags"]
         self._hook()  # on the copied tensors
-
-
-def tie_groups(params: Iterable[Tensor]) -> list[tuple[Tensor, ...]]:
-    """The tied weights whose copies are among ``params``: each as its copies, owner first.
-
-    Found through the hooks :class:`Ties` puts on the copies (every copy but the owner).
-    """
-    groups: dict[tuple[int, int], tuple[Tensor, ...]] = {}
-    for p in params:
-        for hook in (getattr(p, "_backward_hooks", None) or {}).values():
-            if isinstance(hook, Record):
-                g = hook.key[0]
-                groups[(id(hook.ties), g)] = tuple(hook.ties.groups[g])
-    return list(groups.values())
 
 
 def _wants_grad(x: Any) -> bool:

@@ -28,7 +28,7 @@ begins while a sum runs waits for it (``Ties.passing``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from torchgpipe.grad_hooks import SUMS_SHARES, fate
 if TYPE_CHECKING:
     from torchgpipe.tied import Ties
 
-__all__ = ["PassEnd", "Record", "ReduceAtEnd", "refuse_ties_named_apart"]
+__all__ = ["PassEnd", "Record", "ReduceAtEnd", "refuse_ties_named_apart", "tie_groups"]
 
 
 class Record:
@@ -105,6 +105,20 @@ class ReduceAtEnd(torch.autograd.Function):
         ctx.ties.passing()
         torch.autograd.Variable._execution_engine.queue_callback(PassEnd(ctx.ties))
         return (None, *grads)
+
+
+def tie_groups(params: Iterable[Tensor]) -> list[tuple[Tensor, ...]]:
+    """The tied weights whose copies are among ``params``: each as its copies, owner first.
+
+    Found through the hooks :class:`Ties` puts on the copies (every copy but the owner).
+    """
+    groups: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+    for p in params:
+        for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+            if isinstance(hook, Record):
+                g = hook.key[0]
+                groups[(id(hook.ties), g)] = tuple(hook.ties.own[g])
+    return list(groups.values())
 
 
 def refuse_ties_named_apart(

@@ -312,14 +312,13 @@ class PipelineStage(PlacedModule, StageHolder):
         """This process's part of one step of ``steps``, in every process at once."""
         from torchgpipe.distributed.schedule import run_step  # it builds on this module
 
-        self._ties.begin(step=True)
-        with self._ties.summing(reduce=False):  # run_step sums them; a failed one's dropped
-            return run_step(self, steps, input, target)
+        with self._ties.using(step=True), self._ties.summing(reduce=False):  # run_step sums
+            return run_step(self, steps, input, target)  # them; a failed one's dropped
 
     @property
     def tie_groups(self) -> list[list[Tensor]]:
         """This process's copies of each weight tied across stages, owner first."""
-        return self._ties.groups
+        return self._ties.own
 
     def prepare_tied(self) -> list[Any]:
         """What the tied weights' sum needs, made before this rank ends a step (``Ties``)."""
