@@ -80,6 +80,19 @@ def test_namespace_imports_from_where_0_0_7_had_it() -> None:
     assert old_path is Namespace
 
 
+@pytest.mark.parametrize("which", ["global", "own"])
+def test_a_namespace_pickled_where_it_was_defined_before_still_loads(which: str) -> None:
+    # Namespaces were defined in skippable.py, where older pickles look for them (a
+    # model saved whole with torch.save).
+    ns = GLOBAL_NAMESPACE if which == "global" else Namespace("x")
+    new = pickle.dumps(ns)
+    assert b"torchgpipe.skip.namespace" in new
+    old = new.replace(b"torchgpipe.skip.namespace", b"torchgpipe.skip.skippable")  # one length
+    loaded = pickle.loads(old)
+    assert loaded == ns
+    assert (loaded is GLOBAL_NAMESPACE) == (which == "global")
+
+
 def test_the_0_0_7_name_sets_are_read_only() -> None:
     layer = Stash()
     with pytest.raises(AttributeError, match=r"stashable_names is read-only.*@skippable"):

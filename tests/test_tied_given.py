@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from torchgpipe import GPipe, split
+from torchgpipe import GPipe, split, tied_given
 
 VOCAB, WIDTH = 11, 6
 
@@ -149,3 +149,53 @@ def test_copies_replaced_for_good_by_a_conversion_are_summed_from_then_on() -> N
     F.cross_entropy(pipe(_ids()), target).backward()
     for copy_ in (pipe[0].weight, pipe[4].weight):
         torch.testing.assert_close(copy_.grad, plain[0].weight.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_weight_given_reaches_a_partition_on_another_device_as_a_copy(
+    checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On two GPUs the head's slot takes the given tensor copied to its device: a tensor
+    # with a node, which a checkpointed cell's recomputation uses again (refused for
+    # parameters computed from others). The copy to another device, made here on one.
+    def elsewhere(one: Tensor, device: torch.device) -> Tensor:
+        made = one.to(device, copy=True)
+        tied_given._MOVED[made] = True
+        return made
+
+    monkeypatch.setattr(tied_given, "moved", elsewhere)
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    expected, got = _given(plain), _given(plain)
+    _loss(plain, expected).backward()
+    _loss(pipe, got).backward()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name].grad, tensor.grad, rtol=1e-5, atol=1e-5)
+    assert isinstance(pipe[4].weight, nn.Parameter)
+
+
+def test_a_copy_replaced_by_a_parameter_by_hand_is_the_copy_from_then_on() -> None:
+    # A module takes a parameter only, never a call's plain tensor: assigned by hand,
+    # it is what the ties keep (the embedding keeps its own weight, as it did).
+    pipe = GPipe(_language_model(), [2, 3], chunks=4)
+    embedding = pipe[0].weight
+    new = nn.Parameter(torch.randn(VOCAB, WIDTH))
+    pipe[4].weight = new
+    pipe(_ids()).sum().backward()
+    assert pipe[0].weight is embedding
+    assert pipe[4].weight is new
+    assert new.grad is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_weight_given_on_the_cpu_reaches_a_partition_on_a_gpu(checkpoint: str) -> None:
+    plain = _language_model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 3], devices=["cpu", "cuda:0"], chunks=4,
+                 checkpoint=checkpoint)  # type: ignore[arg-type]  # fmt: skip
+    expected, got = _given(plain), _given(plain)
+    _loss(plain, expected).backward()
+    functional_call(pipe, got, (_ids(),)).square().sum().backward()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name].grad, tensor.grad, rtol=1e-4, atol=1e-4)
+    assert pipe[4].weight.device.type == "cuda"

@@ -55,6 +55,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
 from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.tied_given import is_moved
 
 __all__ = ["RecomputeGuard", "Restore", "RunGuard", "RunGuards"]
 
@@ -234,7 +235,7 @@ class RunGuard:
         for (module, name), p in zip(self.parameters, self.used, strict=True):
             if p is None or _held(module._parameters, name) is p:
                 continue
-            if p.grad_fn is not None:
+            if p.grad_fn is not None and not is_moved(p):  # a tied weight given: fine
                 raise RuntimeError(
                     f"torchgpipe: the forward used a parameter {name!r} of a "
                     f"{type(module).__name__} computed from other tensors (given to "

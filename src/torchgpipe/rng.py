@@ -27,9 +27,11 @@ C++ code with no generator argument (multi-head attention's dropout, the recurre
 layers' dropout between layers) run with a dispatch mode on for their own operators
 only (:class:`_RandomOperators`).
 
-A call that brings a generator of its own draws from it, as in the unwrapped model; the
-forward notes the generator's state first, and the recomputation draws from a new
-generator in that state: the same numbers, and the caller's generator advanced once.
+A call that brings a generator of its own draws what it would draw from it, as in the
+unwrapped model: the forward notes the generator's state, draws from a new generator in
+that state and moves the caller's on to where that one ended; the recomputation draws
+from another new generator in the noted state: the same numbers, and the caller's
+generator advanced once.
 
 Not covered, so drawing from the default generators without these guarantees: random
 draws of custom C++ or Triton kernels, random ``torch.ops.aten`` operators called

@@ -215,7 +215,7 @@ class Ties:
         for g, now in enumerate(self.groups):
             own = self.own[g]
             changed = any(a is not b for a, b in zip(own, now, strict=True))
-            if changed and (self.ranks[g] is not None or replaced(own, now)):
+            if changed and (self.ranks[g] is not None or replaced(now)):
                 self.own[g] = now  # replaced for good (tied_given.py)
         self._drift.check(self.own, self.names, step)
         with self._lock:
@@ -248,7 +248,7 @@ class Ties:
         try:
             for g, slots in enumerate(self.slots):
                 if self.ranks[g] is None:
-                    filled += fill(slots, self.own[g], self.names[g])
+                    filled += fill(slots, self.own[g], self.names[g])  # all or none
             yield
         finally:
             put_back(filled)

@@ -9,21 +9,25 @@ partition's head would compute with the old weight, silently.
 
 So at the start of a forward or step, :meth:`Ties.using` compares each tied weight's
 slots with the copies the ties keep (``Ties.own``, the tensors their sums and hooks are
-on). Where some slots hold other tensors, put there by a ``functional_call``:
+on). A slot that holds a plain tensor, not a parameter, holds a call's (a module's
+slot takes a parameter only, but from ``functional_call``):
 
 - one tensor given (under one name or several): the slots that still hold their copies
-  take it too, on their partitions' devices, for this call (:func:`fill`); the given
-  tensor gets the gradient of every use by autograd itself, as in the plain model, and
-  the copies stay out of it;
-- a tensor given per copy, under every name (``dict(pipe.named_parameters())``, cloned):
+  take it too, for this call (:func:`fill`), on their partitions' devices (a copy there
+  that autograd takes back to it, which a checkpointed cell may use again:
+  :func:`moved`); the given tensor gets the gradient of every use by autograd itself,
+  as in the plain model, and the copies stay out of it;
+- a tensor given per copy, under every name (``pipe.named_parameters()``, cloned):
   each partition computes with its own, and each gets the gradient of its partition's
   uses only, no sum: they are the caller's tensors, not the pipeline's copies;
 - several tensors given, but not for every copy: which one the others take is not said,
   and the call is refused.
 
-Slots that each hold a new ``nn.Parameter`` (a load with ``assign=True``, a conversion
-under ``torch.__future__.set_overwrite_module_params_on_conversion(True)``) replaced the
-copies for good: the ties keep those from then on (:func:`replaced`).
+A slot that holds another parameter than its copy was given one for good, as a module
+takes one (a load with ``assign=True``, a conversion that overwrites parameters,
+``module.weight = nn.Parameter(...)``), or by a ``functional_call`` given parameters:
+the two cannot be told apart, and the ties keep the slots' parameters as the copies from
+then on (:func:`replaced`), as they did before a call was looked for.
 """
 
 from __future__ import annotations
@@ -31,20 +35,40 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Filled", "fill", "put_back", "replaced"]
+__all__ = ["Filled", "fill", "is_moved", "moved", "put_back", "replaced"]
 
 Filled = list[tuple[dict[str, Any], str, Tensor]]
 """Slots given another tensor for one call: each slot's dict, name, and the copy it held."""
 
 
-def replaced(own: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
-    """Whether ``now`` replaced the copies ``own`` for good: a new parameter in each slot."""
-    kept = {id(p) for p in own}
-    return len({id(p) for p in now}) == len(now) and all(
-        isinstance(p, nn.Parameter) and id(p) not in kept for p in now
-    )
+def replaced(now: Sequence[Tensor]) -> bool:
+    """Whether the slots holding ``now`` hold parameters only: the copies, or new ones."""
+    return all(isinstance(p, nn.Parameter) for p in now)
+
+
+def moved(one: Tensor, device: torch.device) -> Tensor:
+    """``one`` on ``device``, for a slot there: itself where it is already there."""
+    if one.device == device:
+        return one
+    made = one.to(device)
+    _MOVED[made] = True
+    return made
+
+
+_MOVED = WeakIdKeyDictionary()  # the tensors moved(), while they live
+
+
+def is_moved(p: Tensor) -> bool:
+    """Whether ``p`` is a given tensor :func:`moved` to a partition's device.
+
+    A checkpointed cell may use it again in its recomputation: its node (a copy)
+    keeps no tensors, so autograd can go through it once per micro-batch.
+    """
+    return p in _MOVED
 
 
 def fill(slots: Sequence[tuple[nn.Module, str]], own: Sequence[Tensor], names: list[str]) -> Filled:
@@ -72,9 +96,10 @@ def fill(slots: Sequence[tuple[nn.Module, str]], own: Sequence[Tensor], names: l
             f"tensor, under any of its names, or one under every name of each copy"
         )
     one = given[0]
+    placed = [moved(one, copy.device) for _, _, copy in keeping]  # what fails, before a change
     filled: Filled = []
-    for module, name, copy in keeping:
-        module._parameters[name] = one if one.device == copy.device else one.to(copy.device)  # type: ignore[assignment]  # a slot takes any tensor, as functional_call's
+    for (module, name, copy), tensor in zip(keeping, placed, strict=True):
+        module._parameters[name] = tensor  # type: ignore[assignment]  # a slot takes any tensor, as functional_call's
         filled.append((module._parameters, name, copy))
     return filled
 

@@ -41,7 +41,12 @@ from typing import Any, NoReturn, TypeVar, cast
 from torch import Tensor, nn
 
 from torchgpipe.skip.errors import SkipError, declared_names
-from torchgpipe.skip.namespace import GLOBAL_NAMESPACE, Namespace
+from torchgpipe.skip.namespace import (  # the last two: where older pickles look for them
+    GLOBAL_NAMESPACE,
+    Namespace,
+    _global_namespace,  # noqa: F401
+    _restore_namespace,  # noqa: F401
+)
 from torchgpipe.skip.tracker import current_tracker
 
 __all__ = ["Namespace", "SkipKey", "Skippable", "pop", "skippable", "stash"]
