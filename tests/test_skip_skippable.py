@@ -1,11 +1,14 @@
 """@skippable, stash, pop, Namespace: on their own and in a plain nn.Sequential."""
 
 import copy
+import copyreg
 import functools
 import importlib
 import io
 import pickle
+import uuid
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +81,26 @@ def test_namespace_imports_from_where_0_0_7_had_it() -> None:
     from torchgpipe.skip.namespace import Namespace as old_path
 
     assert old_path is Namespace
+
+
+def test_a_namespace_pickled_by_0_0_7_loads() -> None:
+    # 0.0.7's Namespace held its uuid in a slot, ``id``, and pickled by default: a new
+    # object of the class, then its slots' state.
+    class Old(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, uuid.UUID) or obj is not marker:
+                return NotImplemented
+            return copyreg.__newobj__, (Namespace,), (None, {"id": ident})  # type: ignore[attr-defined]
+
+    marker, ident = Namespace.__new__(Namespace), uuid.uuid4()
+    buffer = io.BytesIO()
+    Old(buffer, protocol=2).dump([marker, marker])
+    first, second = pickle.loads(buffer.getvalue())
+    assert first == second
+    assert first is second
+    assert hash(first) == hash(second)
+    assert "Namespace" in repr(first)
+    assert first != Namespace()
 
 
 @pytest.mark.parametrize("which", ["global", "own"])

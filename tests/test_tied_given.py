@@ -199,3 +199,48 @@ def test_a_weight_given_on_the_cpu_reaches_a_partition_on_a_gpu(checkpoint: str)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name].grad, tensor.grad, rtol=1e-4, atol=1e-4)
     assert pipe[4].weight.device.type == "cuda"
+
+
+class _TwoHeads(nn.Module):
+    """Two uses of the tied weight in one partition: one copy there, in two modules."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.a, self.b = (nn.Linear(WIDTH, VOCAB, bias=False) for _ in range(2))
+        self.a.weight = self.b.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x) + self.b(torch.tanh(x))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_every_module_of_a_partition_holding_the_copy_gets_the_weight(checkpoint: str) -> None:
+    # The bug: the ties knew one holder of each copy; the second module of the last
+    # partition computed with the old copy.
+    model = _language_model()
+    model[4] = _TwoHeads(model[0].weight)
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [2, 3], chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    expected, got = _given(plain), _given(plain)
+    _loss(plain, expected).backward()
+    _loss(pipe, got).backward()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name].grad, tensor.grad, rtol=1e-5, atol=1e-5)
+    assert pipe[4].a.weight is pipe[4].b.weight
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_call_right_after_a_conversion_gives_the_weight_to_the_new_copies() -> None:
+    # The copies replaced by new parameters and, before any plain forward, a call that
+    # gives the weight: the new head's copy takes it.
+    plain, pipe = _language_model().double(), GPipe(_language_model(), [2, 3], chunks=4)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        pipe.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    expected, got = _given(plain), _given(plain)
+    _loss(plain, expected).backward()
+    _loss(pipe, got).backward()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name].grad, tensor.grad, rtol=1e-9, atol=1e-9)

@@ -38,6 +38,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -45,10 +46,11 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torchgpipe.grad_hooks import dense, summed
-from torchgpipe.materialize import every_name_fits, loaded_value, state_names, tied_state_dict
+from torchgpipe.materialize import loaded_value, state_names, tied_state_dict
 from torchgpipe.microbatch import flatten, unflatten
 from torchgpipe.tied_drift import Drift
 from torchgpipe.tied_given import Filled, fill, put_back, replaced
+from torchgpipe.tied_loads import loading
 from torchgpipe.tied_sums import Record, ReduceAtEnd
 
 __all__ = ["Ties", "loaded_value", "state_names", "tied_state_dict"]
@@ -93,8 +95,11 @@ class Ties:
         ranks: list[tuple[int, ...] | None],
         names: list[list[str]] | None = None,
         buffers: list[list[Slot]] | None = None,
+        holders: list[list[list[Slot]]] | None = None,
     ) -> None:
         self.slots = slots
+        # Per group, per copy: every slot that holds it (a weight used twice in a partition).
+        self.holders = holders if holders is not None else [[[s] for s in g] for g in slots]
         self.buffers = buffers if buffers is not None else []
         self.ranks = ranks  # per group: the processes that hold it, or None: this one only
         self.names = names if names is not None else [[] for _ in slots]  # in the state dict
@@ -141,6 +146,7 @@ class Ties:
         copies: dict[tuple[int, int], Tensor] = {}
         groups: dict[int, list[Slot]] = {}
         buffers: dict[int, list[Slot]] = {}
+        holders: dict[int, list[list[Slot]]] = {}  # per tensor, per copy: where it is
         shared = shared or {}
         for j, layers in enumerate(partitions):
             for layer in layers:
@@ -159,13 +165,17 @@ class Ties:
                             owner, slot = first.setdefault(key, (j, (module, name)))
                             if key in shared and isinstance(tensor, nn.Parameter):
                                 groups.setdefault(key, [slot])
+                            held = holders.setdefault(key, [[]])
                             if owner == j:
+                                held[0].append((module, name))
                                 continue
                             copy = copies.get((key, j))
                             if copy is None:
                                 copy = copies[(key, j)] = _copy(tensor, devices[j])
                                 kind = groups if isinstance(tensor, nn.Parameter) else buffers
                                 kind.setdefault(key, [slot]).append((module, name))
+                                held.append([])
+                            held[-1].append((module, name))
                             slots[name] = copy  # type: ignore[assignment]  # a Parameter's copy is one
         # Groups held by other processes first, in the order of ``shared``, which every
         # process builds alike from the whole model: their transfers must match.
@@ -178,6 +188,7 @@ class Ties:
             [shared.get(key) for key in keys],
             [list(names.get(key, [])) for key in keys],
             list(buffers.values()),
+            [holders[key] for key in keys],
         )
 
     def __bool__(self) -> bool:
@@ -212,11 +223,10 @@ class Ties:
         Raises:
             RuntimeError: the copies of a tied weight changed unequally (``tied_drift.py``).
         """
-        for g, now in enumerate(self.groups):
-            own = self.own[g]
-            changed = any(a is not b for a, b in zip(own, now, strict=True))
-            if changed and (self.ranks[g] is not None or replaced(now)):
-                self.own[g] = now  # replaced for good (tied_given.py)
+        for g, now in enumerate(self.groups):  # replaced for good (tied_given.py)
+            across = self.ranks[g] is not None
+            pairs = zip(self.own[g], now, strict=True)
+            self.own[g] = [p if across or replaced(p) else o for o, p in pairs]
         self._drift.check(self.own, self.names, step)
         with self._lock:
             if not self._in_flight:
@@ -246,9 +256,9 @@ class Ties:
         self.begin(step)
         filled: Filled = []
         try:
-            for g, slots in enumerate(self.slots):
+            for g, holders in enumerate(self.holders):
                 if self.ranks[g] is None:
-                    filled += fill(slots, self.own[g], self.names[g])  # all or none
+                    filled += fill(holders, self.own[g], self.names[g])  # all or none
             yield
         finally:
             put_back(filled)
@@ -421,39 +431,8 @@ class Ties:
 
         Register after any hook that renames the state dict's keys (``keep_plain_keys``).
         """
-        module._register_load_state_dict_pre_hook(self._loading, with_module=True)
+        module._register_load_state_dict_pre_hook(partial(loading, self), with_module=True)
         module.register_load_state_dict_post_hook(self._loaded)
-
-    def _loading(
-        self,
-        module: nn.Module,
-        state_dict: dict[str, Any],
-        prefix: str,
-        metadata: Any,
-        strict: bool,
-        *args: Any,
-    ) -> None:
-        """Give every name of each tied weight here the value the plain model would end with.
-
-        That is :func:`loaded_value`: a name the state dict lacks is filled from another,
-        so it is not reported missing (torch tells a hook nothing of ``strict``). Each
-        copy gets a tensor of its own (``assign=True`` would otherwise put one tensor
-        under two parameters), and every name of one copy the same parameter: with
-        ``assign=True`` torch would wrap a plain tensor in a parameter once per name,
-        and a weight used twice in a partition would no longer be one there.
-        """
-        mine: dict[int, list[str]] = {}
-        for name, parameter in module.named_parameters(remove_duplicate=False):
-            mine.setdefault(id(parameter), []).append(prefix + name)
-        for g, group in enumerate(self.groups):
-            keys = [prefix + key for key in self.names[g]]
-            value = loaded_value(state_dict, keys)
-            if value is None or not every_name_fits(state_dict, keys, group[0]):
-                continue
-            for member in group:
-                copy = nn.Parameter(value.detach().clone(), member.requires_grad)
-                for key in mine.get(id(member), []):
-                    state_dict[key] = copy
 
     def _loaded(self, module: nn.Module, incompatible: Any) -> None:
         self.own = self.groups  # ``assign=True``: new parameters
@@ -471,10 +450,11 @@ class Ties:
 
     def __getstate__(self) -> dict[str, Any]:
         state = {"slots": self.slots, "ranks": self.ranks, "names": self.names}
-        return {**state, "flags": self._flags, "buffers": self.buffers}
+        return {**state, "flags": self._flags, "buffers": self.buffers, "holders": self.holders}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        args = state["slots"], state["ranks"], state["names"], state["buffers"]
+        holders = state.get("holders")  # None in a pickle of before: the first holders
+        args = state["slots"], state["ranks"], state["names"], state["buffers"], holders
         self.__init__(*args)  # type: ignore[misc]
         self._flags = state["flags"]
         self._hook()  # on the copied tensors

@@ -45,9 +45,9 @@ Filled = list[tuple[dict[str, Any], str, Tensor]]
 """Slots given another tensor for one call: each slot's dict, name, and the copy it held."""
 
 
-def replaced(now: Sequence[Tensor]) -> bool:
-    """Whether the slots holding ``now`` hold parameters only: the copies, or new ones."""
-    return all(isinstance(p, nn.Parameter) for p in now)
+def replaced(p: Tensor | None) -> bool:
+    """Whether a slot holding ``p`` holds the model's parameter: its copy, or a new one."""
+    return isinstance(p, nn.Parameter)
 
 
 def moved(one: Tensor, device: torch.device) -> Tensor:
@@ -71,20 +71,22 @@ def is_moved(p: Tensor) -> bool:
     return p in _MOVED
 
 
-def fill(slots: Sequence[tuple[nn.Module, str]], own: Sequence[Tensor], names: list[str]) -> Filled:
+def fill(
+    holders: Sequence[Sequence[tuple[nn.Module, str]]], own: Sequence[Tensor], names: list[str]
+) -> Filled:
     """Give the slots that still hold a copy of ``own`` the one tensor given in the others.
 
-    ``slots`` are a tied weight's (module, name), ``names`` its names in the state dict.
-    Returns what it changed, for the caller to put back once the call is over.
+    ``holders`` are, per copy of a tied weight, the (module, name) slots that hold it;
+    ``names``, the weight's names in the state dict. Returns what it changed, for the
+    caller to put back once the call is over. Changes all or nothing.
 
     Raises:
         ValueError: several tensors were given, not one per slot (nothing changed).
     """
     kept = {id(p) for p in own}
-    now = [module._parameters[name] for module, name in slots]
-    given = list({id(p): p for p in now if p is not None and id(p) not in kept}.values())
-    keeping = [(module, name, p) for (module, name), p in zip(slots, now, strict=True)
-               if p is not None and id(p) in kept]  # fmt: skip
+    now = [(module, name, module._parameters[name]) for slots in holders for module, name in slots]
+    given = list({id(p): p for _, _, p in now if p is not None and id(p) not in kept}.values())
+    keeping = [(module, name, p) for module, name, p in now if p is not None and id(p) in kept]
     if not given or not keeping:
         return []
     if len(given) > 1:

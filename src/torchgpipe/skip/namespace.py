@@ -35,6 +35,11 @@ class Namespace:
     def __hash__(self) -> int:
         return hash(self._id)
 
+    def __setstate__(self, state: Any) -> None:
+        # torchgpipe 0.0.7 pickled a namespace as its slot ``id`` alone: (None, {"id": ...}).
+        slots = state[1] if isinstance(state, tuple) else state
+        self.label, self._id = None, slots["id"]
+
     def __reduce__(self) -> tuple[Any, ...]:
         # deepcopy and pickle keep the identity; the global namespace stays the one object.
         if self is GLOBAL_NAMESPACE:
