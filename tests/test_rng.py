@@ -871,3 +871,56 @@ def test_rng_a_recomputation_that_stops_short_passes_the_check(backward_by: str)
     plain(x).sum().backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class _InnerCheckpoint(nn.Module):
+    """A block that checkpoints its body itself (a model's own gradient checkpointing)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Dropout(p), nn.Tanh())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+
+
+def _inner_checkpoint_net(p: float) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), _InnerCheckpoint(p), _InnerCheckpoint(p), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("path", ["model(x)", "ScheduleGPipe"])
+def test_rng_a_draw_inside_torch_utils_checkpoint_in_a_cell_is_refused(
+    path: str, checkpoint: str
+) -> None:
+    # The bug: torch's checkpoint recomputed its body in the backward from the default
+    # generator, where the forward had drawn from the cell's: other Dropout masks, and
+    # silently wrong gradients in every mode.
+    model = GPipe(_inner_checkpoint_net(0.3), [2, 2], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+
+    def train() -> None:
+        if path == "model(x)":
+            _mse(model(x), y).backward()
+        else:
+            ScheduleGPipe(model, _mse).step(x, y)
+
+    with pytest.raises(RuntimeError, match=r"drew inside torch\.utils\.checkpoint"):
+        train()
+    model.eval()
+    with torch.no_grad():  # no backward, no recomputation: nothing to refuse
+        model(x)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_rng_torch_utils_checkpoint_drawing_nothing_in_a_cell_runs_as_the_plain_model(
+    checkpoint: str,
+) -> None:
+    plain = _inner_checkpoint_net(0.0)
+    model = GPipe(_inner_checkpoint_net(0.0), [2, 2], chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    _mse(plain(x), y).backward()
+    _mse(model(x), y).backward()
+    for got, expected in zip(_grads(model), _grads(plain), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -36,11 +36,12 @@ generator advanced once.
 Not covered, so drawing from the default generators without these guarantees: random
 draws of custom C++ or Triton kernels, random ``torch.ops.aten`` operators called
 directly or from TorchScript (below the function mode), cuDNN's recurrent dropout on
-CUDA (its state is seeded inside cuDNN), Python's ``random`` and NumPy's generators,
-and ``torch.utils.checkpoint`` inside a partition, whose
-recomputation restores the default generator rather than the cell's (use the
-pipeline's own checkpointing). On CUDA, Dropout in a cell runs as ``bernoulli_`` and a
-multiply rather than the fused kernel, and keeps its mask in the input's dtype.
+CUDA (its state is seeded inside cuDNN), and Python's ``random`` and NumPy's
+generators. A draw inside ``torch.utils.checkpoint`` in a cell that a backward follows
+is refused: torch recomputes that code in the backward from the default generator, not
+the cell's (``_in_torch_checkpoint``, by the frames between the call and the cell).
+On CUDA, Dropout in a cell runs as ``bernoulli_`` and a multiply rather than the fused
+kernel, and keeps its mask in the input's dtype.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ import os
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -93,7 +95,7 @@ def own_generators(seed: int = 0) -> TorchFunctionMode:
     nor put back, so a thread drawing meanwhile gets fresh numbers, as it would
     without the library (``torch.random.fork_rng`` would hand it some twice).
     """
-    return _CellGenerators(seed)
+    return _CellGenerators(seed, cell=False)
 
 
 def random_functions() -> list[str]:
@@ -110,9 +112,12 @@ class _CellGenerators(TorchFunctionMode):
         given: list[Tensor] | None = None,
         replays: _CellGenerators | None = None,
         more: bool = False,
+        cell: bool = True,
     ) -> None:
         super().__init__()
         self._seed = seed
+        self._cell = cell  # a pipeline's cell, whose graph its backward goes through
+        self._backward = False  # a cell entered in grad mode: a backward follows
         self._generators: dict[torch.device, torch.Generator] = {}
         # The state of each generator a call brought along, in call order: recorded by
         # the forward, replayed by the recomputation (``given`` is the forward's list).
@@ -137,6 +142,11 @@ class _CellGenerators(TorchFunctionMode):
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+    def __enter__(self) -> _CellGenerators:
+        self._backward = self._cell and torch.is_grad_enabled()
+        super().__enter__()  # type: ignore[no-untyped-call]  # TorchFunctionMode is unannotated
+        return self
 
     def operators(self) -> _RandomOperators:
         """A scope in which random operators draw from this cell's generators too."""
@@ -167,7 +177,19 @@ class _CellGenerators(TorchFunctionMode):
         at = GENERATOR_AT.get(func)
         if at is not None and len(args) == at + 1 and args[at] is None:  # poisson(x, None)
             args = args[:at]  # the handler gives the cell's generator, by keyword
+        if self._backward and _in_torch_checkpoint():
+            return self._refuse_drawn(handler, func, args, kwargs)
         return handler(self, func, args, kwargs)
+
+    def _refuse_drawn(self, handler: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        """A call inside ``torch.utils.checkpoint``: refused where it drew (Dropout's p > 0)."""
+        before = {d: g.get_state() for d, g in self._generators.items()}
+        result = handler(self, func, args, kwargs)
+        for device, generator in self._generators.items():
+            fresh = torch.Generator(device=device).manual_seed(self._seed).get_state()
+            if not torch.equal(generator.get_state(), before.get(device, fresh)):
+                _refuse_torch_checkpoint()
+        return result
 
     def _check_call(self, call: _Call, forward: list[_Call]) -> None:
         """Refuse a recomputation's ``call`` where its forward made another.
@@ -341,6 +363,8 @@ _Call = tuple[Any, _Site]  # a random function, and where the user called it
 # With the separator: installed beside torch, this library's path starts with torch's.
 _TORCH = os.path.join(os.path.dirname(torch.__file__), "")
 _HERE = os.path.join(os.path.dirname(__file__), "")
+_CELL = os.path.join(_HERE, "cell.py")  # where the layers are called: _in_torch_checkpoint
+_TORCH_CHECKPOINT = torch.utils.checkpoint.__file__
 
 
 def _site() -> _Site:
@@ -362,6 +386,31 @@ def _site() -> _Site:
             frames.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
     return tuple(frames)
+
+
+def _in_torch_checkpoint() -> bool:
+    """Whether the random call under way is inside ``torch.utils.checkpoint`` in a cell."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path == _CELL:  # up to the cell that called the layer
+            return False
+        if path == _TORCH_CHECKPOINT:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refuse_torch_checkpoint() -> NoReturn:
+    raise RuntimeError(
+        "torchgpipe: a random function drew inside torch.utils.checkpoint in a "
+        "pipeline cell, whose random numbers come from the cell's own generator; torch's "
+        "checkpoint recomputes that code in the backward from torch's default generator, "
+        "so its numbers (Dropout's masks) would not be the forward's and the gradients "
+        "would be wrong, silently. GPipe's checkpoint modes recompute each cell already: "
+        "take torch.utils.checkpoint out of the layer (a model's own "
+        "gradient_checkpointing_disable()), or draw nothing in it (Dropout p=0)"
+    )
 
 
 def _shown(call: _Call) -> str:
