@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Versioned
+from helpers import PopAdd, StashLinear, Versioned
 from split_models import (
     Keywords,
     ReadsProjection,
@@ -530,6 +530,23 @@ def test_split_points_must_name_called_submodules_in_order() -> None:
         split(model, ids, at=["unused"])
 
 
+def test_an_empty_container_as_a_split_point_is_refused_as_one() -> None:
+    # The forward calls it, but the trace records no call of an empty nn.Sequential:
+    # the message said the forward never called it.
+    class Shortcut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.shortcut, self.c = nn.Linear(4, 4), nn.Sequential(), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.c(self.shortcut(self.a(x)))
+
+    with pytest.raises(SplitError, match=r"'shortcut' is an empty Sequential.* after it"):
+        split(Shortcut(), torch.randn(6, 4), at=["shortcut"])
+    model, x = Shortcut(), torch.randn(6, 4)
+    torch.testing.assert_close(split(model, x, at=["c"])(x), model(x))  # the one after it
+
+
 def test_a_module_called_from_two_stages_is_refused() -> None:
     class Twice(nn.Module):
         def __init__(self) -> None:
@@ -807,6 +824,26 @@ def test_split_refuses_a_constant_that_depends_on_the_mode() -> None:
 
     with pytest.raises(SplitError, match=r"test_split\.py:\d+\).*depends on train\(\) or eval"):
         split(Scaled(), torch.randn(2, 4), at=["b"])
+
+
+def test_split_error_for_an_assert_on_an_inputs_size_says_so() -> None:
+    class Bounded(_Pair):  # nanoGPT's forward
+        def forward(self, x: Tensor) -> Tensor:
+            _, t = x.size()
+            assert t <= 16, f"Cannot forward sequence of length {t}"
+            return self.b(self.a(x))
+
+    with pytest.raises(SplitError, match=r"an assert on an input's size .* take it out"):
+        split(Bounded(), torch.randn(2, 4), at=["b"])
+
+
+def test_split_of_a_split_model_says_to_split_the_original_again() -> None:
+    model, x = UShaped(), torch.randn(2, 8)
+    once = split(model, x, stages=2)
+    with pytest.raises(SplitError, match=r"skip layers.*split's output: split the original"):
+        split(once, x, stages=3)
+    with pytest.raises(SplitError, match=r"holds torchgpipe\.skip layers.*as it is$"):
+        split(nn.Sequential(StashLinear(), PopAdd()), torch.randn(2, 4), stages=2)
 
 
 def test_split_errors_for_a_flag_or_none_in_the_example() -> None:

@@ -133,9 +133,11 @@ def split(
             f"or on a submodule that split calls whole"
         )
     if any(isinstance(m, Skippable) for m in module.modules()):
+        again = any(isinstance(m, Stage) for m in module.modules())  # split's own output
         raise SplitError(
             f"{type(module).__name__} holds torchgpipe.skip layers; split makes the skips "
             f"itself: write the model as plain modules, or wrap it in GPipe as it is"
+            + (" (split's output: split the original model again)" if again else "")
         )
     refuse_lost_state(module, "")
     kind, names, concrete = inputs_of(module, example_input)

@@ -323,10 +323,15 @@ def cuts_at(module: nn.Module, graph: fx.Graph, at: list[str]) -> list[int]:
     for name in at:
         k = next((k for k, node in enumerate(compute) if _belongs(node, name)), None)
         if k is None:
-            raise SplitError(
-                f"split point {name!r} is a submodule of {type(module).__name__} that its "
-                f"forward never calls; name a submodule the forward uses"
+            sub = module.get_submodule(name)
+            why = (
+                f"an empty {type(sub).__name__}, which passes its input on and leaves no "
+                f"call in the traced graph to start a stage at; name the submodule after it"
+                if isinstance(sub, (nn.Sequential, nn.Identity)) and not len(sub._modules)
+                else f"a submodule of {type(module).__name__} that its forward never "
+                f"calls; name a submodule the forward uses"
             )
+            raise SplitError(f"split point {name!r} is {why}")
         if k == 0:
             raise SplitError(
                 f"split point {name!r} is where {type(module).__name__}'s forward starts: "

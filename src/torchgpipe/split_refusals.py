@@ -446,9 +446,15 @@ def trace_failure(module: nn.Module, error: Exception, through: set[str]) -> str
     if "control flow" in str(error) or "iterate" in str(error):
         cause = (
             "The likely cause: code that branches on, or loops over, a value made from "
-            "the forward's arguments (a tensor's value, or an argument given in "
+            "the forward's arguments (a tensor's value or size, or an argument given in "
             "example_input, which split traces: a flag given there is traced too; leave "
             "it out so that it keeps its default, or fix it in a wrapper module)"
+            + (
+                "; an assert on an input's size (`assert t <= block_size`) is one: take "
+                "it out of the forward, or check the size before calling the model"
+                if "assert" in where
+                else ""
+            )
         )
     elif "positional argument" in str(error):  # ones() takes 1 positional argument but 2...
         cause = (
