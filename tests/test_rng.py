@@ -911,6 +911,10 @@ def test_rng_a_draw_inside_torch_utils_checkpoint_in_a_cell_is_refused(
     model.eval()
     with torch.no_grad():  # no backward, no recomputation: nothing to refuse
         model(x)
+    model.train()
+    for p in model.parameters():  # frozen: nothing wants a gradient, torch recomputes nothing
+        p.requires_grad_(False)
+    model(x)
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)

@@ -541,7 +541,7 @@ def test_an_empty_container_as_a_split_point_is_refused_as_one() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return self.c(self.shortcut(self.a(x)))
 
-    with pytest.raises(SplitError, match=r"'shortcut' is an empty Sequential.* after it"):
+    with pytest.raises(SplitError, match=r"'shortcut' is an empty Sequential.* next submodule"):
         split(Shortcut(), torch.randn(6, 4), at=["shortcut"])
     model, x = Shortcut(), torch.randn(6, 4)
     torch.testing.assert_close(split(model, x, at=["c"])(x), model(x))  # the one after it

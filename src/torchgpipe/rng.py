@@ -182,9 +182,15 @@ class _CellGenerators(TorchFunctionMode):
         return handler(self, func, args, kwargs)
 
     def _refuse_drawn(self, handler: Any, func: Any, args: Any, kwargs: Any) -> Any:
-        """A call inside ``torch.utils.checkpoint``: refused where it drew (Dropout's p > 0)."""
+        """A call inside ``torch.utils.checkpoint``: refused where it drew into a gradient.
+
+        That is, where the cell's generators moved (Dropout's p > 0) and the result wants
+        a gradient: torch recomputes the region only for a backward through it.
+        """
         before = {d: g.get_state() for d, g in self._generators.items()}
         result = handler(self, func, args, kwargs)
+        if not _wants_grad(result):
+            return result
         for device, generator in self._generators.items():
             fresh = torch.Generator(device=device).manual_seed(self._seed).get_state()
             if not torch.equal(generator.get_state(), before.get(device, fresh)):
@@ -399,6 +405,13 @@ def _in_torch_checkpoint() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _wants_grad(value: Any) -> bool:
+    """Whether a random function's result (a tensor, or tuples of them) wants a gradient."""
+    if isinstance(value, Tensor):
+        return value.requires_grad
+    return isinstance(value, (tuple, list)) and any(_wants_grad(v) for v in value)
 
 
 def _refuse_torch_checkpoint() -> NoReturn:

@@ -325,8 +325,9 @@ def cuts_at(module: nn.Module, graph: fx.Graph, at: list[str]) -> list[int]:
         if k is None:
             sub = module.get_submodule(name)
             why = (
-                f"an empty {type(sub).__name__}, which passes its input on and leaves no "
-                f"call in the traced graph to start a stage at; name the submodule after it"
+                f"an empty {type(sub).__name__}, which leaves no call in the traced graph, "
+                f"called or not: no stage can start there; name the next submodule the "
+                f"forward calls"
                 if isinstance(sub, (nn.Sequential, nn.Identity)) and not len(sub._modules)
                 else f"a submodule of {type(module).__name__} that its forward never "
                 f"calls; name a submodule the forward uses"
