@@ -156,7 +156,9 @@ def test_solve_takes_numpy_and_tensor_scalars() -> None:
         ([1.0, -2.0], 1, r"non-negative, got \[\(1, -2.0\)\]"),
         ([1.0, float("nan")], 1, "finite"),
         ([1.0], 0, "partitions must be a positive int"),
-        ([1, 10**400], 1, "costs must be numbers"),  # no float holds it (was OverflowError)
+        ([1, 10**400], 1, "cost 1 is too large for a float .*401 digits"),  # was OverflowError
+        ([1, "x"], 1, "costs must be numbers, got 'x' at index 1"),
+        ([], 1, "no layers to split"),  # was "use at most 0 partitions"
     ],
 )
 def test_solve_rejects_bad_input(costs: list[float], k: int, match: str) -> None:

@@ -24,6 +24,7 @@ import heapq
 import math
 import operator
 import random
+import reprlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from fractions import Fraction
@@ -61,6 +62,11 @@ def check_partitions(num_layers: int, partitions: int) -> int:
             f"partitions must be a positive int, got {partitions}; pass 1 to keep all "
             f"layers in one partition"
         )
+    if num_layers == 0:
+        raise ValueError(
+            "there are no layers to split: the model is an empty nn.Sequential (or the "
+            "costs are empty); give it layers, or leave it unbalanced"
+        )
     if num_layers < partitions:
         raise ValueError(
             f"cannot split {num_layers} layers into {partitions} partitions: every "
@@ -80,10 +86,18 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
             partitions, or a cost is negative or not finite.
     """
     partitions = check_partitions(len(costs), partitions)
-    try:
-        values = [float(c) for c in costs]  # numpy scalars and 0-dim tensors included
-    except (TypeError, ValueError, OverflowError) as error:
-        raise ValueError(f"costs must be numbers, got {list(costs)[:5]}...: {error}") from None
+    values = []
+    for i, c in enumerate(costs):
+        try:
+            values.append(float(c))  # numpy scalars and 0-dim tensors included
+        except OverflowError:
+            raise ValueError(
+                f"cost {i} is too large for a float (an int of {len(str(c))} digits); "
+                f"scale the costs down"
+            ) from None
+        except (TypeError, ValueError) as error:
+            shown = reprlib.repr(c)
+            raise ValueError(f"costs must be numbers, got {shown} at index {i}: {error}") from None
     bad = [(i, c) for i, c in enumerate(values) if not (math.isfinite(c) and c >= 0)]
     if bad:
         raise ValueError(f"costs must be finite and non-negative, got {bad[:5]} (index, cost)")
