@@ -6,27 +6,12 @@ import copy
 
 import pytest
 import torch
+from test_tied import VOCAB, WIDTH, _language_model
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
 from torchgpipe import GPipe, split, tied_given
-
-VOCAB, WIDTH = 11, 6
-
-
-class Mean(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mean(dim=1)
-
-
-def _language_model() -> nn.Sequential:
-    """Embedding, a body, and an output head tied to the embedding."""
-    torch.manual_seed(0)
-    embedding = nn.Embedding(VOCAB, WIDTH)
-    head = nn.Linear(WIDTH, VOCAB, bias=False)
-    head.weight = embedding.weight
-    return nn.Sequential(embedding, Mean(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), head)
 
 
 def _given(model: nn.Module) -> dict[str, Tensor]:

@@ -37,9 +37,10 @@ Not covered, so drawing from the default generators without these guarantees: ra
 draws of custom C++ or Triton kernels, random ``torch.ops.aten`` operators called
 directly or from TorchScript (below the function mode), cuDNN's recurrent dropout on
 CUDA (its state is seeded inside cuDNN), and Python's ``random`` and NumPy's
-generators. A draw inside ``torch.utils.checkpoint`` in a cell that a backward follows
-is refused: torch recomputes that code in the backward from the default generator, not
-the cell's (``_in_torch_checkpoint``, by the frames between the call and the cell).
+generators. A draw inside ``torch.utils.checkpoint`` in a cell, whose result wants a
+gradient, is refused: torch recomputes that code in the backward from the default
+generator, not the cell's (``_in_torch_checkpoint``, by the frames between the call and
+the cell: a walk of a few microseconds per random call in grad mode).
 On CUDA, Dropout in a cell runs as ``bernoulli_`` and a multiply rather than the fused
 kernel, and keeps its mask in the input's dtype.
 """
@@ -192,8 +193,10 @@ class _CellGenerators(TorchFunctionMode):
         if not _wants_grad(result):
             return result
         for device, generator in self._generators.items():
-            fresh = torch.Generator(device=device).manual_seed(self._seed).get_state()
-            if not torch.equal(generator.get_state(), before.get(device, fresh)):
+            start = before.get(device)
+            if start is None:  # made by this call: it started from the seed
+                start = torch.Generator(device=device).manual_seed(self._seed).get_state()
+            if not torch.equal(generator.get_state(), start):
                 _refuse_torch_checkpoint()
         return result
 

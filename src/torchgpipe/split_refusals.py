@@ -86,9 +86,7 @@ class ConstantDraws(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if (func in HANDLERS or _draws(name)) and not any(
-            isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves((args, kwargs))
-        ):
+        if (func in HANDLERS or _draws(name)) and not _traced(args, kwargs):
             raise SplitError(
                 f"cannot split {self.model}: {name}(...){user_line()} draws random numbers "
                 f"from no input of the forward, and torch.fx would draw them once, at split time, "
@@ -140,12 +138,15 @@ _FUNCTION = torch.autograd.Function
 _APPLY = _FUNCTION.__dict__["apply"]  # a classmethod: what every subclass's apply is
 
 
+def _traced(args: Any, kwargs: Any) -> bool:
+    """Whether a call's arguments hold a value torch.fx is tracing."""
+    return any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves((args, kwargs)))
+
+
 def _apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """``Function.apply``, refused on a traced value (fx would keep no backward)."""
     model = _TRACING.model
-    if model is not None and any(
-        isinstance(x, fx.Proxy) for x in pytree.tree_leaves((args, kwargs))
-    ):
+    if model is not None and _traced(args, kwargs):
         raise SplitError(
             f"cannot split {model}: {cls.__name__}.apply(...){user_line()} calls a custom "
             f"torch.autograd.Function, whose backward torch.fx cannot capture (it records "
