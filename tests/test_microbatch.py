@@ -518,8 +518,32 @@ def test_a_set_of_plain_values_passes() -> None:
 def test_gather_names_an_output_whose_shapes_differ_beyond_the_batch() -> None:
     # A layer that trims padding to its micro-batch's longest sequence, say.
     values = [(torch.ones(2, 5), torch.ones(2)), (torch.ones(2, 7), torch.ones(2))]
-    with pytest.raises(ValueError, match=r"output\[0\] cannot be joined.*\[2, 5\], \[2, 7\]"):
+    with pytest.raises(
+        ValueError, match=r"output\[0\] cannot be joined.*\[2, 5\] torch.float32, \[2, 7\]"
+    ):
         gather(values)
+
+
+def test_gather_refuses_outputs_whose_dtypes_differ_instead_of_promoting_them() -> None:
+    # A layer whose output dtype follows its data: the plain model takes one branch for
+    # the whole batch, so a joined float64 would be a value it never returns.
+    values = [torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)]
+    with pytest.raises(
+        ValueError,
+        match=r"output cannot be joined.*torch.float32, \[2, 3\] torch.float64.*one dtype",
+    ):
+        gather(values)
+
+
+def test_a_pipeline_refuses_a_layer_whose_output_dtype_follows_its_micro_batch() -> None:
+    class Widens(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.double() if bool(x.max() > 10) else x
+
+    model = GPipe(nn.Sequential(nn.Identity(), Widens()), balance=[1, 1], chunks=2)
+    x = torch.tensor([[1.0], [1.0], [11.0], [1.0]])
+    with pytest.raises(ValueError, match="one dtype"):
+        model(x)
 
 
 def test_flatten_passes_objects_whose_attributes_it_cannot_read_or_holding_modules() -> None:

@@ -383,8 +383,8 @@ def gather(values: Sequence[Any], *, stack_scalars: bool = False) -> Any:
             micro-batches and not in others, or holds tensors in an object the pipeline
             cannot look into (see :func:`flatten`).
         ValueError: a tensor leaf is 0-dim, so it has no batch dimension to join along,
-            its shapes differ beyond dim 0, or a non-tensor leaf differs between
-            micro-batches.
+            its shapes differ beyond dim 0 or its dtypes differ, or a non-tensor leaf
+            differs between micro-batches.
     """
     if values and all(isinstance(v, Tensor) for v in values):  # the common case: a run's end
         return _gather_leaf("output", tuple(values), stack_scalars)
@@ -461,13 +461,12 @@ def _gather_leaf(path: str, column: tuple[Any, ...], stack_scalars: bool) -> Any
             f"{len(column)} times, where the plain model returns it once; return it "
             f"from outside the pipeline, or per-sample values"
         )
-    shapes = {tuple(x.shape[1:]) for x in column}
-    if len(shapes) > 1:
+    if len({(x.shape[1:], x.dtype) for x in column}) > 1:  # cat would promote the dtypes
         raise ValueError(
-            f"{path} cannot be joined along dim 0: its micro-batches' shapes differ beyond "
-            f"it ({', '.join(str(list(x.shape)) for x in column)}); the outputs are joined "
-            f"along the batch, so give the tensor one shape but for dim 0 in every "
-            f"micro-batch (pad to a fixed length in the model, or join them after it)"
+            f"{path} cannot be joined along dim 0: its micro-batches differ beyond it "
+            f"({', '.join(f'{list(x.shape)} {x.dtype}' for x in column)}); the outputs are "
+            f"joined along the batch, so give the tensor one dtype and one shape but for "
+            f"dim 0 in every micro-batch (pad or cast in the model, or join after it)"
         )
     return torch.cat(column)
 
