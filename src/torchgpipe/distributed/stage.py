@@ -43,7 +43,7 @@ from torchgpipe.distributed.checks import (
 )
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key
-from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks, unlike_dtypes
+from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks, unlike_copies
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, partition
 from torchgpipe.schedules import Schedule
@@ -330,7 +330,7 @@ class PipelineStage(PlacedModule, StageHolder):
         ``distributed/schedule.py`` calls it in every process once a step has ended well
         on every rank, with :meth:`prepare_tied`'s and the peers' ends of the step.
         """
-        unlike_dtypes(sums, self.rank, ends)
+        unlike_copies(sums, self.rank, ends)
         self._ties.finish(sums, frozen_everywhere(sums, self._ties.ranks, self.rank, ends))
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
