@@ -1746,3 +1746,29 @@ def test_tied_copies_stepped_alike_after_a_load_on_one_rank_pass() -> None:
 
     (embedding,), (head,) = run_threads(rank, 2, timeout=20.0)
     torch.testing.assert_close(embedding, head, rtol=0, atol=0)
+
+
+def test_a_layer_assigned_to_a_stage_under_its_name_is_the_one_its_step_runs() -> None:
+    # Regression: the stage's partition kept the old layer, which the step ran while
+    # parameters() held the new one.
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+    torch.manual_seed(1)
+    head = nn.Linear(4, 4)
+    plain = model()
+    plain[2] = copy.deepcopy(head)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    _mse(plain(x), y).backward()
+    models = [model() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(models[transport.rank], [2, 1], transport=transport, chunks=2)
+        if stage.is_last:
+            setattr(stage, "2", copy.deepcopy(head))
+        _step(Schedule1F1B(stage, _mse), x, y)
+        return {name: p.grad for name, p in stage.named_parameters()}
+
+    grads = {k: v for out in run_threads(rank, 2) for k, v in out.items()}
+    torch.testing.assert_close(grads, {k: p.grad for k, p in plain.named_parameters()})

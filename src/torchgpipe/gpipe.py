@@ -39,6 +39,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
+from torchgpipe.swaps import Layers
 from torchgpipe.tied import Ties, state_names, tied_state_dict
 from torchgpipe.trace import Trace
 from torchgpipe.undo import Undo
@@ -49,8 +50,8 @@ __all__ = ["BalanceError", "Checkpoint", "Device", "GPipe"]
 
 # The attributes GPipe.__init__ assigns after it checks the layers' names, which must
 # not be any of them (a layer of that name would be hidden, or refused by nn.Module).
-_ASSIGNED_LATER = frozenset(("skip_layout", "workers", "_deferred", "_ties", "_partitions"))
-_ASSIGNED_LATER |= {"_inbound", "_outbound", "_guards", "_streams", "_tracer", "_made"}
+_ASSIGNED_LATER = frozenset(("skip_layout", "workers", "_ties", "_partitions"))
+_ASSIGNED_LATER |= {"_inbound", "_outbound", "_guards", "_streams", "_tracer", "_made", "_layers"}
 
 
 class GPipe(PlacedModule, StageHolder):
@@ -182,7 +183,8 @@ class GPipe(PlacedModule, StageHolder):
         # a refusal that comes only now (a reset that left a tensor unfilled) puts it back.
         undo = Undo(module, loaded=fill.loaded(layers))
         try:
-            self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
+            if deferred_batch_norm:
+                convert_deferred_batch_norm(module)
             for name, layer in module.named_children():
                 self.add_module(name, layer)
             partitions = []
@@ -217,7 +219,14 @@ class GPipe(PlacedModule, StageHolder):
             for j, p in enumerate(partitions)
         ]
         # Recomputation must change no buffer otherwise than the forward did (guards.py).
-        self._guards = [RecomputeGuard(p) for p in partitions]
+        self._guards = {j: RecomputeGuard(p) for j, p in enumerate(partitions)}
+        self._layers = Layers(  # what follows a layer swapped after wrapping (swaps.py)
+            dict(enumerate(partitions)),
+            dict(enumerate(self.devices)),
+            self._ties,
+            self._guards,
+            self.deferred_batch_norm,
+        )
         self._streams = PartitionStreams(self.devices)  # kept from run to run: stream.py
         self._tracer: Trace | None = None  # set by trace()
         self._made: dict[int, Stages] = {}  # per checkpoint_stop, the stages of untraced runs
@@ -259,13 +268,19 @@ class GPipe(PlacedModule, StageHolder):
         child: the layers are the model's children once, under their own names. The
         containers' own ``training`` flags follow the model's; the layers keep theirs.
         """
+        self._follow_swaps()
         partitions = nn.ModuleList(self._partitions)
         for container in (partitions, *self._partitions):
             container.training = self.training
         return partitions
 
+    def _follow_swaps(self) -> None:
+        """Put a layer swapped after wrapping on the other side too (``swaps.py``)."""
+        if self._layers.follow(self._modules):
+            self._made.clear()
+
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(self._layers.names)  # a module attached later is no layer
 
     @overload
     def __getitem__(self, index: int) -> nn.Module: ...
@@ -274,9 +289,10 @@ class GPipe(PlacedModule, StageHolder):
     def __getitem__(self, index: slice) -> nn.Sequential: ...
 
     def __getitem__(self, index: int | slice) -> nn.Module:
+        names = self._layers.names
         if isinstance(index, slice):  # under the layers' names, as a Sequential's slice
-            return nn.Sequential(OrderedDict(list(self._modules.items())[index]))  # type: ignore[arg-type]
-        layers = list(self._modules.values())
+            return nn.Sequential(OrderedDict((n, self._modules[n]) for n in names[index]))  # type: ignore[misc]
+        layers = [self._modules[n] for n in names]
         if not -len(layers) <= operator.index(index) < len(layers):
             raise IndexError(f"index {index} is out of range: the model has {len(layers)} layers")
         layer = layers[index]
@@ -284,7 +300,7 @@ class GPipe(PlacedModule, StageHolder):
         return layer
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return (layer for layer in self._modules.values() if layer is not None)
+        return (layer for n in self._layers.names if (layer := self._modules[n]) is not None)
 
     def forward(self, input: Any) -> Any:
         """Run ``input`` through the pipeline; the output is on the last device.
@@ -362,7 +378,7 @@ class GPipe(PlacedModule, StageHolder):
 
     def expect_micro_batches(self, m: int) -> Callable[[], None] | None:
         """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
-        return start_mini_batch(self._deferred, m)
+        return start_mini_batch(self._layers.deferred, m)
 
     def stages_for(self, m: int) -> Stages:
         """The partitions as the stages of a training step of ``m`` micro-batches.
@@ -374,6 +390,7 @@ class GPipe(PlacedModule, StageHolder):
         return self._stages(m, checkpoint_stop(self.checkpoint, m) if self.training else 0)
 
     def _stages(self, m: int, stop: int) -> Stages:
+        self._follow_swaps()
         tracer = self._tracer
         if tracer is not None:
             tracer.m = max(tracer.m, m)
@@ -386,7 +403,7 @@ class GPipe(PlacedModule, StageHolder):
             inbound=list(self._inbound),
             outbound=list(self._outbound),
             routes=self.skip_layout.routes,
-            guards=dict(enumerate(self._guards)),
+            guards=dict(self._guards),
             streams={j: (self._streams.compute(j), self._streams.copy(j)) for j in range(n)},
             checkpoint_stop=stop,
             tracer=tracer,

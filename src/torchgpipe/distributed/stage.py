@@ -52,6 +52,7 @@ from torchgpipe.split_stage import Stage, keep_plain_keys
 from torchgpipe.stages import StageHolder, Stages, has_skippables
 from torchgpipe.steps import StepResult, TableSteps
 from torchgpipe.stream import PartitionStreams
+from torchgpipe.swaps import Layers
 from torchgpipe.tied import Ties, state_names, tied_state_dict
 from torchgpipe.trace import Trace
 from torchgpipe.undo import Undo
@@ -225,7 +226,8 @@ class PipelineStage(PlacedModule, StageHolder):
         state_dict = tied_state_dict(module, state_dict)  # each name of a tie, as loaded
         # The whole model: a parameter tied to another rank's layer is filled there.
         fill = check_materializable(own, init=init, state_dict=state_dict, model=module)
-        deferred = convert_deferred_batch_norm(module) if self.deferred_batch_norm else []
+        if self.deferred_batch_norm:
+            convert_deferred_batch_norm(module)
         layers = list(module.named_children())  # with the deferred batch norms
         every = [[layer for _, layer in layers[starts[s] : starts[s + 1]]] for s in range(n)]
         shared = tied_ranks(every, [s % self.world_size for s in range(n)])
@@ -245,10 +247,10 @@ class PipelineStage(PlacedModule, StageHolder):
             keep_plain_keys(self)  # a split model's keys: the model's own
         if self._ties:  # load the whole model's state dict on every rank (strict=False)
             self._ties.watch_loads(self)
-        held = {id(layer) for part in self.partitions.values() for layer in part.modules()}
-        self._deferred = [layer for layer in deferred if id(layer) in held]
-        # Recomputation must change no buffer otherwise than the forward did (guards.py).
+        # Recomputation changes buffers as the forward did (guards.py); a swap: swaps.py.
         self._guards = {s: RecomputeGuard(self.partitions[s]) for s in self.stages}
+        devices, flag = dict.fromkeys(self.stages, self.device), self.deferred_batch_norm
+        self._layers = Layers(self.partitions, devices, self._ties, self._guards, flag)
         self._streams = PartitionStreams([self.device])  # one device: one pair for its stages
         return mine
 
@@ -327,8 +329,7 @@ class PipelineStage(PlacedModule, StageHolder):
     def reduce_tied(self, sums: list[Any], ends: Mapping[int, Any]) -> None:
         """Sum the tied weights' gradients over their copies, here and in other processes.
 
-        ``distributed/schedule.py`` calls it in every process once a step has ended well
-        on every rank, with :meth:`prepare_tied`'s and the peers' ends of the step.
+        Called in every process once a step ended well on every rank (``schedule.py``).
         """
         unlike_copies(sums, self.rank, ends)
         self._ties.finish(sums, frozen_everywhere(sums, self._ties.ranks, self.rank, ends))
@@ -415,6 +416,7 @@ class PipelineStage(PlacedModule, StageHolder):
     def stages_for(self, m: int) -> Stages:
         """This process's stages (and every stage's skips) for a step of ``m`` micro-batches."""
         n = len(self.balance)
+        self._layers.follow(self._modules)  # a layer swapped after wrapping (swaps.py)
         if self._tracer is not None:
             self._tracer.m = max(self._tracer.m, m)
         return Stages(
@@ -433,7 +435,7 @@ class PipelineStage(PlacedModule, StageHolder):
 
     def expect_micro_batches(self, m: int) -> Callable[[], None] | None:
         """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
-        return start_mini_batch(self._deferred, m)
+        return start_mini_batch(self._layers.deferred, m)
 
     def exchange(self) -> Exchange:
         """A new exchange for one step (or the start), listening to every peer.
