@@ -632,3 +632,19 @@ def test_two_threads_reaching_two_gpipes_in_opposite_orders_both_finish() -> Non
     for thread in threads:
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads), "deadlocked"
+
+
+def test_a_hook_that_keeps_its_gradient_keeps_it_unchanged_after_the_step() -> None:
+    # Regression: .grad was the very tensor the hook kept, so a clip or a second,
+    # accumulating step rewrote what the hook had logged; the engine copies there.
+    torch.manual_seed(0)
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), [2, 1], chunks=2)
+    logged: list[torch.Tensor] = []
+    model[0].weight.register_hook(logged.append)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    Schedule1F1B(model, nn.functional.mse_loss).step(x, y)
+    kept = logged[0].clone()
+    assert logged[0] is not model[0].weight.grad
+    model.clip_grad_norm_(1e-3)
+    Schedule1F1B(model, nn.functional.mse_loss).step(x, y)
+    torch.testing.assert_close(logged[0], kept, rtol=0, atol=0)

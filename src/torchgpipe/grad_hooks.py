@@ -131,12 +131,12 @@ def hooks_once(params: Iterable[Tensor], ties: Sequence[Sequence[Tensor]] = ()) 
         results = {id(p): _hooked_grad(p, grad) for p, grad in zip(aside.params, new, strict=True)}
         for group in groups:
             _check_copies(group, [results[id(p)] for p in group])
-        for p, original in zip(aside.params, new, strict=True):
+        for p in aside.params:
             grad = results[id(p)]
             if grad is None:
                 continue
-            if p.grad is None:  # the engine's way: the stages' tensor, or a copy like p
-                p.grad = grad if grad is original else _like(p, grad)
+            if p.grad is None:  # a copy like p: a hook may have kept the tensor it was
+                p.grad = _like(p, grad)  # given, which the engine then copies too
             else:
                 p.grad = summed(p.grad, grad)
         for p in aside.params:
