@@ -648,3 +648,33 @@ def test_a_hook_that_keeps_its_gradient_keeps_it_unchanged_after_the_step() -> N
     model.clip_grad_norm_(1e-3)
     Schedule1F1B(model, nn.functional.mse_loss).step(x, y)
     torch.testing.assert_close(logged[0], kept, rtol=0, atol=0)
+
+
+def test_a_step_whose_output_cannot_be_joined_leaves_every_gradient_in_place() -> None:
+    # Regression: the join ran inside the step's hooks and ties, so its failure put a
+    # hooked parameter's .grad back to None and left a tied weight's copies unsummed,
+    # where the README says .grad then holds the step's gradients.
+    class Sized(nn.Module):
+        def forward(self, h: Tensor) -> tuple[Tensor, int]:
+            return h, h.shape[0]  # a number that differs between micro-batches
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding, head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+        head.weight = embedding.weight
+        return nn.Sequential(embedding, nn.Linear(8, 8), nn.Tanh(), head, Sized())
+
+    def loss(output: tuple[Tensor, int], target: Tensor) -> Tensor:
+        return F.cross_entropy(output[0], target)
+
+    ids, y = torch.randint(0, 10, (10,)), torch.randint(0, 10, (10,))  # 3, 3, 2, 2
+    plain = build()
+    loss(plain(ids), y).backward()
+    pipe = GPipe(build(), balance=[2, 1, 2], chunks=4)
+    pipe[1].weight.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match="output\\[1\\] is 3 in micro-batch 0 but 2"):
+        Schedule1F1B(pipe, loss).step(ids, y)
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters(remove_duplicate=False):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, expected[name].grad)

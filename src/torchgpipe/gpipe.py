@@ -6,6 +6,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from functools import partial
 from typing import Any, overload
 
@@ -370,7 +371,9 @@ class GPipe(PlacedModule, StageHolder):
             self._ties.summing(),
         ):
             result = pipeline.step(self, steps, input, target)
-        return result
+        # Joined once every .grad holds the step's gradients: an output that cannot be
+        # joined fails the step then, the gradients left in place (hooked, tied or not).
+        return replace(result, output=gather(result.output, stack_scalars=True))
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:
         """``self(input)`` under ``no_grad``: GPipe's own forward is the forward-only one."""

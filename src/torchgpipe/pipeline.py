@@ -48,7 +48,7 @@ from torch import Tensor
 
 from torchgpipe.executor import Step, StepRun
 from torchgpipe.grad_hooks import Aside, Fate, fate, hooked, when_taken
-from torchgpipe.microbatch import distinct_tensors, flatten, gather, unflatten
+from torchgpipe.microbatch import distinct_tensors, flatten, unflatten
 from torchgpipe.schedules import Action, Schedule, gpipe
 from torchgpipe.stages import Stages, trainable_params
 from torchgpipe.steps import (
@@ -182,6 +182,9 @@ def run(
 def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult:
     """One step of ``steps``' schedule over ``model``'s partitions, each rank on a thread.
 
+    The result's ``output`` is the micro-batches' outputs, a list, which the caller
+    joins once the step's gradients are in place (a join that fails leaves them there).
+
     Raises:
         TypeError, ValueError: the input or target is missing or does not split into the
             same micro-batches; the table does not fit.
@@ -223,7 +226,7 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
     return StepResult(
         loss=weighted(weights, losses),
         losses=losses,
-        output=gather(record.outputs, stack_scalars=True),
+        output=record.outputs,
         peak_held=tuple(record.peak),
     )
 
