@@ -6,7 +6,7 @@ import copy
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -795,6 +795,18 @@ def test_a_short_last_batch_under_interleaving_says_what_to_do() -> None:
     assert any("drop_last=True" in note for note in info.value.__notes__)
 
 
+def test_chunks_changed_under_interleaving_is_named_not_the_batch() -> None:
+    # Regression: the note blamed a short batch where chunks had been changed since.
+    model = GPipe(nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))), [1, 1, 1, 1], chunks=4)
+    schedule = ScheduleInterleaved1F1B(model, _mse)
+    model.chunks = 3
+    with pytest.raises(
+        ValueError, match="but chunks is now 3; set chunks to a multiple of 2"
+    ) as info:
+        schedule.step(torch.randn(12, 4), torch.randn(12, 4))
+    assert not getattr(info.value, "__notes__", [])
+
+
 # A table that is not one is refused when the schedule is built, or when its function
 # returns something else.
 
@@ -942,3 +954,17 @@ def test_zero_bubble_runs_a_hook_of_the_forward_once(how: str, checkpoint: Check
         got = torch.cat([h.grad for h in model[1].retained if h.grad is not None])
         (want,) = (h.grad for h in plain[1].retained)
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("loss", "schedule"), [("sum", "mean"), ("mean", "sum")])
+def test_a_torch_loss_reducing_otherwise_than_the_schedule_is_refused(
+    loss: Literal["mean", "sum"], schedule: Literal["mean", "sum"]
+) -> None:
+    # Regression: a summing loss under the default 'mean' gave other gradients silently
+    # (reweighted, not only scaled, where the micro-batches' sizes differ).
+    model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=4)
+    with pytest.raises(ValueError, match=f"reduces by '{loss}' .* pass reduction='{loss}'"):
+        Schedule1F1B(model, nn.MSELoss(reduction=loss), reduction=schedule)
+    Schedule1F1B(model, nn.MSELoss(reduction=loss), reduction=loss).step(
+        torch.randn(10, 4), torch.randn(10, 4)
+    )

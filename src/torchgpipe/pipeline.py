@@ -206,7 +206,7 @@ def step(model: GPipe, steps: TableSteps, input: Any, target: Any) -> StepResult
             f"the target splits into micro-batches of {target_sizes} "
             f"samples but the input into {sizes}; give them the same batch size"
         )
-    table = steps.table(m)
+    table = steps.table(m, model.chunks)
     weights = loss_weights(sizes, steps.reduction)
     stages = model.stages_for(m)
     record = Step(len(stages.inbound), m)

@@ -67,6 +67,13 @@ class TableSteps:
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        said = getattr(loss_fn, "reduction", None)  # as torch.nn's losses say how they reduce
+        if said in ("mean", "sum") and said != reduction:
+            raise ValueError(
+                f"loss_fn reduces by {said!r} (its reduction) but the schedule by "
+                f"{reduction!r}, which would weigh the micro-batches' losses wrongly; pass "
+                f"reduction={said!r} to the schedule"
+            )
         self.loss_fn = loss_fn
         self.reduction = reduction
         self._table = table
@@ -76,11 +83,12 @@ class TableSteps:
             self._check_table(table, table.micro_batches)
             self._checked[table.micro_batches] = table
 
-    def table(self, m: int) -> Schedule:
+    def table(self, m: int, chunks: int | None = None) -> Schedule:
         """The schedule of a step with ``m`` micro-batches, checked against the stages.
 
         A table is checked (a dry run: ``Schedule.validate``) the first time a step has
-        ``m`` micro-batches, and kept for the next steps of ``m``.
+        ``m`` micro-batches, and kept for the next steps of ``m``. ``chunks``: the
+        pipeline's, to say whether a short batch made ``m`` where the table refuses it.
 
         Raises:
             ValueError: the table does not fit the stages or ``m``.
@@ -91,7 +99,8 @@ class TableSteps:
             try:
                 table = self._table if isinstance(self._table, Schedule) else self._table(m)
             except ValueError as error:
-                # A batch may make fewer micro-batches than chunks.
+                if chunks is not None and m >= chunks:
+                    raise  # not a short batch: the error says what does not fit
                 add_note(
                     error,
                     f"torchgpipe: this step's batch made m = {m} micro-batches (a batch of "

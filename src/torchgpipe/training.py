@@ -250,6 +250,11 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         self.virtual_stages = v
 
         def table(m: int) -> Schedule:
+            if m >= pipe.chunks and m % ranks:  # chunks changed since (else a short batch)
+                raise ValueError(
+                    f"interleaving sends micro-batches in groups of {ranks} (one per rank), "
+                    f"but chunks is now {pipe.chunks}; set chunks to a multiple of {ranks}"
+                )
             return interleaved_one_f_one_b(ranks, m, v)
 
         super().__init__(pipe, loss_fn, table, reduction=reduction)

@@ -340,7 +340,7 @@ def _start(
             )
         batches = micro_batches(input, stage.chunks)
         m, sizes = len(batches), [batch_size(b) for b in batches]
-        table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
+        table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m, stage.chunks)
         key = b""
         if stage.static_shapes or exchange.transport.reads_marks:
             signature = layout_signature(table, forward_only, stage.training, batches)
@@ -378,7 +378,7 @@ def _start(
             crossed(stage.rank, stage.transport, followed=True)
         if exchange.halted:
             raise Stopped
-        table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m)
+        table = steps.forward_table(m, n, ranks) if forward_only else steps.table(m, stage.chunks)
         mine = (forward_only, table.text(), steps.reduction)
         agree_with_start(stage.rank, m, (first_forward_only, text, reduction), mine)
     if not forward_only:
