@@ -590,3 +590,41 @@ def test_a_plain_tensor_splits_and_joins_as_the_same_tensor_in_a_tuple_does(chun
         scatter(torch.tensor(1.0), chunks)
     with pytest.raises(ValueError, match=r"target is an empty batch \(target has size 0"):
         scatter(torch.empty(0, 2), chunks, name="target")
+
+
+class _Derived(namedtuple("_Derived", "x doubled")):
+    __slots__ = ()
+
+    def __new__(cls, x: Tensor) -> "_Derived":  # the second field derived from the first
+        return super().__new__(cls, x, x * 2)
+
+
+def test_a_named_tuple_with_a_new_of_its_own_is_rebuilt_from_its_fields() -> None:
+    # Regression: rebuilt as cls(*fields), through its own __new__, which took one.
+    class Make(nn.Module):
+        def forward(self, x: Tensor) -> _Derived:
+            return _Derived(x)
+
+    class Use(nn.Module):
+        def forward(self, pair: _Derived) -> Tensor:
+            return pair.x + pair.doubled
+
+    model = GPipe(nn.Sequential(Make(), Use()), [1, 1], chunks=2)
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(model(x), 3 * x)
+
+
+def test_an_object_holding_tensors_beside_an_unset_field_is_refused_by_name() -> None:
+    # Regression: building the refusal read the unset field: AttributeError.
+    class Holder:
+        def __init__(self, t: Tensor) -> None:
+            self.t = t
+
+    @dataclass
+    class Batch:
+        x: Tensor
+        extra: Holder
+        cache: Tensor = field(init=False)
+
+    with pytest.raises(TypeError, match=r"input\.extra is a Holder, whose attributes 't'"):
+        scatter(Batch(torch.randn(4, 3), Holder(torch.zeros(4))), 2)

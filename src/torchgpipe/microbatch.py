@@ -181,8 +181,8 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return rebuilt
     if spec.kind == "dict":
         return spec.cls(zip(spec.keys, children, strict=True))
-    if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple
-        return spec.cls(*children)
+    if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple, not its __new__
+        return spec.cls._make(children) if hasattr(spec.cls, "_make") else spec.cls(*children)
     try:
         return spec.cls(children)
     except TypeError as error:  # a subclass whose __new__ takes other arguments

@@ -123,7 +123,8 @@ def _path_to(value: Any, leaf: Any, path: str) -> str | None:
     elif isinstance(value, dict):
         children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        children = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+        fields = [f.name for f in dataclasses.fields(value) if hasattr(value, f.name)]  # set ones
+        children = [(f"{path}.{name}", getattr(value, name)) for name in fields]
     else:
         return None
     for child_path, child in children:
