@@ -15,6 +15,7 @@ import torch
 from helpers import PopAddFailingOnce
 from torch import Tensor, nn
 
+from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, SkipError, pop, skippable, stash
 from torchgpipe.skip.skippable import GLOBAL_NAMESPACE, SkipKey, Skippable
 from torchgpipe.skip.tracker import current_tracker
@@ -649,3 +650,28 @@ def test_a_skippable_made_by_a_call_pickles(monkeypatch: pytest.MonkeyPatch) -> 
     assert loaded[0].stash_names == ("skip",)
     assert loaded[0].skip_key("skip") == SkipKey(ns, "skip")
     torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_namespaces_are_ordered_and_none_is_the_default_one_as_in_0_0_7() -> None:
+    ns1, ns2 = Namespace(), Namespace()
+    assert sorted([ns2, ns1]) == sorted([ns1, ns2])
+    assert (ns1 < ns2) != (ns2 < ns1)
+    assert copy.deepcopy(ns1) <= ns1
+    assert isinstance(None, Namespace)
+    assert ns1 != None  # noqa: E711  # None is a namespace, the default one, not this one
+
+    @skippable(stash=["h"])
+    class Stash(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            yield stash("h", x)
+            return x
+
+    @skippable(pop=["h"])
+    class Pop(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            return x + (yield pop("h"))
+
+    # isolate(None) puts the names back into the default namespace.
+    model = GPipe(nn.Sequential(Stash().isolate(ns1).isolate(None), Pop()), [1, 1])
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(model(x), 2 * x)

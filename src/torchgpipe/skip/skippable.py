@@ -151,8 +151,12 @@ class Skippable(nn.Module):
         state = self.__getstate__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return (_rebuild, made, state)
 
-    def isolate(self, ns: Namespace, *, only: str | Iterable[str] | None = None) -> Skippable:
+    def isolate(
+        self, ns: Namespace | None, *, only: str | Iterable[str] | None = None
+    ) -> Skippable:
         """Put this module's skip names (or the names in ``only``) into namespace ``ns``.
+
+        ``None``: the default namespace, as in torchgpipe 0.0.7.
 
         ``only`` is one name or several: ``only="h"`` and ``only=["h"]`` are alike.
         Returns the module itself, so that it can be used inline in a Sequential.
@@ -162,6 +166,8 @@ class Skippable(nn.Module):
                 iterable of names.
             ValueError: a name in ``only`` is not one this module stashes or pops.
         """
+        if ns is None:  # the default namespace, as in torchgpipe 0.0.7
+            ns = GLOBAL_NAMESPACE
         if not isinstance(ns, Namespace):
             raise TypeError(f"isolate() takes a Namespace, got {ns!r}; create one: Namespace()")
         declared = (*self.stash_names, *self.pop_names)
