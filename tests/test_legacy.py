@@ -108,6 +108,19 @@ def test_a_checkpoint_of_0_0_7_with_a_key_the_model_lacks_is_refused_by_its_name
         _model().load_state_dict(saved)
 
 
+def test_a_checkpoint_of_0_0_7_with_a_module_attached_to_its_gpipe_loads() -> None:
+    # 0.0.7 kept an attached module's keys as they were, beside its layers' partitions.
+    saved = _saved_by_0_0_7()
+    saved["aux.weight"], saved["aux.bias"] = torch.ones(1, 2), torch.zeros(1)
+    model = _model()
+    model.aux = nn.Linear(2, 1)
+    model.load_state_dict(saved)
+    torch.testing.assert_close(model.aux.weight, torch.ones(1, 2))
+    for key, value in saved.items():
+        if key.startswith("partitions.") and not key.endswith(("sum", "sum_squares")):
+            assert any(torch.equal(value, p) for p in model.state_dict().values()), key
+
+
 def test_a_state_dict_of_this_library_is_loaded_as_it_is() -> None:
     model, other = _model(), _model()
     with torch.no_grad():

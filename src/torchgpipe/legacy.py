@@ -45,12 +45,13 @@ def watch_loads(module: nn.Module) -> None:
 def renamed_keys(keys: list[str], model: nn.Module) -> dict[str, str | None]:
     """For a state dict of 0.0.7 (``keys``), each key's name in ``model`` (None: dropped).
 
-    Empty where ``keys`` are not 0.0.7's: every one starts with ``partitions.`` there,
-    and none of ``model``'s does (a layer of that name is refused). A key that names
-    no tensor of ``model`` keeps its name without ``partitions.<j>.``, so that a strict
-    load names it among the unexpected keys.
+    Empty where ``keys`` are not 0.0.7's: its layers' keys start with ``partitions.``
+    there (a module attached to its GPipe beside them kept its own, as here), and none
+    of ``model``'s does (a layer of that name is refused). A key that names no tensor of
+    ``model`` keeps its name without ``partitions.<j>.``, so that a strict load names it
+    among the unexpected keys; one without ``partitions.`` is left as it is.
     """
-    if not keys or not all(key.startswith(_PARTITIONS) for key in keys):
+    if not any(key.startswith(_PARTITIONS) for key in keys):
         return {}  # before the model's keys are made: every load of a GPipe comes here
     own = model.state_dict(keep_vars=True)
     if any(key.startswith(_PARTITIONS) for key in own):
@@ -59,7 +60,7 @@ def renamed_keys(keys: list[str], model: nn.Module) -> dict[str, str | None]:
     tensors = {_as_saved(key, wrapped): key for key in own}
     batch_norms = {_as_saved(f"{name}.", wrapped) for name, m in _norms(model)}
     renamed: dict[str, str | None] = {}
-    for key in keys:
+    for key in filter(lambda key: key.startswith(_PARTITIONS), keys):
         path = _within(key)
         holder, _, name = path.rpartition(".")
         if path not in tensors and name in _SUMS and f"{holder}." in batch_norms:
