@@ -628,3 +628,18 @@ def test_an_object_holding_tensors_beside_an_unset_field_is_refused_by_name() ->
 
     with pytest.raises(TypeError, match=r"input\.extra is a Holder, whose attributes 't'"):
         scatter(Batch(torch.randn(4, 3), Holder(torch.zeros(4))), 2)
+
+
+class _Tagged(Tensor):
+    unit: str
+
+
+def test_an_input_whose_subclass_attributes_the_split_drops_is_refused() -> None:
+    # Regression: tensor_split dropped them silently (a layer reading x.unit with a
+    # default saw the default); a subclass without attributes of its own passes.
+    tagged = torch.randn(4, 2).as_subclass(_Tagged)
+    tagged.unit = "km"
+    with pytest.raises(TypeError, match=r"input\[0\] is a _Tagged whose attributes \['unit'\]"):
+        scatter((tagged, torch.ones(4)), 2)
+    plain = torch.randn(4, 2).as_subclass(_Tagged)
+    assert type(scatter(plain, 2)[0]) is _Tagged

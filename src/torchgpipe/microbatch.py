@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from torchgpipe.opaque import PLAIN, OpaqueLeaf, check_opaque, opaque_error
+from torchgpipe.opaque import PLAIN, OpaqueLeaf, check_opaque, check_split_keeps, opaque_error
 
 __all__ = [
     "Spec",
@@ -297,7 +297,7 @@ def scatter(value: Any, chunks: int, *, name: Batched = "input") -> list[Any]:
         ValueError: a tensor leaf is 0-dim, the leaves disagree on the batch size, or the
             batch is empty.
     """
-    if isinstance(value, Tensor):  # the common case, at the start of every run
+    if type(value) is Tensor:  # the common case, at the start of every run
         return list(value.tensor_split(min(chunks, _batch_size([(name, value)], name))))
     leaves, spec = flatten(value, name)
     paths = leaf_paths(spec, name)
@@ -313,6 +313,7 @@ def scatter(value: Any, chunks: int, *, name: Batched = "input") -> list[Any]:
     n = min(chunks, batch_size)
     # A tensor there twice is split once: each micro-batch gets one piece in both places.
     pieces = per_tensor(lambda x: x.tensor_split(n), leaves)
+    check_split_keeps(paths, leaves, pieces)  # a tensor subclass's own attributes
     return [
         unflatten(
             [p[i] if isinstance(x, Tensor) else x for x, p in zip(leaves, pieces, strict=True)],

@@ -4,20 +4,23 @@ The pipeline splits into micro-batches, and cuts between partitions, the tensors
 tuples, lists, dicts and dataclass fields (``microbatch.flatten``). Any other object is
 a leaf it passes on whole: one that holds a tensor in its attributes (or in the tuples,
 lists and dicts there) is refused, since that tensor would be neither split nor given
-its gradient. An object held in its attributes is not looked into.
+its gradient. An object held in its attributes is not looked into. A tensor subclass
+whose instances carry attributes of their own is refused where torch's split into
+micro-batches drops them (:func:`check_split_keeps`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["PLAIN", "OpaqueLeaf", "check_opaque", "opaque_error"]
+__all__ = ["PLAIN", "OpaqueLeaf", "check_opaque", "check_split_keeps", "opaque_error"]
 
 # Leaves that hold no tensor, checked by type before anything slower.
 PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
@@ -29,6 +32,27 @@ class OpaqueLeaf(Exception):
     def __init__(self, leaf: Any, attributes: list[str], dataclass_: bool) -> None:
         super().__init__()
         self.leaf, self.attributes, self.dataclass_ = leaf, attributes, dataclass_
+
+
+def check_split_keeps(paths: Sequence[str], leaves: Sequence[Any], pieces: Sequence[Any]) -> None:
+    """Refuse a tensor leaf whose own attributes its first piece lost in the split.
+
+    ``pieces`` holds, per leaf, its pieces (``tensor_split``), or anything for a leaf
+    that is no tensor.
+
+    Raises:
+        TypeError: a tensor subclass instance carries attributes the split drops.
+    """
+    for path, x, piece in zip(paths, leaves, pieces, strict=True):
+        if type(x) is Tensor or not isinstance(x, Tensor) or not vars(x):
+            continue
+        lost = sorted(set(vars(x)) - set(vars(piece[0])))
+        if lost:
+            raise TypeError(
+                f"{path} is a {type(x).__name__} whose attributes {lost} do not survive "
+                f"its split into micro-batches (torch's tensor_split drops them); pass "
+                f"them beside the tensor (in a tuple or dataclass), batched if per sample"
+            )
 
 
 def check_opaque(obj: Any, leaf: Any) -> None:
