@@ -1689,65 +1689,6 @@ def test_a_tied_weight_converted_on_one_rank_alone_is_refused_on_every_rank(
         assert f"rank 2: {dtype}" in str(out)
 
 
-def test_a_tied_weight_stepped_apart_on_two_ranks_is_refused_on_every_rank() -> None:
-    # Weight decay chosen by module type: the embedding's copy (rank 0) in a group
-    # without it, the head's (rank 2) with it. AdamW's decay is an in-place change of
-    # its own, so the copies' counts differ; unchecked, they drifted apart for good.
-    def tied() -> nn.Sequential:
-        torch.manual_seed(0)
-        embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-        head.weight = embedding.weight
-        return nn.Sequential(embedding, nn.Linear(4, 4), head)
-
-    models = [tied() for _ in range(3)]
-    ids = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
-
-    def rank(transport: Transport) -> Any:
-        stage = PipelineStage(models[transport.rank], [1, 1, 1], transport=transport, chunks=2)
-        decay = 0.1 if stage.rank == 2 else 0.0
-        optimizer = torch.optim.AdamW(stage.parameters(), lr=0.01, weight_decay=decay)
-        schedule = Schedule1F1B(stage, nn.functional.cross_entropy)
-        outcomes = []
-        for _ in range(2):
-            outcomes.append(_outcome(lambda: _step(schedule, ids, ids)))
-            optimizer.step()
-            optimizer.zero_grad()
-        return outcomes
-
-    for first, second in run_threads(rank, 3, timeout=20.0):
-        assert isinstance(first, StepResult), repr(first)
-        assert isinstance(second, RuntimeError), repr(second)
-        assert "tied weight 0.weight changed unequally" in str(second)
-        assert "rank 0: 1, rank 2: 2" in str(second)
-
-
-def test_tied_copies_stepped_alike_after_a_load_on_one_rank_pass() -> None:
-    # A load changes the copy of its rank alone: not counted as a step apart.
-    def tied() -> nn.Sequential:
-        torch.manual_seed(0)
-        embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-        head.weight = embedding.weight
-        return nn.Sequential(embedding, nn.Linear(4, 4), head)
-
-    models = [tied() for _ in range(2)]
-    ids = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
-
-    def rank(transport: Transport) -> Any:
-        stage = PipelineStage(models[transport.rank], [2, 1], transport=transport, chunks=2)
-        optimizer = torch.optim.AdamW(stage.parameters(), lr=0.01, weight_decay=0.1)
-        schedule = Schedule1F1B(stage, nn.functional.cross_entropy)
-        for k in range(3):
-            _step(schedule, ids, ids)
-            optimizer.step()
-            optimizer.zero_grad()
-            if k == 0 and stage.rank == 0:
-                stage.load_state_dict(stage.state_dict())
-        return [p.detach().clone() for p in stage.tie_groups[0]]
-
-    (embedding,), (head,) = run_threads(rank, 2, timeout=20.0)
-    torch.testing.assert_close(embedding, head, rtol=0, atol=0)
-
-
 def test_a_layer_assigned_to_a_stage_under_its_name_is_the_one_its_step_runs() -> None:
     # Regression: the stage's partition kept the old layer, which the step ran while
     # parameters() held the new one.

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, NamedTuple
@@ -76,7 +76,6 @@ class _Sum(NamedTuple):
     grads: list[tuple[Tensor, bool]]  # each copy's .grad to be, and whether to write it
     frozen: str | None = None  # held across processes and frozen here: its first name
     held: tuple[str, torch.dtype] | None = None  # held across processes: name, dtype here
-    changes: int | None = None  # held across processes: in-place changes here since
 
 
 Slot = tuple[nn.Module, str]  # a module, and the name of a parameter (or buffer) in it
@@ -106,8 +105,6 @@ class Ties:
         self.names = names if names is not None else [[] for _ in slots]  # in the state dict
         self._flags = [True] * len(slots)  # per group: requires_grad, as last made equal
         self._drift = Drift()  # the copies changed alike between forwards (tied_drift.py)
-        # Per group held across processes: its copy here as last seen alike everywhere.
-        self._since: dict[int, tuple[dict[str, Any], int]] = {}
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], Tensor] = {}
         self._in_flight, self._owed = 0, False  # passes and steps under way, a sum left
@@ -214,7 +211,6 @@ class Ties:
                     m._buffers[n].copy_(first)  # type: ignore[union-attr,arg-type]  # slots hold buffers
         self._flags = [all(p.requires_grad for p in group) for group in self.groups]
         self._drift.forget()  # the copies changed here, unequally
-        self._settle(range(len(self.slots)))
         self.begin()  # every copy frozen where one is, and watched
 
     def begin(self, step: bool = False) -> None:
@@ -341,11 +337,9 @@ class Ties:
                     move = across(ranks, total, mine)
                 name = self.names[g][0] if move is not None and self.names[g] else None
                 held = (name, owner.dtype) if name is not None else None
-                since = self._since.get(g)
-                changes = owner._version - since[1] if since and since[0] is vars(owner) else None
                 if total is None or not owner.requires_grad:
                     frozen = None if owner.requires_grad else name
-                    sums.append(_Sum(g, None, move, [], frozen, held, changes))
+                    sums.append(_Sum(g, None, move, [], frozen, held))
                     continue
                 # Each copy's .grad: its own, written in place, or made here.
                 grads = [
@@ -354,7 +348,7 @@ class Ties:
                     else (total.to(copy.device, copy=True), move is not None)
                     for copy in copies
                 ]
-                sums.append(_Sum(g, total, move, grads, held=held, changes=changes))
+                sums.append(_Sum(g, total, move, grads, held=held))
         return sums
 
     def finish(self, sums: list[_Sum], skip: Collection[int] = ()) -> None:
@@ -362,7 +356,6 @@ class Ties:
 
         ``skip``: groups frozen in every process that holds them, which move nothing.
         """
-        self._settle(s.group for s in sums if s.held is not None)  # a step ended well
         with torch.no_grad():
             for entry in sums:
                 if entry.group in skip:
@@ -376,13 +369,6 @@ class Ties:
                     if write:
                         grad.copy_(total)
                     copy.grad = grad
-
-    def _settle(self, groups: Iterable[int]) -> None:
-        """Count the changes to ``groups`` held across processes from their versions now."""
-        for g in groups:
-            if self.ranks[g] is not None:
-                owner = self.own[g][0]
-                self._since[g] = (vars(owner), owner._version)
 
     def after_backward(self, outputs: list[Any]) -> list[Any]:
         """The micro-batches' ``outputs`` through a node whose backward ends in :meth:`reduce`.
@@ -451,7 +437,6 @@ class Ties:
     def _loaded(self, module: nn.Module, incompatible: Any) -> None:
         self.own = self.groups  # ``assign=True``: new parameters
         self._drift.forget()  # a copy under two names was loaded twice
-        self._since.clear()  # here alone, maybe
         self.begin()  # ``assign=True`` puts new parameters in place: watch them
 
     def record(self, key: tuple[int, int], grad: Tensor) -> None:

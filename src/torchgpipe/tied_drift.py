@@ -14,8 +14,8 @@ values are equal after all. Comparing counters costs a few integers per copy; th
 values are read only where the counts differ. Not checked: a forward under ``no_grad``
 (an evaluation may run on another thread while an optimizer steps the copies one after
 another); a schedule's step is, whatever the grad mode.
-Not seen: a change through ``.data`` (which torch does not count), or unequal changes
-that bump every copy alike (an optimizer stepping each copy from a hook of its own,
+Not seen: a change through ``.data``, or by a fused optimizer (``fused=True``), which
+torch does not count, or unequal changes that bump every copy alike (an optimizer stepping each copy from a hook of its own,
 with the share of the gradient that copy has seen so far).
 """
 

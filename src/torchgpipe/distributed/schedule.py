@@ -277,9 +277,6 @@ def _run(
             "after": after,
             "frozen": [s.frozen for s in tie_sums if s.frozen is not None],
             "tie_dtypes": dict(s.held for s in tie_sums if s.held is not None),
-            "tie_changes": {
-                s.held[0]: s.changes for s in tie_sums if s.held and s.changes is not None
-            },
             "abandoned": stage.transport.abandoned,  # the others give theirs up too
         },
         [torch.stack(losses).cpu()] if losses else [],

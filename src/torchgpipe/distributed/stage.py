@@ -43,7 +43,7 @@ from torchgpipe.distributed.checks import (
 )
 from torchgpipe.distributed.collect import clip_across, collect, refuse
 from torchgpipe.distributed.exchange import Exchange, Key
-from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks, unlike_copies
+from torchgpipe.distributed.ties import AcrossRanks, frozen_everywhere, tied_ranks, unlike_dtypes
 from torchgpipe.guards import RecomputeGuard
 from torchgpipe.materialize import Init, check_materializable, check_meta_arguments, partition
 from torchgpipe.schedules import Schedule
@@ -331,7 +331,7 @@ class PipelineStage(PlacedModule, StageHolder):
 
         Called in every process once a step ended well on every rank (``schedule.py``).
         """
-        unlike_copies(sums, self.rank, ends)
+        unlike_dtypes(sums, self.rank, ends)
         self._ties.finish(sums, frozen_everywhere(sums, self._ties.ranks, self.rank, ends))
 
     def run_forward(self, steps: TableSteps, input: Any) -> Any:

@@ -40,7 +40,7 @@ from torchgpipe.distributed.channel import Transfer, Transport, TransportError, 
 from torchgpipe.distributed.wire import tensor_bytes
 from torchgpipe.tied import Ties
 
-__all__ = ["AcrossRanks", "frozen_everywhere", "tied_ranks", "unlike_copies"]
+__all__ = ["AcrossRanks", "frozen_everywhere", "tied_ranks", "unlike_dtypes"]
 
 
 def tied_ranks(
@@ -80,55 +80,32 @@ def frozen_everywhere(
     }
 
 
-def unlike_copies(sums: Sequence[Any], rank: int, ends: Mapping[int, Any]) -> None:
-    """Refuse the sums when a tied weight's copies differ between ranks.
+def unlike_dtypes(sums: Sequence[Any], rank: int, ends: Mapping[int, Any]) -> None:
+    """Refuse the sums when a tied weight's copies have other dtypes on other ranks.
 
-    In dtype: its gradients travel as bytes, so a copy converted on one rank alone
-    (``stage.half()`` here, ``.bfloat16()`` there) would read another's bytes as its own
-    dtype, or, of another size, end a process in gloo. In changes: an optimizer changes
-    each parameter it steps by the same count of in-place operations, so copies whose
-    counts differ since the last step that ended well everywhere were stepped apart,
-    and hold two weights from then on (what ``tied_drift.py`` refuses inside one
-    process). Each end of the step names, for each weight its rank holds with others,
-    the dtype (``tie_dtypes``) and the count (``tie_changes``; none after a load);
-    every rank reads every end, so every rank refuses alike, before any transfer.
+    Its gradients travel as bytes: a copy converted on one rank alone (``stage.half()``
+    here, ``.bfloat16()`` there) would read another's bytes as its own dtype, or, of
+    another size, end a process in gloo. Each end of the step names the dtype of each
+    weight its rank holds with others (``tie_dtypes``); every rank reads every end, so
+    every rank refuses alike, before any transfer, holder of that weight or not.
 
     Raises:
         TypeError: the copies of a tied weight differ in dtype between ranks.
-        RuntimeError: they changed unequally since the last step.
     """
-    dtypes: dict[str, dict[int, Any]] = {}
-    changes: dict[str, dict[int, int]] = {}
+    said: dict[str, dict[int, Any]] = {}
     for s in sums:
         if s.held is not None:
-            dtypes.setdefault(s.held[0], {})[rank] = s.held[1]
-            if s.changes is not None:
-                changes.setdefault(s.held[0], {})[rank] = s.changes
+            said.setdefault(s.held[0], {})[rank] = s.held[1]
     for peer, (status, _) in ends.items():
         for name, dtype in status.get("tie_dtypes", {}).items():
-            dtypes.setdefault(name, {})[peer] = dtype
-        for name, count in status.get("tie_changes", {}).items():
-            changes.setdefault(name, {})[peer] = count
-    for name, by_rank in dtypes.items():
+            said.setdefault(name, {})[peer] = dtype
+    for name, by_rank in said.items():
         if len(set(by_rank.values())) > 1:
             each = ", ".join(f"rank {r}: {d}" for r, d in sorted(by_rank.items()))
             raise TypeError(
                 f"torchgpipe: the copies of the tied weight {name} have other dtypes on "
                 f"the ranks that hold it ({each}); convert the stages alike in every "
                 f"process (stage.half() in each), and load a checkpoint to make them one"
-            )
-    for name, counts in changes.items():
-        if len(set(counts.values())) > 1:
-            each = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items()))
-            raise RuntimeError(
-                f"torchgpipe: the copies of the tied weight {name} changed unequally on "
-                f"the ranks that hold it since the last step (in-place changes per rank: "
-                f"{each}), so they no longer hold one weight. Most likely the ranks' "
-                f"optimizers step it apart: in groups of different settings (weight "
-                f"decay chosen by module type: the embedding's copy without it on one "
-                f"rank, the head's with it on another), or a step skipped on some ranks "
-                f"alone (a gradient scaler that found an inf on one rank). Step every "
-                f"copy alike, and load a checkpoint into every rank to make them one"
             )
 
 
