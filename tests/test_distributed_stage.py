@@ -1713,3 +1713,32 @@ def test_a_layer_assigned_to_a_stage_under_its_name_is_the_one_its_step_runs() -
 
     grads = {k: v for out in run_threads(rank, 2) for k, v in out.items()}
     torch.testing.assert_close(grads, {k: p.grad for k, p in plain.named_parameters()})
+
+
+def test_a_deferred_batch_norm_assigned_to_a_stage_updates_once_per_mini_batch() -> None:
+    # Regression: the step started the deferred batch norms before following the swap,
+    # so the new one updated once per micro-batch, from each one's statistics.
+    from torchgpipe.batchnorm import DeferredBatchNorm
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 3))
+
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3) * 3 + 1, torch.randn(8, 3)
+    models = [model() for _ in range(2)]
+
+    def rank(transport: Transport) -> Any:
+        stage = PipelineStage(
+            models[transport.rank], [2, 1], transport=transport, chunks=4, deferred_batch_norm=True
+        )
+        norm = DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(3))
+        if stage.is_first:
+            setattr(stage, "1", norm)
+        _step(Schedule1F1B(stage, _mse), x, y)
+        return norm.running_mean.clone()
+
+    mean, _ = run_threads(rank, 2)
+    plain = nn.BatchNorm1d(3)
+    plain(models[0][0](x))
+    torch.testing.assert_close(mean, plain.running_mean)

@@ -1,6 +1,7 @@
 import dataclasses
 from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -643,3 +644,36 @@ def test_an_input_whose_subclass_attributes_the_split_drops_is_refused() -> None
         scatter((tagged, torch.ones(4)), 2)
     plain = torch.randn(4, 2).as_subclass(_Tagged)
     assert type(scatter(plain, 2)[0]) is _Tagged
+
+
+def test_a_parameter_or_a_subclass_whose_operations_unwrap_it_passes_as_input() -> None:
+    class Unwrapping(Tensor):  # as torchvision's tv_tensors: operations give plain tensors
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    boxes = torch.randn(4, 2).as_subclass(Unwrapping)
+    boxes.format = "XYXY"
+    flagged = nn.Parameter(torch.randn(4, 2))
+    flagged._is_hf_initialized = True
+    for value in (boxes, flagged):
+        assert [p.shape for p in scatter(value, 2)] == [(2, 2), (2, 2)]
+
+
+class _Kinded(namedtuple("_Kinded", "x y")):
+    def __init__(self, x: Tensor, y: Tensor) -> None:
+        self.kind = "pair"  # set by __init__, which a rebuild calls as the plain call does
+
+
+def test_a_named_tuple_is_rebuilt_through_its_constructor_where_it_takes_its_fields() -> None:
+    first, _ = scatter(_Kinded(torch.ones(4, 2), torch.ones(4)), 2)
+    assert first.kind == "pair"
+
+
+def test_gather_refuses_0_dim_outputs_whose_dtypes_differ_instead_of_promoting_them() -> None:
+    values = [torch.tensor(1.0), torch.tensor(1.0, dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"output has other dtypes .*torch.float32, torch.float64"):
+        gather(values, stack_scalars=True)

@@ -140,7 +140,7 @@ class _Pop(nn.Module):
 def _refusal(model: GPipe, match: str) -> None:
     with pytest.raises(RuntimeError, match=match):
         model(torch.randn(2, 4))
-    with pytest.raises(RuntimeError, match="build the pipeline again"):
+    with pytest.raises(RuntimeError, match=r"build it again from your nn\.Sequential"):
         model(torch.randn(2, 4))
 
 
@@ -197,3 +197,49 @@ def test_a_skippable_pair_stays_as_built() -> None:
     with pytest.raises(RuntimeError, match="layer '0' \\(old or new\\) is skippable"):
         model(x)
     assert expected.shape == (2, 4)
+
+
+def test_a_removed_layer_leaves_the_others_indexable() -> None:
+    model = GPipe(_named(), [2, 1], devices=["cpu", "cpu"])
+    del model.act
+    assert len(model) == 2
+    assert list(model[:]._modules) == ["body", "fc"]
+    assert [type(x) for x in model] == [nn.Linear, nn.Linear]
+    with pytest.raises(RuntimeError, match="layer 'act' was removed"):
+        model(torch.randn(2, 4))
+
+
+def test_a_copy_of_a_model_refuses_to_swap_a_tied_holder_as_the_original_does() -> None:
+    # Regression: the holders were kept by id, which a copy does not share.
+    embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    model = copy.deepcopy(GPipe(nn.Sequential(embedding, nn.Linear(4, 4), head), [1, 2]))
+    setattr(model, "2", nn.Linear(4, 10, bias=False))
+    with pytest.raises(RuntimeError, match="layer '2' holds a weight tied to another layer"):
+        model(torch.randint(0, 10, (2,)))
+
+
+def test_a_layer_equal_to_every_other_is_still_swapped() -> None:
+    class EqualToAll(nn.Linear):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = nn.Linear.__hash__
+
+    model = GPipe(nn.Sequential(EqualToAll(4, 4), nn.Tanh()), [1, 1])
+    setattr(model, "0", EqualToAll(4, 5))
+    assert model(torch.randn(2, 4)).shape == (2, 5)
+
+
+def test_a_gpipe_pickled_before_swaps_were_followed_loads() -> None:
+    model = GPipe(_named(), [2, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+    state = model.__getstate__()
+    state["_guards"] = list(state["_guards"].values())  # as it was then
+    state["_deferred"] = []
+    del state["_layers"]
+    old = GPipe.__new__(GPipe)
+    old.__setstate__(state)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(old(x), model(x))
+    old.fc = nn.Linear(4, 5)
+    assert old(x).shape == (2, 5)

@@ -281,7 +281,7 @@ class GPipe(PlacedModule, StageHolder):
             self._made.clear()
 
     def __len__(self) -> int:
-        return len(self._layers.names)  # a module attached later is no layer
+        return len(self._layers.present(self._modules))  # one attached later is no layer
 
     @overload
     def __getitem__(self, index: int) -> nn.Module: ...
@@ -290,18 +290,15 @@ class GPipe(PlacedModule, StageHolder):
     def __getitem__(self, index: slice) -> nn.Sequential: ...
 
     def __getitem__(self, index: int | slice) -> nn.Module:
-        names = self._layers.names
+        named = self._layers.present(self._modules)
         if isinstance(index, slice):  # under the layers' names, as a Sequential's slice
-            return nn.Sequential(OrderedDict((n, self._modules[n]) for n in names[index]))  # type: ignore[misc]
-        layers = [self._modules[n] for n in names]
-        if not -len(layers) <= operator.index(index) < len(layers):
-            raise IndexError(f"index {index} is out of range: the model has {len(layers)} layers")
-        layer = layers[index]
-        assert layer is not None  # add_module was never given None
-        return layer
+            return nn.Sequential(OrderedDict(named[index]))
+        if not -len(named) <= operator.index(index) < len(named):
+            raise IndexError(f"index {index} is out of range: the model has {len(named)} layers")
+        return named[index][1]
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return (layer for n in self._layers.names if (layer := self._modules[n]) is not None)
+        return (layer for _, layer in self._layers.present(self._modules))
 
     def forward(self, input: Any) -> Any:
         """Run ``input`` through the pipeline; the output is on the last device.
@@ -381,7 +378,7 @@ class GPipe(PlacedModule, StageHolder):
 
     def expect_micro_batches(self, m: int) -> Callable[[], None] | None:
         """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
-        return start_mini_batch(self._layers.deferred, m)
+        return start_mini_batch(self._layers.deferred_now(self._modules), m)
 
     def stages_for(self, m: int) -> Stages:
         """The partitions as the stages of a training step of ``m`` micro-batches.
@@ -432,6 +429,15 @@ class GPipe(PlacedModule, StageHolder):
         """
         with self.traced() as trace:
             yield trace
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]  # torch's, untyped
+        if "_layers" not in state:  # pickled before swaps.py: its state then
+            self._guards = dict(enumerate(state["_guards"]))
+            del self.__dict__["_deferred"]
+            parts, devices = dict(enumerate(self._partitions)), dict(enumerate(self.devices))
+            flag = self.deferred_batch_norm
+            self._layers = Layers(parts, devices, self._ties, self._guards, flag)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy does not share a trace in progress: it belongs to the original.

@@ -22,7 +22,7 @@ import dataclasses
 import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -33,7 +33,6 @@ from torchgpipe.opaque import PLAIN, OpaqueLeaf, check_opaque, check_split_keeps
 __all__ = [
     "Spec",
     "count_tensors",
-    "device_of",
     "distinct_tensors",
     "flatten",
     "gather",
@@ -181,8 +180,11 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return rebuilt
     if spec.kind == "dict":
         return spec.cls(zip(spec.keys, children, strict=True))
-    if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple, not its __new__
-        return spec.cls._make(children) if hasattr(spec.cls, "_make") else spec.cls(*children)
+    if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple
+        try:
+            return spec.cls(*children)
+        except TypeError:  # a __new__ of its own, which takes other arguments
+            return cast(Any, spec.cls)._make(children)  # (a named tuple's, without __new__)
     try:
         return spec.cls(children)
     except TypeError as error:  # a subclass whose __new__ takes other arguments
@@ -435,6 +437,9 @@ def _gather_leaf(path: str, column: tuple[Any, ...], stack_scalars: bool) -> Any
             f"are joined leaf by leaf: return a tensor there from every micro-batch"
         )
     if stack_scalars and all(x.dim() == 0 for x in column):
+        if len({x.dtype for x in column}) > 1:  # stack would promote them
+            dtypes = ", ".join(str(x.dtype) for x in column)
+            raise ValueError(f"{path} has other dtypes in other micro-batches ({dtypes})")
         return torch.stack(column)
     if any(x.dim() == 0 for x in column):
         raise ValueError(
@@ -489,11 +494,3 @@ def _same(x: Any, y: Any) -> bool:
         return bool((equal | ((x != x) & (y != y))).all())  # elementwise, NaN as NaN
     except Exception:  # an == that cannot say: not the same
         return False
-
-
-def device_of(value: Any) -> torch.device:
-    """The device of the first tensor in ``value``; the CPU if it holds none."""
-    for leaf in flatten(value)[0]:
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from itertools import chain
-from typing import NoReturn
+from operator import is_
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -57,8 +58,9 @@ class Layers:
         # Per layer: the partition holding it, its name there and among the children.
         self.where = [(j, key) for j, part in partitions.items() for key in part._modules]
         self.names = tuple(key for _, key in self.where)  # a child added later is no layer
-        # The modules holding a tied weight's copy: their layers cannot be swapped.
-        self.tied = {id(m) for group in ties.holders for copy in group for m, _ in copy}
+        # The modules holding a tied weight's copy (not their ids, which a copy of the
+        # model would not share): their layers cannot be swapped.
+        self.tied = [m for group in ties.holders for copy in group for m, _ in copy]
         self.built: list[nn.Module] = [
             layer for j, key in self.where if (layer := partitions[j]._modules[key]) is not None
         ]
@@ -71,6 +73,15 @@ class Layers:
         every = (m for x in self.built for m in x.modules() if isinstance(m, DeferredBatchNorm))
         return list(dict.fromkeys(every))  # a module two layers hold, once
 
+    def present(self, children: Mapping[str, nn.Module | None]) -> list[tuple[str, nn.Module]]:
+        """The layers under their names, as the children hold them (but those removed)."""
+        return [(n, m) for n in self.names if (m := children.get(n)) is not None]
+
+    def deferred_now(self, children: MutableMapping[str, nn.Module | None]) -> list[Any]:
+        """:attr:`deferred`, a layer swapped since followed first (:meth:`follow`)."""
+        self.follow(children)
+        return self.deferred
+
     def follow(self, children: MutableMapping[str, nn.Module | None]) -> bool:
         """Put each layer assigned under its name into its partition; whether one was.
 
@@ -81,10 +92,11 @@ class Layers:
                 for one the pipeline cannot take without being built again.
         """
         partitions = self.partitions
-        if list(map(children.get, self.names)) == self.built and self.built == [
-            layer for part in partitions.values() for layer in part._modules.values()
-        ]:  # (lists of modules compare by identity)
-            return False
+        inside = [layer for part in partitions.values() for layer in part._modules.values()]
+        now = list(map(children.get, self.names))
+        if len(inside) == len(now) and all(map(is_, chain(now, inside), self.built * 2)):
+            return False  # (by identity: a module's own __eq__ could hide a swap)
+        tied = {id(m) for m in self.tied}
         counts = {p: len(part._modules) for p, part in partitions.items()}
         if counts != self.counts:
             _refuse(f"its partitions hold {counts} layers, built with {self.counts}")
@@ -100,7 +112,7 @@ class Layers:
                 continue
             if new is None:
                 _refuse(f"layer {name!r} was removed")
-            if any(id(m) in self.tied for m in old.modules()):
+            if any(id(m) in tied for m in old.modules()):
                 _refuse(f"layer {name!r} holds a weight tied to another layer")
             _check(name, old, new, self.devices[j], self.converts)
             swaps.append((k, name, j, key, new))
@@ -143,5 +155,5 @@ def _refuse(why: str) -> NoReturn:
     raise RuntimeError(
         f"torchgpipe: the layers changed after wrapping, in a way the pipeline cannot "
         f"follow: {why}. Its partitions were built from the layers it was given; build "
-        f"the pipeline again from the changed model (GPipe(model[:], balance=...))"
+        f"it again from your nn.Sequential, changed the same way"
     )

@@ -15,8 +15,9 @@ values are read only where the counts differ. Not checked: a forward under ``no_
 (an evaluation may run on another thread while an optimizer steps the copies one after
 another); a schedule's step is, whatever the grad mode.
 Not seen: a change through ``.data``, or by a fused optimizer (``fused=True``), which
-torch does not count, or unequal changes that bump every copy alike (an optimizer stepping each copy from a hook of its own,
-with the share of the gradient that copy has seen so far).
+torch does not count, or unequal changes that bump every copy alike (an optimizer
+stepping each copy from a hook of its own, with the share of the gradient that copy
+has seen so far).
 """
 
 from __future__ import annotations

@@ -435,7 +435,7 @@ class PipelineStage(PlacedModule, StageHolder):
 
     def expect_micro_batches(self, m: int) -> Callable[[], None] | None:
         """Start deferred batch norm's mini-batch of ``m``; return what ends it, forwards done."""
-        return start_mini_batch(self._layers.deferred, m)
+        return start_mini_batch(self._layers.deferred_now(self._modules), m)
 
     def exchange(self) -> Exchange:
         """A new exchange for one step (or the start), listening to every peer.
