@@ -51,6 +51,13 @@ def test_demo_quick_trains_and_compares_throughput(tmp_path):
     assert f"timeline drawn to {timeline}\n" in out  # the file written, by its name
 
 
+def test_demo_of_one_step_does_not_fail_its_check_of_the_loss(tmp_path, capsys):
+    # Regression: the loss of one step cannot fall below half of itself: exit status 1.
+    argv = ["--quick", "--steps", "1", "--timeline", str(tmp_path / "t.png")]
+    assert demo.main(argv) == 0
+    assert "error" not in capsys.readouterr().err
+
+
 def test_demo_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit) as raised:
         demo.parse_args(["--chunks", "0"])

@@ -160,6 +160,18 @@ def test_summary_counts_a_rank_busy_while_it_runs_any_of_its_partitions() -> Non
     )
 
 
+def test_summary_of_an_interleaved_step_that_failed_before_a_partition_keeps_its_ranks() -> None:
+    # Regression: a rank whose second partition never ran lowered the partitions per
+    # rank: "4 partitions on 2.66667 ranks", and the ideal of v = 1.5.
+    trace = _two_ranks()
+    trace.events = [e for e in trace.events if e.j != 3]
+    summary = trace.summary()
+    assert summary.per_rank == 2
+    assert summary.ideal_bubble == pytest.approx((2 - 1) / (2 * 2 + 2 - 1))
+    assert "4 partitions on 2 ranks" in str(summary)
+    assert "ideal for 2 ranks, v = 2, m = 2" in str(summary)
+
+
 def test_summary_of_a_merged_trace_counts_per_process() -> None:
     # gather_trace labels each process's threads: the same thread name in two processes
     # is two ranks.

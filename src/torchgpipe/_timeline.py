@@ -92,7 +92,7 @@ def default_title(trace: Trace) -> str:
     summary = trace.summary()
     # As the summary counts them: ranks hold v partitions each, traced here or not.
     traced = sorted(j for group in summary.ranks for j in group)
-    v = len(traced) / max(len(summary.ranks), 1)
+    v = summary.per_rank
     ranks = f" on {trace.n / v:g} ranks" if v > 1 else ""
     if len(traced) < trace.n:
         ranks += f" (traced here: partitions {traced})"

@@ -350,7 +350,8 @@ def trace_step(
 def main(argv: list[str] | None = None) -> int:
     """Run the demo with the command line ``argv`` (default: ``sys.argv[1:]``).
 
-    Returns 0, or 1 when the final loss of GPipe is not below half its first.
+    Returns 0, or 1 when the final loss of GPipe is not below half its first (of
+    several steps: one alone is not checked).
     """
     config = parse_args(argv)
     start = time.perf_counter()
@@ -368,9 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{traced.ideal_bubble:.1%}), {time.perf_counter() - start:.1f} s in all"
     )
     first, last = piped.losses[0], piped.losses[-1]
-    if not last < first / 2:
+    if len(piped.losses) > 1 and not last < first / 2:  # one step cannot train
         print(
-            f"error: the loss fell from {first:.4f} to {last:.4f} only, not below half; "
+            f"error: the loss went from {first:.4f} to {last:.4f}, not below half of it; "
             f"train for more --steps, or change --lr",
             file=sys.stderr,
         )

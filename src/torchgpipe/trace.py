@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,9 +97,17 @@ class TraceSummary:
     ranks: tuple[tuple[int, ...], ...]
     rank_busy: tuple[float, ...]
 
+    @property
+    def per_rank(self) -> int:
+        """Partitions per rank: the most a traced rank ran.
+
+        A rank that failed may have left some out; the ranks not traced here hold as many.
+        """
+        return max((len(group) for group in self.ranks), default=1)
+
     def __str__(self) -> str:
         traced = sorted(j for group in self.ranks for j in group)
-        r, v = len(self.ranks), len(traced) / max(len(self.ranks), 1)
+        r, v = len(self.ranks), self.per_rank
         shared = v > 1  # a rank runs several partitions
         elsewhere = [j for j in range(self.n) if j not in traced]
 
@@ -233,11 +241,10 @@ class Trace:
         r = len(groups)
         bubble = 1 - sum(rank_busy) / (r * span) if span > 0 else 0.0
         m = max(self.m, 1)
-        # Partitions per rank, as traced; the ranks not traced here hold as many.
-        v = sum(len(group) for group in groups) / r
+        summary = TraceSummary(self.n, m, span, busy, bubble, 0.0, groups, rank_busy)
+        v = summary.per_rank
         ranks = self.n / v
-        ideal = (ranks - 1) / (v * m + ranks - 1)
-        return TraceSummary(self.n, m, span, busy, bubble, ideal, groups, rank_busy)
+        return replace(summary, ideal_bubble=(ranks - 1) / (v * m + ranks - 1))
 
     def chrome(self) -> dict[str, Any]:
         """The events in Chrome's trace format (microseconds; one row per partition).
