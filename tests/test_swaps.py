@@ -52,9 +52,32 @@ def test_a_layer_assigned_under_its_name_is_the_one_the_forward_runs(checkpoint:
 def test_a_layer_assigned_into_a_partition_alone_is_refused_saying_how() -> None:
     # parameters() would not hold it until a call: an optimizer made first would miss it.
     model = GPipe(_named(), [2, 1], devices=["cpu", "cpu"], chunks=2)
-    model.partitions[1][0] = nn.Linear(4, 5)
+    old, head = model.fc, nn.Linear(4, 5)
+    model.partitions[1][0] = head
     with pytest.raises(RuntimeError, match=r"'fc' was swapped in partition 1 alone: .*setattr"):
         model(torch.randn(4, 4))
+    model.partitions[1][0] = old  # undone (the property does not refuse: the call does)
+    assert model(torch.randn(4, 4)).shape == (4, 3)
+    model.partitions[1][0] = head
+    model.fc = head  # the same layer on both sides: the message's other way
+    assert model(torch.randn(4, 4)).shape == (4, 5)
+    assert any(p is head.weight for p in model.parameters())
+
+
+def test_a_layer_assigned_where_another_layer_is_already_is_refused() -> None:
+    # Used in two partitions, which construction refuses: under deferred batch norm two
+    # workers updated one layer's statistics at once.
+    model = GPipe(
+        nn.Sequential(
+            nn.Linear(3, 3), nn.BatchNorm1d(3, affine=False), nn.Linear(3, 3), nn.Identity()
+        ),
+        [2, 2],
+    )
+    setattr(model, "3", model[1])
+    with pytest.raises(
+        RuntimeError, match="the new layer '3' is, or shares a tensor with, another"
+    ):
+        model(torch.randn(4, 3))
 
 
 def test_an_injector_that_wraps_every_linear_trains_its_adapters() -> None:
@@ -166,7 +189,7 @@ def test_swaps_the_pipeline_cannot_follow_are_refused() -> None:
     shared = nn.Linear(4, 4)
     shared.weight = model.body.weight
     model.act = shared
-    _refusal(model, "'act' shares a parameter with another layer")
+    _refusal(model, "'act' is, or shares a tensor with, another layer")
 
     model = GPipe(_named(), [2, 1], devices=["cpu", "cpu"])
     model.partitions[1].append(nn.Identity())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import replace
 from functools import partial
 from typing import Any, overload
@@ -269,7 +269,8 @@ class GPipe(PlacedModule, StageHolder):
         child: the layers are the model's children once, under their own names. The
         containers' own ``training`` flags follow the model's; the layers keep theirs.
         """
-        self._follow_swaps()
+        with suppress(RuntimeError):  # a swap refused: the next call says so, and how
+            self._follow_swaps()  # to undo it, which needs the partitions as they are
         partitions = nn.ModuleList(self._partitions)
         for container in (partitions, *self._partitions):
             container.training = self.training
@@ -432,9 +433,12 @@ class GPipe(PlacedModule, StageHolder):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]  # torch's, untyped
-        if "_layers" not in state:  # pickled before swaps.py: its state then
-            self._guards = dict(enumerate(state["_guards"]))
-            del self.__dict__["_deferred"]
+        layers = state.get("_layers")
+        if layers is None or isinstance(layers.tied, set):  # pickled before: its state then
+            self._guards = dict(
+                enumerate(state["_guards"].values() if layers else state["_guards"])
+            )
+            self.__dict__.pop("_deferred", None)
             parts, devices = dict(enumerate(self._partitions)), dict(enumerate(self.devices))
             flag = self.deferred_batch_norm
             self._layers = Layers(parts, devices, self._ties, self._guards, flag)

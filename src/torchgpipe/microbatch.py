@@ -180,11 +180,8 @@ def _unflatten_from(it: Iterator[Any], spec: Spec) -> Any:
         return rebuilt
     if spec.kind == "dict":
         return spec.cls(zip(spec.keys, children, strict=True))
-    if spec.kind == "tuple" and hasattr(spec.cls, "_fields"):  # a named tuple
-        try:
-            return spec.cls(*children)
-        except TypeError:  # a __new__ of its own, which takes other arguments
-            return cast(Any, spec.cls)._make(children)  # (a named tuple's, without __new__)
+    if spec.kind == "tuple" and hasattr(spec.cls, "_make"):  # a named tuple: its values as
+        return cast(Any, spec.cls)._make(children)  # they are, not through its own __new__
     try:
         return spec.cls(children)
     except TypeError as error:  # a subclass whose __new__ takes other arguments

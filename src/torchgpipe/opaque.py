@@ -38,10 +38,7 @@ def check_split_keeps(paths: Sequence[str], leaves: Sequence[Any], pieces: Seque
     """Refuse a tensor leaf whose own attributes its first piece lost in the split.
 
     ``pieces`` holds, per leaf, its pieces (``tensor_split``), or anything for a leaf
-    that is no tensor. Only pieces of the leaf's own class are looked at: a subclass
-    whose operations return plain tensors drops its attributes in the plain model's
-    first operation too, and a layer reading them from a piece fails loudly. A
-    parameter's attributes are flags of the framework's, not data.
+    that is no tensor. A parameter's attributes are flags of the framework's, not data.
 
     Raises:
         TypeError: a tensor subclass instance carries attributes the split drops.
@@ -49,7 +46,7 @@ def check_split_keeps(paths: Sequence[str], leaves: Sequence[Any], pieces: Seque
     for path, x, piece in zip(paths, leaves, pieces, strict=True):
         if type(x) is Tensor or not isinstance(x, Tensor) or isinstance(x, nn.Parameter):
             continue
-        if type(piece[0]) is not type(x) or not vars(x):
+        if not vars(x):
             continue
         lost = sorted(set(vars(x)) - set(vars(piece[0])))
         if lost:

@@ -103,10 +103,11 @@ class Layers:
         swaps = []
         for k, (name, (j, key)) in enumerate(zip(self.names, self.where, strict=True)):
             old, new, held = self.built[k], children.get(name), partitions[j]._modules.get(key)
-            if held is not old:  # parameters() would not see it until the next call
+            if held is not old and held is not new:  # parameters() would not see it
                 _refuse(
                     f"layer {name!r} was swapped in partition {j} alone: assign it under its "
-                    f"name instead (setattr(model, {name!r}, layer)), which the partitions follow"
+                    f"name (setattr(model, {name!r}, layer)), which the partitions follow, "
+                    f"and put the partition's back or assign it there too"
                 )
             if new is old:
                 continue
@@ -116,13 +117,14 @@ class Layers:
                 _refuse(f"layer {name!r} holds a weight tied to another layer")
             _check(name, old, new, self.devices[j], self.converts)
             swaps.append((k, name, j, key, new))
-        # A parameter of a new layer that another layer holds too would be a new tie.
+        # A new layer that another layer is, or holds a parameter of, would be used twice.
         swapped = {k for k, *_ in swaps}
-        seen = {id(p) for k, m in enumerate(self.built) if k not in swapped for p in m.parameters()}
+        others = [m for k, m in enumerate(self.built) if k not in swapped]
+        seen = {id(t) for m in others for t in chain(m.parameters(), m.buffers(), [m])}
         for _, name, _, _, new in swaps:
-            own = {id(p) for p in new.parameters()}
+            own = {id(t) for t in chain(new.parameters(), new.buffers(), [new])}
             if own & seen:
-                _refuse(f"the new layer {name!r} shares a parameter with another layer")
+                _refuse(f"the new layer {name!r} is, or shares a tensor with, another layer")
             seen |= own
         for k, name, j, key, new in swaps:
             children[name] = partitions[j]._modules[key] = self.built[k] = new
