@@ -1817,3 +1817,84 @@ def test_split_refuses_a_variadic_forward_naming_it_as_written(star: str, writte
         Variadic.forward = lambda self, x, **kwargs: self.b(self.a(x))  # type: ignore[method-assign]
     with pytest.raises(SplitError, match=rf"forward takes {written}; split needs named"):
         split(Variadic(), torch.randn(6, 4), at=["b"])
+
+
+class _Counts(nn.Module):
+    """A layer that counts its training calls in a buffer, and keeps a value on itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.steps.add_(1)
+        self.scale = x.detach().abs().mean()
+        return self.linear(x)
+
+
+def test_a_buffer_a_submodule_changes_in_training_read_in_another_stage_is_refused() -> None:
+    # Regression: the example's run (eval) did not change it, so nothing saw the change,
+    # and the later stage read its own copy, never counted: a warm-up factor stuck at 0.
+    class Warm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.head = _Counts(), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.enc(x)
+            return self.head(h) * torch.clamp(self.enc.steps / 10, max=1.0)
+
+    with pytest.raises(
+        SplitError, match=r"'enc\.steps' is changed by 'enc' in stage 0 .* read in stage\(s\) \[1\]"
+    ):
+        split(Warm(), torch.randn(3, 4), at=["head"])
+    model = Warm()
+    model.eval()  # not counting: nothing to refuse
+    split(model, torch.randn(3, 4), at=["head"])
+
+
+def test_a_tensor_a_submodule_keeps_on_itself_read_by_the_forward_is_refused() -> None:
+    # Regression: with a buffer changed in the same call, the comparison of the captured
+    # forward with the module's own was skipped, and the value fx read at capture (the
+    # last call's, a constant) went into every later call, with no gradient.
+    class Stored(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.head = _Counts(), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.enc(x)
+            return self.head(h) * (self.enc.scale + 0)  # computed as fx traces: a constant
+
+    model = Stored()
+    model.eval()
+    model(torch.randn(3, 4))  # a call before the split stores a scale
+    with pytest.raises(SplitError, match=r"read from a module's attribute .*self\.aux_loss"):
+        split(model, torch.randn(3, 4), at=["head"])
+
+    class Read(Stored):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.enc(x)) * self.enc.scale  # read in the later stage
+
+    model = Read()
+    model.eval()
+    model(torch.randn(3, 4))
+    with pytest.raises(SplitError, match=r"'enc\.scale' is changed by 'enc' in stage 0 .*\[1\]"):
+        split(model, torch.randn(3, 4), at=["head"])
+
+
+def test_split_leaves_the_module_buffers_as_they_were() -> None:
+    class Counting(_Pair):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.calls.add_(1)
+            return self.b(self.a(x))
+
+    model = Counting()
+    split(model, torch.randn(3, 4), at=["b"])
+    assert model.calls.item() == 0

@@ -39,11 +39,11 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
 
-import torch
 from torch import fx, nn
 
 from torchgpipe.materialize import on_meta
 from torchgpipe.skip.skippable import Namespace, Skippable
+from torchgpipe.split_buffers import kept_buffers
 from torchgpipe.split_capture import (
     ExampleRun,
     Kind,
@@ -156,25 +156,15 @@ def _kept(module: nn.Module) -> Iterator[None]:
     count those runs. The buffers are copied first, and put back.
     """
     attributes = {m: dict(vars(m)) for m in module.modules()}
-    buffers = [
-        (m, name, b, b._version, b.detach().clone())
-        for m in module.modules()
-        for name, b in m._buffers.items()
-        if b is not None
-    ]
     versions = {name: p._version for name, p in module.named_parameters()}
     try:
-        yield
+        with kept_buffers(module):
+            yield
     finally:
         for m, attrs in attributes.items():
             for name in [n for n in vars(m) if n not in attrs]:
                 del m.__dict__[name]
             m.__dict__.update(attrs)
-        with torch.no_grad():
-            for m, name, b, version, value in buffers:
-                m._buffers[name] = b
-                if b._version != version:
-                    b.copy_(value)
     changed = [name for name, p in module.named_parameters() if p._version != versions[name]]
     if changed:
         raise SplitError(
@@ -204,7 +194,7 @@ def _split(
         run = value_kinds(module, graph, example_input, kind)
         kinds = _fresh_constants(graph, run)
         cuts = cuts_at(module, graph, list(at))
-        return _build(module, graph, cuts, kind, names, kinds, aliased=run.aliased)
+        return _build(module, graph, cuts, kind, names, kinds, run=run)
     if isinstance(stages, bool) or not isinstance(stages, int):
         raise TypeError(f"stages must be a positive int, got {stages!r}")
     if stages < 1:
@@ -226,7 +216,7 @@ def _split(
     counts = solve(stages, units, example_input)  # own generators: balance/profile.py
     ends = [sum(counts[: j + 1]) for j in range(len(counts) - 1)]
     cuts = [starts[end - 1] for end in ends]
-    return _build(module, graph, cuts, kind, names, kinds, aliased=run.aliased)
+    return _build(module, graph, cuts, kind, names, kinds, run=run)
 
 
 def _fresh_constants(graph: fx.Graph, run: ExampleRun) -> dict[fx.Node, Kind]:
@@ -260,12 +250,12 @@ def _build(
     names: tuple[str, ...],
     kinds: dict[fx.Node, Kind],
     *,
-    aliased: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]]] | None = None,
+    run: ExampleRun | None = None,
 ) -> nn.Sequential:
     """The stages of ``graph`` cut before the calls at ``cuts``.
 
-    ``aliased``: the changes in place whose value shares its memory with another
-    (``ExampleRun``), to check changes in place across the cuts; None: the pieces
+    ``run``: the example's (``ExampleRun``), to check changes in place across the
+    cuts; None: the pieces
     ``stages=k`` profiles, cut at every candidate, where a change across their cuts is
     refused only if the stages chosen keep it.
     """
@@ -277,8 +267,8 @@ def _build(
     for node in inputs:
         stage_of[node] = 0
     output = next(node for node in graph.nodes if node.op == "output")
-    if aliased is not None:
-        _check_in_place(module, compute, stage_of, aliased)
+    if run is not None:
+        _check_in_place(module, compute, stage_of, run)
 
     # Which earlier values each stage uses, and how each travels there.
     tensors = {node for node, (kind, _) in kinds.items() if kind == "tensor"}
@@ -376,7 +366,7 @@ def _build(
     ]
     # What held_apart left out (lazy, or meta where the rest has values): its keys are
     # the module's, so a state dict of the module may hold them (materialize skips them).
-    if aliased is not None:  # the stages chosen, not the pieces stages=k times
+    if run is not None:  # the stages chosen, not the pieces stages=k times
         for path, held_part in (p for part in result for p in part.named_modules()):
             if isinstance(held_part, Placeholder):
                 refuse_lost_state(module.get_submodule(path), path)
@@ -417,7 +407,7 @@ def _check_in_place(
     module: nn.Module,
     compute: list[fx.Node],
     stage_of: dict[fx.Node, int],
-    aliased: dict[fx.Node, tuple[fx.Node, frozenset[fx.Node]]],
+    run: ExampleRun,
 ) -> None:
     """Refuse a value changed in place by a later stage than the one that makes it.
 
@@ -428,9 +418,10 @@ def _check_in_place(
     (a view of ``h``, ``h.detach()``, ``h`` passed on by ``nn.Identity``, in the
     example run), wherever the changed value was made. A change nothing else sees is
     fine (the value's one use): the pipeline gives a stage inputs it may change, as it
-    does for a partition that starts with ``nn.ReLU(inplace=True)``.
+    does for a partition that starts with ``nn.ReLU(inplace=True)``. Nor may a buffer
+    that a submodule split calls whole changes be read in another stage.
     """
-    problems, shared = [], []
+    problems, shared, aliased = [], [], run.aliased
     readers: dict[str, set[int]] = {}  # per parameter, buffer or module: the stages reading it
     for node in compute:
         if node.op == "call_module":  # its own parameters and buffers
@@ -438,6 +429,8 @@ def _check_in_place(
         for used in node.all_input_nodes:
             if used.op == "get_attr":
                 readers.setdefault(str(used.target), set()).add(stage_of[node])
+    # Buffers changed: by a submodule split calls whole, or in place in the graph.
+    changes = [(n, t, f"by {n.target!r}") for n in compute for t in run.inside.get(n, ())]
     for node in compute:
         value = changed_in_place(module, node)
         if value is None:
@@ -445,19 +438,12 @@ def _check_in_place(
         # A buffer, or a view of one (buf[:2].add_, buf.data), as the example run saw.
         held = value if value.op == "get_attr" else aliased.get(node, (value,))[0]
         if held.op == "get_attr":
-            target = str(held.target)
-            stages = {k for name, ks in readers.items() if _reads(name, target) for k in ks}
-            elsewhere = sorted(stages - {stage_of[node]})
             # A constant fx kept is made anew at each call (_fresh_constants): no buffer.
-            if elsewhere and not target.startswith("_tensor_constant"):
-                shared.append(
-                    f"{target!r} is changed in place by {_name(node)} in stage "
-                    f"{stage_of[node]}{where_made(node)} and read in stage(s) {elsewhere}"
-                )
+            if not str(held.target).startswith("_tensor_constant"):
+                changes.append((node, str(held.target), f"in place by {_name(node)}"))
             continue
-        # Seen elsewhere: a value of an earlier stage read again, or memory an earlier
-        # stage made that another value still to be read holds (a view, detach()).
-        # nn.ReLU(inplace=True) on a conv's output, its one use, is seen by nothing.
+        # Seen elsewhere: a value of an earlier stage read again, or memory an earlier stage
+        # made that a value still to be read holds (a view, detach()); not a one use.
         first, others = aliased.get(node, (value, frozenset({value})))  # not run: the worst
         if first.op == "get_attr":
             continue  # a buffer is the module's own, the same tensor in every stage
@@ -470,6 +456,13 @@ def _check_in_place(
             f"the value {value.name!r} made in stage {stage_of[value]}{where_made(value)} is "
             f"changed in place by {_name(node)} in stage {stage_of[node]}{where_made(node)}"
         )
+    for node, target, how in changes:
+        stages = {k for name, ks in readers.items() if _reads(name, target) for k in ks}
+        if elsewhere := sorted(stages - {stage_of[node]}):
+            shared.append(
+                f"{target!r} is changed {how} in stage {stage_of[node]}{where_made(node)} "
+                f"and read in stage(s) {elsewhere}"
+            )
     if shared:
         raise SplitError(
             f"cannot split {type(module).__name__}: {'; '.join(shared)}. In a pipeline each "

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from torchgpipe.split_buffers import changed_inside
 from torchgpipe.split_refusals import (
     TORCH_DIR,
     ConstantDraws,
@@ -360,6 +361,9 @@ class ExampleRun:
     the memory it changed, and the other values still to be read when it ran that held
     that memory too (a view of it, it as a view of another, the same tensor passed on
     by ``nn.Identity``, its ``detach()``)."""
+    inside: dict[fx.Node, tuple[str, ...]]
+    """For each call of a submodule split calls whole: the buffers it changed (names in
+    the module), which no change in place in the graph shows."""
 
 
 def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKind) -> ExampleRun:
@@ -405,10 +409,10 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
                 kinds[n] = ("device", value)
             return value
 
+    graph_run = fx.GraphModule(module, graph)
     try:
         module.eval()
         with torch.no_grad():
-            graph_run = fx.GraphModule(module, graph)
             recorded = lambda: Record(graph_run).run(*args)  # noqa: E731
             captured_as_computed(module, recorded, lambda: graph_run(*args), example, kind)
     finally:
@@ -418,7 +422,8 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         with torch.no_grad():
             for target in changed:
                 constants[target][0].copy_(constants[target][2])
-    return ExampleRun(kinds, changed, aliased)
+    # In the caller's modes: a buffer a submodule changes in training only (a counter).
+    return ExampleRun(kinds, changed, aliased, changed_inside(module, graph_run, args))
 
 
 def _tensors(value: Any) -> list[Tensor]:

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from torchgpipe.microbatch import flatten, map_tensors
 from torchgpipe.random_functions import HANDLERS
 from torchgpipe.rng import own_generators
+from torchgpipe.split_buffers import kept_buffers
 from torchgpipe.split_stage import SplitError, own_method
 
 __all__ = [
@@ -333,25 +334,23 @@ def captured_as_computed(
     mode and no grad, the caller's), each with generators of its own seeded alike. fx
     stands a proxy in for each input while it traces, not a tensor, so code that looks
     at an input's type (``isinstance(mask, torch.Tensor)``, ``torch.is_tensor``) takes
-    another branch than on tensors, silently. Not compared: a graph whose two runs
+    another branch than on tensors, silently; or reads a tensor kept in a module's
+    attribute (``self.aux_loss``, which fx keeps as it was). Each run starts from the
+    buffers as they were (:func:`kept_buffers`). Not compared: a graph whose two runs
     differ (it draws from what no run's own generators replace: a layer's own generator,
-    Python's or NumPy's in a submodule called whole), or whose run changed a buffer (a
-    second run would change it again).
+    Python's or NumPy's in a submodule called whole).
 
     Raises:
         SplitError: an output differs (in number, shape, dtype or beyond rounding).
     """
-    versions = [b._version for b in module.buffers()]
-    with own_generators():
+    with kept_buffers(module), own_generators():
         captured = leaves(run_graph())
-    if versions != [b._version for b in module.buffers()]:
-        return
-    with own_generators():
+    with kept_buffers(module), own_generators():
         if not _all_close(captured, leaves(again())):
             return
     args, kwargs = {"one": ((example,), {}), "args": (tuple(example), {})}.get(kind, ((), example))
     args, kwargs = map_tensors(Tensor.clone, (args, kwargs))  # a forward may change its input
-    with own_generators():
+    with kept_buffers(module), own_generators():
         plain = module(*args, **kwargs)
     if not _all_close(captured, leaves(plain)):
         raise SplitError(
@@ -359,8 +358,10 @@ def captured_as_computed(
             f"forward computes other outputs than the module itself. torch.fx stands a "
             f"proxy in for each input while it traces: code that looks at an input's type "
             f"(isinstance(x, torch.Tensor), torch.is_tensor(x)) takes another branch "
-            f"there. Test for None instead (x is not None), or keep that code in a "
-            f"submodule split calls whole (name no split point inside it)"
+            f"there: test for None instead (x is not None). And it keeps a tensor read "
+            f"from a module's attribute as it was then (a value a submodule stored on "
+            f"itself, self.aux_loss): return it from the submodule instead. Or keep that "
+            f"code in a submodule split calls whole (name no split point inside it)"
         )
 
 
