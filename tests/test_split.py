@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import random
 import threading
@@ -1898,3 +1899,48 @@ def test_split_leaves_the_module_buffers_as_they_were() -> None:
     model = Counting()
     split(model, torch.randn(3, 4), at=["b"])
     assert model.calls.item() == 0
+
+
+class _Output(OrderedDict):  # type: ignore[type-arg]
+    """A dict that is a dataclass too, as transformers' outputs: its set fields its items."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+
+@dataclass
+class _LMOutput(_Output):
+    logits: Tensor | None = None
+    hidden: Tensor | None = None
+    loss: Tensor | None = None
+
+
+def test_a_dict_that_is_a_dataclass_comes_out_of_the_split_as_its_class() -> None:
+    # Regression: fx wrote it as a plain dict: out.logits raised AttributeError.
+    class LM(_Pair):
+        def forward(self, x: Tensor) -> _LMOutput:
+            h = self.a(x)
+            return _LMOutput(logits=self.b(h), hidden=h)
+
+    model, x = LM(), torch.randn(4, 4)
+    stages = split(model, x, at=["b"])
+    for out in (stages(x), GPipe(stages, [1, 1], chunks=2)(x)):
+        assert type(out) is _LMOutput
+        assert list(out) == ["logits", "hidden"]
+        assert out.loss is None
+        torch.testing.assert_close(out.logits, model(x).logits)
+
+
+@pytest.mark.parametrize("name", ["graph", "index", "count", "pop_names", "code"])
+def test_an_attribute_named_as_a_stages_own_is_refused_by_name(name: str) -> None:
+    # Regression: it crashed inside torch (a buffer 'index': cannot assign 'int').
+    class Chain(_Pair):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x))
+
+    model = Chain()
+    model.register_buffer(name, torch.zeros(1))
+    with pytest.raises(SplitError, match=rf"attributes \['{name}'\] are named as the stages'"):
+        split(model, torch.randn(3, 4), at=["b"])

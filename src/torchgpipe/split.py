@@ -140,6 +140,9 @@ def split(
             + (" (split's output: split the original model again)" if again else "")
         )
     refuse_lost_state(module, "")
+    if taken := [n for n in (*module._modules, *module._parameters, *module._buffers) if _taken(n)]:
+        raise SplitError(f"cannot split {type(module).__name__}: its attributes {taken} are "
+                         f"named as the stages' (or torch.fx's) own: rename them")  # fmt: skip
     kind, names, concrete = inputs_of(module, example_input)
     # One split at a time: while fx traces, it patches nn.Module.__call__ for the whole
     # process, and another thread's split (tracing, or running its graph) took its calls.
@@ -479,6 +482,12 @@ def _check_in_place(
             f"(h = h * 2 for h.mul_(2)), or move the split points so that the value is "
             f"made and changed in one stage"
         )
+
+
+def _taken(name: str) -> bool:
+    """Whether a stage, or fx's graph module, has an attribute ``name`` of its own."""
+    own = ("key_order", "left_out", "index", "count", "input_kind", "input_names", "meta")
+    return name in own or hasattr(Stage, name) or hasattr(fx.GraphModule, name)
 
 
 def _name(node: fx.Node) -> str:

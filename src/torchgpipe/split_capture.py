@@ -20,6 +20,7 @@ of its own is the user's code, called whole unless a split point lies inside it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import operator
@@ -120,6 +121,13 @@ class _Tracer(fx.Tracer):
         if isinstance(a, OrderedDict) and kind.__init__ is OrderedDict.__init__:
             items = self.create_arg(list(a.items()))
             return self.create_node("call_function", kind, (items,), {})
+        # A dict that is a dataclass (transformers' ModelOutput): made by its fields,
+        # those the forward set as items (the others keep their defaults).
+        if isinstance(a, dict) and dataclasses.is_dataclass(kind):
+            named = {f.name for f in dataclasses.fields(kind) if f.init}
+            if all(isinstance(k, str) and k in named for k in a):
+                kwargs = {k: self.create_arg(v) for k, v in a.items()}
+                return self.create_node("call_function", kind, (), kwargs)
         return super().create_arg(a)
 
 
