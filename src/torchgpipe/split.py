@@ -486,7 +486,8 @@ def _check_in_place(
 
 def _taken(name: str) -> bool:
     """Whether a stage, or fx's graph module, has an attribute ``name`` of its own."""
-    own = ("key_order", "left_out", "index", "count", "input_kind", "input_names", "meta")
+    own = {"key_order", "left_out", "index", "count", "input_kind", "input_names", "meta"}
+    own |= {"_graph", "_code", "_tracer_cls", "_tracer_extras", "_lineno_map"}
     return name in own or hasattr(Stage, name) or hasattr(fx.GraphModule, name)
 
 

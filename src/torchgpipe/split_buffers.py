@@ -5,15 +5,15 @@
 must leave the module as it came, and must each start from the same buffers, or two
 runs of a forward that counts its calls in a buffer would compute two things: so each
 goes inside :func:`kept_buffers`. :func:`changed_inside` finds the buffers that a
-submodule called whole changes (a step counter, batch norm's statistics), which no
-change in place in the graph shows: the split refuses such a buffer read in another
-stage, whose copy of it would never change.
+submodule called whole changes on the example (a step counter), which no change in
+place in the graph shows: the split refuses such a buffer read in another stage, whose
+copy of it would never change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,9 +49,9 @@ def changed_inside(
     """For each call of a submodule in the graph, the buffers it changed (their names).
 
     And the tensors it keeps in plain attributes that it set (``self.aux_loss = ...``).
-
-    Run in the modes the modules are in (so a training run, where they train), without
-    grad, with generators of its own; the buffers put back after.
+    Run as the example's other runs (eval mode, the caller's: a change made in training
+    only, batch norm's statistics, is not seen), with generators of its own; the
+    buffers put back after.
     """
     inside: dict[fx.Node, tuple[str, ...]] = {}
 
@@ -70,10 +70,8 @@ def changed_inside(
             )
             return value
 
-    # A training run may fail where eval's did not (batch norm of one sample): what it
-    # saw up to there. The graph's own buffers are the constants fx kept, too.
-    kept = kept_buffers(module), kept_buffers(graph_run)
-    with kept[0], kept[1], torch.no_grad(), own_generators(), suppress(Exception):
+    # The graph's own buffers are the constants fx kept, too.
+    with kept_buffers(module), kept_buffers(graph_run), own_generators():
         Changes(graph_run).run(*args)
     return inside
 

@@ -20,7 +20,6 @@ of its own is the user's code, called whole unless a split point lies inside it.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import operator
@@ -121,13 +120,6 @@ class _Tracer(fx.Tracer):
         if isinstance(a, OrderedDict) and kind.__init__ is OrderedDict.__init__:
             items = self.create_arg(list(a.items()))
             return self.create_node("call_function", kind, (items,), {})
-        # A dict that is a dataclass (transformers' ModelOutput): made by its fields,
-        # those the forward set as items (the others keep their defaults).
-        if isinstance(a, dict) and dataclasses.is_dataclass(kind):
-            named = {f.name for f in dataclasses.fields(kind) if f.init}
-            if all(isinstance(k, str) and k in named for k in a):
-                kwargs = {k: self.create_arg(v) for k, v in a.items()}
-                return self.create_node("call_function", kind, (), kwargs)
         return super().create_arg(a)
 
 
@@ -423,6 +415,7 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         with torch.no_grad():
             recorded = lambda: Record(graph_run).run(*args)  # noqa: E731
             captured_as_computed(module, recorded, lambda: graph_run(*args), example, kind)
+        inside = changed_inside(module, graph_run, args)
     finally:
         for m, training in modes.items():
             m.training = training
@@ -430,8 +423,7 @@ def value_kinds(module: nn.Module, graph: fx.Graph, example: Any, kind: InputKin
         with torch.no_grad():
             for target in changed:
                 constants[target][0].copy_(constants[target][2])
-    # In the caller's modes: a buffer a submodule changes in training only (a counter).
-    return ExampleRun(kinds, changed, aliased, changed_inside(module, graph_run, args))
+    return ExampleRun(kinds, changed, aliased, inside)
 
 
 def _tensors(value: Any) -> list[Tensor]:
