@@ -144,8 +144,7 @@ def split(
         raise SplitError(f"cannot split {type(module).__name__}: its attributes {taken} are "
                          f"named as the stages' (or torch.fx's) own: rename them")  # fmt: skip
     kind, names, concrete = inputs_of(module, example_input)
-    # One split at a time: while fx traces, it patches nn.Module.__call__ for the whole
-    # process, and another thread's split (tracing, or running its graph) took its calls.
+    # One split at a time: fx patches nn.Module.__call__ process-wide while it traces.
     with _SPLITTING, _kept(module):  # _kept drops the tensors fx keeps on the module too
         return _split(module, example_input, at, stages, by, kind, names, concrete)
 
@@ -173,7 +172,8 @@ def _kept(module: nn.Module) -> Iterator[None]:
         raise SplitError(
             f"{type(module).__name__}'s forward changed its parameters {changed} in place "
             f"when split ran the example through it, and split cannot undo that; keep "
-            f"state a forward updates in buffers (register_buffer), not in parameters"
+            f"state a forward updates in buffers (register_buffer), not in parameters "
+            f"(nn.Embedding(max_norm=...) does so: split it with max_norm None, then set it)"
         )
 
 
