@@ -222,18 +222,25 @@ def test_benchmark_quick_writes_json_and_tables(tmp_path):
     assert results["environment"]["torch"] == __import__("torch").__version__
 
 
-def test_benchmarks_refuse_bad_options_before_measuring(tmp_path):
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ("--out", "is a folder; name a file in it"),
+        ("--partitions", "argument --partitions: 0 is not at least 1"),
+        ("--sleep-ms", "is not a finite number above 0"),
+    ],
+)
+def test_benchmarks_refuse_bad_options_before_measuring(tmp_path, option, said):
     # A folder as --out was found when the JSON was written, after the whole run; a count
-    # of 0 failed somewhere inside; --quick replaced the sizes given with its own.
-    for args, said in [
-        (["--out", str(tmp_path)], "is a folder; name a file in it"),
-        (["--partitions", "0"], "argument --partitions: 0 is not at least 1"),
-        (["--sleep-ms", "nan"], "is not a finite number above 0"),
-    ]:
-        done = start_python("benchmarks/schedules/main.py", "--quick", *args)
-        assert done.returncode == 2, done.stderr
-        assert said in done.stderr
-        assert "Traceback" not in done.stderr
+    # of 0 failed somewhere inside. (Apart, so that the workers share the processes.)
+    value = {"--out": str(tmp_path), "--partitions": "0", "--sleep-ms": "nan"}[option]
+    done = start_python("benchmarks/schedules/main.py", "--quick", option, value)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_benchmarks_refuse_bad_files_before_measuring(tmp_path):
     done = start_python("benchmarks/transparency/main.py", "--quick", "--plot", "loss.xyz")
     assert "draw to one of .png" in done.stderr
     same = str(tmp_path / "same.png")  # the picture would have replaced the results
@@ -241,6 +248,10 @@ def test_benchmarks_refuse_bad_options_before_measuring(tmp_path):
     assert "--out and --plot name one file" in done.stderr
     done = start_python("benchmarks/memory/main.py", "--quick", "--partitions", "0")  # shared
     assert "argument --partitions: 0 is not at least 1" in done.stderr
+
+
+def test_a_benchmark_makes_the_folders_of_out_only_once_it_measures(tmp_path):
+    # --quick replaced the sizes given with its own.
     deep = str(tmp_path / "deep" / "er" / "results.json")
     done = start_python("benchmarks/schedules/main.py", "--out", deep, "--partitions", "0")
     assert done.returncode == 2
