@@ -1833,14 +1833,18 @@ class _Counts(nn.Module):
         return self.linear(x)
 
 
+class _Reads(nn.Module):
+    """A counting layer, and a head after it: the forward to fill in reads the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = _Counts(), nn.Linear(4, 4)
+
+
 def test_a_buffer_a_submodule_called_whole_changes_read_in_another_stage_is_refused() -> None:
     # Regression: no change in place in the graph showed it, and the later stage read its
     # own copy, never counted: a warm-up factor stuck at its first value.
-    class Warm(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.enc, self.head = _Counts(), nn.Linear(4, 4)
-
+    class Warm(_Reads):
         def forward(self, x: Tensor) -> Tensor:
             h = self.enc(x)
             return self.head(h) * torch.clamp(self.enc.steps / 10, max=1.0)
@@ -1859,11 +1863,7 @@ def test_a_tensor_a_submodule_keeps_on_itself_read_by_the_forward_is_refused() -
     # Regression: with a buffer changed in the same call, the comparison of the captured
     # forward with the module's own was skipped, and the value fx read at capture (the
     # last call's, a constant) went into every later call, with no gradient.
-    class Stored(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.enc, self.head = _Counts(), nn.Linear(4, 4)
-
+    class Stored(_Reads):
         def forward(self, x: Tensor) -> Tensor:
             h = self.enc(x)
             return self.head(h) * (self.enc.scale + 0)  # computed as fx traces: a constant
